@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs moe-rl into the current Python environment.
+# A torch that is already installed (e.g. a CUDA build on a GPU machine) is kept; otherwise the
+# CPU build is pinned, so that pip does not pull several GB of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+EXTRAS=${1:-}
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "[install] no torch found: installing the CPU build torch==2.13.0"
+  "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
