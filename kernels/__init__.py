@@ -1,0 +1,1 @@
+"""Triton kernels (with plain-torch fallbacks), installed as ``moe_rl.kernels``."""
