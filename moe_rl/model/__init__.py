@@ -1,1 +1,32 @@
+"""Torch-native Qwen3-MoE model with routing record/replay and expert parallelism."""
+from .arch import MoEArch
+from .hf_io import (
+    expert_owner,
+    hf_param_specs,
+    hf_state_dict,
+    iter_local_hf_tensors,
+    load_hf,
+    load_hf_weights,
+    local_hf_tensor,
+    parse_expert_name,
+    save_hf,
+)
+from .qwen3_moe import MoEForCausalLM, PackedCausal, PaddedCausal, RoutingError, packed_positions
 
+__all__ = [
+    "MoEArch",
+    "MoEForCausalLM",
+    "RoutingError",
+    "PaddedCausal",
+    "PackedCausal",
+    "packed_positions",
+    "load_hf",
+    "load_hf_weights",
+    "save_hf",
+    "hf_state_dict",
+    "hf_param_specs",
+    "iter_local_hf_tensors",
+    "local_hf_tensor",
+    "expert_owner",
+    "parse_expert_name",
+]

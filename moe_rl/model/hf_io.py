@@ -1,0 +1,211 @@
+"""HuggingFace checkpoint I/O and the HF <-> native parameter-name map.
+
+HF names experts one tensor each: ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``
+(transformers v5 checkpoints may instead hold stacked ``experts.gate_up_proj`` /
+``experts.down_proj``; both load). Natively each layer's local experts are stacked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .arch import MoEArch
+from .qwen3_moe import MoEForCausalLM
+
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_name(layer: int, expert: int, proj: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+
+
+def parse_expert_name(name: str) -> tuple[int, int, str] | None:
+    """(layer, global expert, proj) for an HF per-expert name, else None."""
+    m = _EXPERT_RE.match(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def hf_param_specs(arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
+    """Every HF tensor name with its full (un-sharded) shape, in a fixed canonical order."""
+    H, hd = arch.hidden_size, arch.head_dim
+    specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (arch.vocab_size, H))]
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", (H,)),
+            (p + "self_attn.q_proj.weight", (arch.num_attention_heads * hd, H)),
+            (p + "self_attn.k_proj.weight", (arch.num_key_value_heads * hd, H)),
+            (p + "self_attn.v_proj.weight", (arch.num_key_value_heads * hd, H)),
+            (p + "self_attn.o_proj.weight", (H, arch.num_attention_heads * hd)),
+            (p + "self_attn.q_norm.weight", (hd,)),
+            (p + "self_attn.k_norm.weight", (hd,)),
+            (p + "post_attention_layernorm.weight", (H,)),
+        ]
+        if arch.is_moe_layer(i):
+            I = arch.moe_intermediate_size
+            specs.append((p + "mlp.gate.weight", (arch.num_experts, H)))
+            for e in range(arch.num_experts):
+                specs += [
+                    (expert_name(i, e, "gate_proj"), (I, H)),
+                    (expert_name(i, e, "up_proj"), (I, H)),
+                    (expert_name(i, e, "down_proj"), (H, I)),
+                ]
+        else:
+            I = arch.intermediate_size
+            specs += [
+                (p + "mlp.gate_proj.weight", (I, H)),
+                (p + "mlp.up_proj.weight", (I, H)),
+                (p + "mlp.down_proj.weight", (H, I)),
+            ]
+    specs.append(("model.norm.weight", (H,)))
+    if not arch.tie_word_embeddings:
+        specs.append(("lm_head.weight", (arch.vocab_size, H)))
+    return specs
+
+
+def expert_owner(name: str, arch: MoEArch, ep_size: int) -> int | None:
+    """EP rank that holds an HF expert tensor, or None for a tensor every rank holds."""
+    parsed = parse_expert_name(name)
+    if parsed is None:
+        return None
+    return parsed[1] // (arch.num_experts // ep_size)
+
+
+def local_hf_tensor(model: MoEForCausalLM, name: str) -> torch.Tensor | None:
+    """A view of this rank's tensor for an HF name; None if another EP rank holds it."""
+    parsed = parse_expert_name(name)
+    if parsed is None:
+        return model.get_parameter(name) if name != "lm_head.weight" or not model.arch.tie_word_embeddings else model.lm_head.weight
+    layer, expert, proj = parsed
+    moe = model.model.layers[layer].mlp
+    lo = moe.ep_rank * moe.num_local
+    if not lo <= expert < lo + moe.num_local:
+        return None
+    return getattr(moe.experts, proj)[expert - lo]
+
+
+def iter_local_hf_tensors(model: MoEForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, view) for every tensor this rank holds, in canonical order."""
+    for name, _ in hf_param_specs(model.arch):
+        t = local_hf_tensor(model, name)
+        if t is not None:
+            yield name, t
+
+
+# --- reading ----------------------------------------------------------------------------
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no model.safetensors, index or *.safetensors files")
+    return files
+
+
+def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
+    """Loads an HF safetensors checkpoint into ``model`` (this rank's experts only)."""
+    path = Path(path)
+    missing = {n for n, _ in hf_param_specs(model.arch)}
+    with torch.no_grad():
+        for f in _checkpoint_files(path):
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    stacked = _STACKED_RE.match(key)
+                    if stacked:  # transformers v5 layout: [E, 2I, H] / [E, H, I]
+                        layer, kind = int(stacked.group(1)), stacked.group(2)
+                        full = sf.get_tensor(key)
+                        for e in range(full.shape[0]):
+                            parts = full[e].chunk(2, dim=0) if kind == "gate_up_proj" else (full[e],)
+                            projs = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+                            for proj, t in zip(projs, parts):
+                                _assign(model, expert_name(layer, e, proj), t, missing, f)
+                        continue
+                    if key == "lm_head.weight" and model.arch.tie_word_embeddings:
+                        continue
+                    if parse_expert_name(key) and local_hf_tensor(model, key) is None:
+                        missing.discard(key)  # another EP rank's expert
+                        continue
+                    _assign(model, key, sf.get_tensor(key), missing, f)
+    if missing:
+        raise KeyError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    return model
+
+
+def _assign(model, name, tensor, missing, f):
+    try:
+        dst = local_hf_tensor(model, name)
+    except AttributeError:
+        raise KeyError(f"{f}: unexpected tensor {name!r} for a Qwen3-MoE model of this config") from None
+    if dst is None:
+        missing.discard(name)
+        return
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"{f}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
+    dst.copy_(tensor)
+    missing.discard(name)
+
+
+def load_hf(path: str | Path, dtype: torch.dtype | None = None, ep_group=None) -> MoEForCausalLM:
+    """Builds a model from an HF Qwen3-MoE directory (config.json + safetensors)."""
+    arch = MoEArch.from_hf_dir(path)
+    model = MoEForCausalLM(arch, ep_group=ep_group)
+    load_hf_weights(model, path)
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+# --- writing ----------------------------------------------------------------------------
+def hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
+    """Full HF state dict of an EP=1 model (contiguous copies, safe to serialise)."""
+    if model.model.layers and any(getattr(l.mlp, "ep_size", 1) > 1 for l in model.model.layers):
+        raise ValueError("hf_state_dict needs the whole model; gather expert shards first (EP > 1)")
+    return {n: t.detach().contiguous().clone() for n, t in iter_local_hf_tensors(model)}
+
+
+def save_hf(state: dict[str, torch.Tensor] | MoEForCausalLM, path: str | Path, arch: MoEArch | None = None) -> Path:
+    """Writes config.json + model.safetensors atomically (a temp directory renamed into place).
+
+    ``state`` is an EP=1 model or a full HF state dict (then ``arch`` is required)."""
+    if isinstance(state, MoEForCausalLM):
+        arch = arch or state.arch
+        state = hf_state_dict(state)
+    if arch is None:
+        raise ValueError("save_hf: arch is required when saving a state dict")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        dtypes = {t.dtype for t in state.values()}
+        cfg = arch.to_hf_dict()
+        cfg["dtype"] = str(next(iter(dtypes))).replace("torch.", "") if len(dtypes) == 1 else "float32"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if path.exists():
+            old = path.with_name(path.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path

@@ -1,0 +1,378 @@
+"""A torch-native Qwen3-MoE decoder, numerically HF's ``Qwen3MoeForCausalLM``.
+
+Tokens travel flat ([N, H]) through the layers; attention is delegated to an ``Attention``
+backend (causal over [B, T], packed by ``cu_seqlens``, or the engine's KV cache), so one
+model serves training and generation. Each MoE block can record its top-k expert ids or
+replay given ones (R3), and can shard its experts over an expert-parallel group.
+
+Parameter names equal HF's for every dense tensor; experts are stored stacked per layer
+(``mlp.experts.{gate,up,down}_proj`` [local_experts, ...]) and ``hf_io`` maps them to HF's
+per-expert names.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .arch import MoEArch
+
+
+class RoutingError(ValueError):
+    """A replay record that cannot be applied to this model."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [N, head_dim] for the given positions (HF's default RoPE)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim]; rotate-half convention, as HF."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(Protocol):
+    """Computes causal attention for one layer. q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+def _sdpa(q, k, v, mask=None, is_causal=False):
+    # q [B, Hq, T, D], k/v [B, Hkv, T, D]; GQA by repeating kv heads.
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+
+
+class PaddedCausal:
+    """Causal attention over a [B, T] batch (right padding is harmless under a causal mask)."""
+
+    def __init__(self, batch: int, seqlen: int):
+        self.batch, self.seqlen = batch, seqlen
+
+    def __call__(self, layer, q, k, v):
+        B, T = self.batch, self.seqlen
+        q, k, v = (t.view(B, T, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        out = _sdpa(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(B * T, out.shape[1], out.shape[3])
+
+
+class PackedCausal:
+    """Causal attention inside each packed sequence of a [1, total] batch (cu_seqlens)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, total: int):
+        seq_id = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
+        bounds = cu_seqlens[1:-1]
+        if bounds.numel():
+            seq_id[bounds[bounds < total]] = 1
+        seq_id = seq_id.cumsum(0)
+        pos = torch.arange(total, device=cu_seqlens.device)
+        allowed = (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
+        self.mask = allowed
+
+    def __call__(self, layer, q, k, v):
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = _sdpa(q, k, v, mask=self.mask)
+        return out.squeeze(0).transpose(0, 1)
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of every token inside its own packed sequence."""
+    pos = torch.arange(total, device=cu_seqlens.device)
+    starts = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
+    starts[cu_seqlens[:-1].clamp(max=total - 1)] = cu_seqlens[:-1]
+    return pos - starts.cummax(0).values
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, arch: MoEArch, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.nq, self.nkv, self.hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        H = arch.hidden_size
+        self.q_proj = nn.Linear(H, self.nq * self.hd, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nq * self.hd, H, bias=False)
+        self.q_norm = RMSNorm(self.hd, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, arch.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attend: Attention):
+        N = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(N, self.nq, self.hd)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(N, self.nkv, self.hd)), cos, sin)
+        v = self.v_proj(x).view(N, self.nkv, self.hd)
+        return self.o_proj(attend(self.layer, q, k, v).reshape(N, self.nq * self.hd))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits; its gradient is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+
+
+class Experts(nn.Module):
+    """This rank's experts, stacked: gate/up [E_local, I, H], down [E_local, H, I]."""
+
+    def __init__(self, num_local: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_local, inter, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_local, inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_local, hidden, inter))
+
+    def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """x [M, H] rows each bound for expert local_ids[M]; rows arrive sorted by expert."""
+        out = x.new_empty(x.shape)
+        counts = torch.bincount(local_ids, minlength=self.gate_proj.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                xs = x[start : start + n]
+                h = F.silu(xs @ self.gate_proj[e].t()) * (xs @ self.up_proj[e].t())
+                out[start : start + n] = h @ self.down_proj[e].t()
+                start += n
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Softmax top-k router + experts, optionally sharded over an expert-parallel group."""
+
+    def __init__(self, arch: MoEArch, layer: int, ep_group=None):
+        super().__init__()
+        self.layer = layer
+        self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.ep_group = ep_group
+        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}")
+        self.num_local = self.num_experts // self.ep_size
+        self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)  # HF: mlp.gate.weight
+        self.experts = Experts(self.num_local, arch.hidden_size, arch.moe_intermediate_size)
+
+    def route(self, x: torch.Tensor, replay: torch.Tensor | None):
+        """Returns (top-k expert ids [N, k], gate weights [N, k] in x's dtype).
+
+        Under replay the ids are given; the weights are this router's softmax probabilities at
+        those ids, renormalised as the router would, so the router still gets gradients (R3).
+        """
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        if replay is None:
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            ids = self._check_replay(replay, x.shape[0], x.device)
+            weights = probs.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def _check_replay(self, ids: torch.Tensor, n_tokens: int, device) -> torch.Tensor:
+        where = f"replay record for MoE layer {self.layer}"
+        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise RoutingError(f"{where}: expected an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
+        if tuple(ids.shape) != (n_tokens, self.top_k):
+            raise RoutingError(f"{where}: shape {tuple(ids.shape)}, expected [tokens={n_tokens}, top_k={self.top_k}]")
+        ids = ids.to(device=device, dtype=torch.long)
+        if n_tokens:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.num_experts:
+                raise RoutingError(f"{where}: expert id out of range [0, {self.num_experts}): min {lo}, max {hi}")
+            srt = ids.sort(dim=1).values
+            dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1)
+            if bool(dup.any()):
+                row = int(dup.nonzero()[0])
+                raise RoutingError(f"{where}: token {row} has a duplicate expert id: {ids[row].tolist()}")
+        return ids
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None):
+        ids, weights = self.route(x, replay)
+        N, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        token_of = order // k
+        rows = x[token_of]
+        if self.ep_size == 1:
+            expert_out = self.experts(rows, flat[order])
+        else:
+            expert_out = self._ep_compute(rows, flat[order])
+        expert_out = expert_out * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(x).index_add(0, token_of, expert_out)
+        return out, ids
+
+    def _ep_compute(self, rows: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
+        """Sends each row to the rank owning its expert, computes there, and brings it back."""
+        dest = sorted_ids // self.num_local
+        send = torch.bincount(dest, minlength=self.ep_size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.ep_group)
+        send, recv = send.tolist(), recv.tolist()
+        remote_rows = _AllToAll.apply(rows, recv, send, self.ep_group)
+        remote_ids = sorted_ids.new_empty(sum(recv))
+        dist.all_to_all_single(remote_ids, sorted_ids.contiguous(), recv, send, group=self.ep_group)
+        local = remote_ids - self.ep_rank * self.num_local
+        # rows from each source rank are sorted by expert; sort across sources for the loop
+        order = torch.argsort(local, stable=True)
+        computed = torch.empty_like(remote_rows)
+        computed[order] = self.experts(remote_rows[order], local[order])
+        return _AllToAll.apply(computed, send, recv, self.ep_group)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: MoEArch, layer: int, ep_group=None):
+        super().__init__()
+        self.self_attn = SelfAttention(arch, layer)
+        self.is_moe = arch.is_moe_layer(layer)
+        if self.is_moe:
+            self.mlp = SparseMoE(arch, layer, ep_group)
+        else:
+            self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, arch: MoEArch, ep_group=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, ep_group) for i in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class MoEForCausalLM(nn.Module):
+    """Qwen3-MoE causal LM. ``model(input_ids)`` -> logits [B, T, V].
+
+    Routing: ``replay`` is a list with one integer tensor [tokens, top_k] per MoE layer, in
+    layer order (Megatron-core's ``RouterReplay.set_replay_data`` format), tokens ordered as
+    the row-major flattening of ``input_ids``. ``record`` is a list that receives the same.
+    """
+
+    def __init__(self, arch: MoEArch, ep_group=None):
+        super().__init__()
+        self.arch = arch
+        self.ep_group = ep_group
+        self.model = Backbone(arch, ep_group)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.moe_layers = [i for i, layer in enumerate(self.model.layers) if layer.is_moe]
+
+    # ------------------------------------------------------------------------------------
+    def init_weights(self, seed: int, std: float = 0.02) -> "MoEForCausalLM":
+        """Seeded random init, identical on every EP rank for shared tensors; each rank's
+        experts are the slice of one global draw, so EP=1 and EP=n models agree."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif ".experts." in name:
+                    mlp = self._moe_of(name)
+                    full = torch.empty((mlp.num_experts,) + tuple(p.shape[1:])).normal_(0, std, generator=g)
+                    lo = mlp.ep_rank * mlp.num_local
+                    p.copy_(full[lo : lo + mlp.num_local])
+                else:
+                    p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
+        return self
+
+    def _moe_of(self, param_name: str) -> SparseMoE:
+        return self.model.layers[int(param_name.split(".")[2])].mlp
+
+    def forward_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attention,
+        replay: list[torch.Tensor] | None = None,
+        record: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Flat forward: input_ids/positions [N] -> final normed hidden states [N, H]."""
+        if replay is not None and len(replay) != len(self.moe_layers):
+            raise RoutingError(
+                f"replay record has {len(replay)} layers, the model has {len(self.moe_layers)} MoE layers"
+            )
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta, h.dtype)
+        moe_i = 0
+        for layer in self.model.layers:
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, attend)
+            x = layer.post_attention_layernorm(h)
+            if layer.is_moe:
+                out, ids = layer.mlp(x, None if replay is None else replay[moe_i])
+                moe_i += 1
+                if record is not None:
+                    record.append(ids.detach())
+            else:
+                out = layer.mlp(x)
+            h = h + out
+        return self.model.norm(h)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        replay: list[torch.Tensor] | None = None,
+        record: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """[B, T] ids -> final normed hidden [B, T, H]. With ``cu_seqlens`` the batch is one
+        packed row [1, total] of several sequences (positions restart in each)."""
+        B, T = input_ids.shape
+        if cu_seqlens is None:
+            positions = torch.arange(T, device=input_ids.device).repeat(B)
+            attend: Attention = PaddedCausal(B, T)
+        else:
+            if B != 1:
+                raise ValueError("packed input (cu_seqlens) must have batch size 1")
+            positions = packed_positions(cu_seqlens, T)
+            attend = PackedCausal(cu_seqlens, T)
+        h = self.forward_tokens(input_ids.reshape(-1), positions, attend, replay, record)
+        return h.view(B, T, -1)
+
+    def forward(self, input_ids: torch.Tensor, **kw) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, **kw))
