@@ -1,9 +1,16 @@
-"""The ``moe-rl`` command line: validate, train, serve, bench."""
+"""The ``moe-rl`` command line.
+
+  moe-rl validate CONFIG [key=value ...]   print the resolved config, or exit 2 naming the bad key
+  moe-rl train CONFIG [key=value ...]      launch the local torchrun world for CONFIG
+  moe-rl serve CONFIG [--host H] [--port N] [--api-key K]   an embedded engine, SGLang's HTTP API
+  moe-rl bench NAME [--json] [...]         microbenchmarks: %s
+"""
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+
+from .config import ConfigError, dump_config, load_config
 
 # bench name -> module with ``main(argv: list[str]) -> int``
 BENCHES = {
@@ -14,9 +21,42 @@ BENCHES = {
     "async": "moe_rl.bench.async_rl",
     "routing": "moe_rl.bench.routing",
 }
+USAGE = (__doc__ or "") % ", ".join(BENCHES)
 
 
-def _bench(argv: list[str]) -> int:
+def _load(argv: list[str]):
+    if not argv:
+        raise ConfigError("a CONFIG file is required")
+    return load_config(argv[0], argv[1:])
+
+
+def cmd_validate(argv: list[str]) -> int:
+    cfg = _load(argv)
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def cmd_train(argv: list[str]) -> int:
+    cfg = _load(argv)  # fail here, before any process starts, on a bad config
+    from torch.distributed.run import main as torchrun
+
+    nproc = cfg.pools.nproc_per_node or cfg.world_size
+    if cfg.pools.nnodes > 1:
+        raise ConfigError(
+            f"pools.nnodes={cfg.pools.nnodes}: run `torchrun --nnodes {cfg.pools.nnodes} "
+            f"--nproc-per-node {nproc} ... -m moe_rl.launch CONFIG` on every node"
+        )
+    torchrun(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "-m", "moe_rl.launch", *argv])
+    return 0
+
+
+def cmd_serve(argv: list[str]) -> int:
+    from .engine.server import serve_main
+
+    return int(serve_main(argv) or 0)
+
+
+def cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
         print("usage: moe-rl bench {%s} [--json] [options]" % ",".join(BENCHES), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
@@ -24,18 +64,19 @@ def _bench(argv: list[str]) -> int:
     return int(module.main(argv[1:]) or 0)
 
 
+COMMANDS = {"validate": cmd_validate, "train": cmd_train, "serve": cmd_serve, "bench": cmd_bench}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="moe-rl", description=__doc__)
-    parser.add_argument("command", choices=["validate", "train", "serve", "bench"])
-    if not argv:
-        parser.print_help()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "bench":
-        return _bench(rest)
-    args = parser.parse_args([cmd])
-    raise SystemExit(f"moe-rl {args.command}: not implemented yet")
 
 
 if __name__ == "__main__":

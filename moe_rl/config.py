@@ -1,0 +1,248 @@
+"""One validated schema for a whole experiment, loaded from YAML with ``key.sub=value`` overrides.
+
+Unknown keys are errors (with the closest valid key suggested); every error names the key path.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .model.arch import MoEArch
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the file and key path."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(MoEArch):
+    """Architecture (HF Qwen3-MoE field names) plus where the weights come from."""
+
+    path: str | None = None  # HF checkpoint dir; its config.json overrides the fields above
+    init_seed: int = 0  # seeded random init when path is unset
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    def arch(self) -> MoEArch:
+        if self.path:
+            return MoEArch.from_hf_dir(self.path)
+        return MoEArch(**{k: getattr(self, k) for k in MoEArch.model_fields})
+
+
+class PoolsConfig(Strict):
+    trainer: int = Field(1, ge=1, description="number of trainer ranks")
+    rollout: int = Field(1, ge=0, description="number of ranks hosting embedded engines")
+    nnodes: int = Field(1, ge=1)
+    nproc_per_node: int | None = None  # default: all ranks on one node
+
+
+class EngineConfig(Strict):
+    kind: Literal["embedded", "sglang"] = "embedded"
+    urls: list[str] = []  # attach to running SGLang servers (kind=sglang)
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=0, le=65535)  # first engine's port; 0 = pick a free one
+    api_key: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_running_requests: int = Field(64, ge=1)
+    max_context: int = Field(512, ge=8)
+    request_timeout_s: float = Field(600.0, gt=0)
+    connect_retries: int = Field(3, ge=0)
+    threads: int | None = Field(None, ge=1, description="torch threads of an embedded engine")
+    # kind=sglang, launched by moe-rl: arguments passed to `python -m sglang.launch_server`
+    sglang_model_path: str | None = None
+    sglang_ep_size: int = Field(1, ge=1)
+    sglang_tp_size: int = Field(1, ge=1)
+    sglang_extra_args: list[str] = []
+
+
+class RolloutConfig(Strict):
+    prompts_per_step: int = Field(8, ge=1)
+    group_size: int = Field(4, ge=1, description="samples per prompt (GRPO group)")
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    max_staleness: int = Field(2, ge=0, description="eta: no token older than v - eta is trained on")
+    partial_rollout: Literal["abort", "in_place"] = "abort"
+    reward_workers: int = Field(2, ge=1)
+    max_inflight_groups: int | None = Field(None, ge=1)
+
+
+class ReplayConfig(Strict):
+    enabled: bool = True  # R3: trainer replays the engine's routing
+    dir: str | None = None  # default: <output_dir>/routing
+
+
+class SyncConfig(Strict):
+    bucket_mb: float = Field(64.0, gt=0)
+    verify: bool = False
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    group_name: str = "moe_rl_weight_sync"
+    port: int = Field(0, ge=0, le=65535)  # rendezvous port of the weight-sync group; 0 = free port
+
+
+class AlgoConfig(Strict):
+    advantage: Literal["grpo"] = "grpo"
+    std_normalize: bool = True
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    tis_cap: float | None = Field(2.0, gt=0, description="truncated importance sampling cap; null = off")
+    icepop_low: float | None = Field(0.5, gt=0)
+    icepop_high: float | None = Field(2.0, gt=0)
+    loss_agg: Literal["token", "sequence"] = "token"
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+
+
+class TrainConfig(Strict):
+    backend: Literal["native", "megatron"] = "native"
+    device: Literal["cpu", "cuda"] = "cpu"
+    steps: int = Field(20, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = Field(1.0, gt=0)
+    micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch")
+    ep_size: int = Field(1, ge=1)
+    tp_size: int = Field(1, ge=1)
+    threads: int | None = Field(None, ge=1, description="torch threads of a trainer rank")
+    seed: int = 0
+
+
+class DataConfig(Strict):
+    task: str = "reverse"  # a shipped task name (moe_rl.tasks) or "jsonl"
+    path: str | None = None  # JSONL file for file-backed tasks
+    seed: int = 0
+    task_args: dict[str, Any] = {}
+
+
+class LoggingConfig(Strict):
+    progress: bool = True
+    tensorboard: bool = True
+    log_every: int = Field(1, ge=1)
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class CheckpointConfig(Strict):
+    every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    keep: int = Field(2, ge=1)
+
+
+class ExperimentConfig(Strict):
+    name: str = "moe-rl"
+    output_dir: str = "runs/default"
+    resume: bool = False
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    pools: PoolsConfig = PoolsConfig()
+    engine: EngineConfig = EngineConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    replay: ReplayConfig = ReplayConfig()
+    sync: SyncConfig = SyncConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ExperimentConfig":
+        if self.pools.trainer % self.train.ep_size:
+            raise ValueError(f"pools.trainer={self.pools.trainer} must be a multiple of train.ep_size={self.train.ep_size}")
+        if not self.model.path and self.model.num_experts % self.train.ep_size:
+            raise ValueError(f"model.num_experts={self.model.num_experts} is not divisible by train.ep_size={self.train.ep_size}")
+        if self.engine.kind == "embedded" and self.pools.rollout < 1:
+            raise ValueError("engine.kind=embedded needs pools.rollout >= 1")
+        if self.engine.kind == "sglang" and not self.engine.urls and not self.engine.sglang_model_path:
+            raise ValueError("engine.kind=sglang needs engine.urls (attach) or engine.sglang_model_path (launch)")
+        if self.data.task == "jsonl" and not self.data.path:
+            raise ValueError("data.task=jsonl needs data.path")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the torchrun world: trainers, then embedded-engine hosts."""
+        rollout = self.pools.rollout if self.engine.kind == "embedded" else 0
+        return self.pools.trainer + rollout
+
+
+# --- loading ------------------------------------------------------------------------------
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _model_at(path: tuple) -> type[BaseModel] | None:
+    cls: Any = ExperimentConfig
+    for part in path:
+        field = getattr(cls, "model_fields", {}).get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        cls = field.annotation
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            known = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f" (did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?)" if close else ""
+            lines.append(f"  {key}: unknown key{hint}")
+        else:
+            lines.append(f"  {key}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> ExperimentConfig:
+    """Reads a YAML experiment (or the defaults when ``path`` is None) and applies overrides."""
+    source = str(path) if path else "<defaults>"
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"{p}: no such config file")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    data = apply_overrides(data, list(overrides))
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, source + (" (with overrides)" if overrides else ""))) from None
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
