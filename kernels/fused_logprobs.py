@@ -1,0 +1,547 @@
+"""Fused LM-head log-probs and entropy: ``log_softmax(hidden @ weight.T / T)[labels]`` without
+materialising the ``[tokens, vocab]`` logits.
+
+Self-contained, Liger-style: the Triton kernels, the ``torch.autograd.Function`` that drives
+them, and a plain-torch chunked implementation of the same maths all live in this file.
+
+Maths (per token row, ``x = hidden @ weight.T`` in fp32, ``z = x / T``)::
+
+    M   = max_j z_j                   S = sum_j exp(z_j - M)        lse = M + log S
+    U   = sum_j exp(z_j - M) (z_j - M)                              (always <= 0)
+    logp = z_y - lse                  H = lse - sum_j p_j z_j = log S - U / S
+
+Keeping ``U`` relative to the running max (instead of ``sum p z``) avoids the cancellation
+``lse - sum p z`` suffers when the logits are large in magnitude. Tiles over the vocabulary are
+merged with the usual online rescaling: when the running max moves from ``m`` to ``m'``,
+``S <- S e^(m-m')`` and ``U <- e^(m-m') (U + S (m - m'))``.
+
+Gradients, with upstream ``g`` (log-prob) and ``e`` (entropy)::
+
+    dlogp/dz_j = 1[j = y] - p_j
+    dH/dz_j    = -p_j (z_j - sum_k p_k z_k) = -p_j (logp_j + H)
+    dL/dx_j    = (g (1[j = y] - p_j) - e p_j (logp_j + H)) / T
+
+``logp_j + H`` is finite even where ``p_j`` underflows to 0, so there is no ``0 * -inf``.
+
+Implementations (``impl``):
+
+* ``"triton"`` (the default for CUDA tensors). Forward: one program per (row block, vocab
+  split of ``_SPLIT_V`` columns) loops over ``BLOCK_N``-wide vocab tiles, each a ``tl.dot``
+  over the hidden dimension accumulating in fp32, and keeps online ``(max, sum-exp, U)`` for
+  its split plus the target logit; a tiny torch reduction merges the ``[splits, N]`` partials.
+  Backward: per (row slab, vocab chunk) a Triton kernel recomputes the logits tile by tile and
+  writes ``d_logits`` for the chunk in the input dtype; two GEMMs turn it into ``d_weight``
+  (written per chunk, accumulated over row slabs) and ``d_hidden`` (accumulated over vocab
+  chunks in fp32). Slab and chunk sizes are chosen so the backward's scratch stays under
+  ~0.8% of the materialised fp32 logits (see :func:`_plan`). Also runs on CPU tensors under
+  Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported), which is
+  how CI exercises the kernels.
+* ``"torch"`` (the default for CPU tensors): the same algorithm in plain torch, chunked over
+  rows and vocabulary, with the logits chunk computed in fp32.
+
+Asking for ``impl="triton"`` where Triton cannot run raises; nothing falls back silently.
+
+Vocab-parallel (``tp_group``): ``weight`` holds this rank's contiguous slice of the vocabulary
+(rank order = vocabulary order; shard sizes may differ), ``hidden`` and ``labels`` are the same
+on every rank and ``labels`` are global ids. Each rank computes its partial ``(M, S, U, z_y)``;
+one MAX all-reduce and one SUM all-reduce over ``[S; U; z_y]`` give every rank the
+full-vocabulary log-probs and entropy. In backward each rank produces ``d_weight`` for its own
+rows and ``d_hidden`` is SUM all-reduced (in fp32) inside the op, so every rank gets the full
+gradient of its (replicated) ``hidden``: do not reduce it again.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # Triton is optional: the torch implementation needs none of it.
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR: Exception | None = None
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    _TRITON_IMPORT_ERROR = exc
+
+IGNORE_INDEX = -100
+# Triton's interpreter is chosen when the kernels are decorated, i.e. at import of this module.
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Forward: width of the vocabulary range one program reduces (multiple of every BLOCK_N).
+_SPLIT_V = 2048
+# Backward scratch budget as a fraction of the materialised fp32 logits (N * V * 4 bytes).
+_BWD_BUDGET_FRACTION = 0.008
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _tile_swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        """Grouped program order (as in Triton's matmul tutorial) for L2 reuse."""
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+        return pid_m, pid_n
+
+    @triton.jit
+    def _logits_tile(h_ptr, w_ptr, offs_m, offs_n, row_mask, col_mask, H,
+                     stride_hn, stride_hk, stride_wv, stride_wk,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_FP32: tl.constexpr):
+        """fp32 ``hidden[offs_m] @ weight[offs_n].T`` tile, input dtype operands."""
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hn + offs_k[None, :] * stride_hk
+        b_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wv + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = (k0 + offs_k) < H
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+            if DOT_FP32:  # interpreter: its bf16 tl.dot is wrong; bf16 products are exact in fp32
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            # "ieee": fp32 inputs stay fp32 (no TF32); ignored for bf16/fp16 operands.
+            acc = tl.dot(a, b, acc=acc, input_precision="ieee")
+            a_ptrs += BLOCK_K * stride_hk
+            b_ptrs += BLOCK_K * stride_wk
+        return acc
+
+    @triton.jit
+    def _fwd_kernel(h_ptr, w_ptr, labels_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
+                    N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
+                    SPLIT_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
+        """Partial (max, sum-exp, U) of one row block over one vocab split; target logit."""
+        num_pid_m = tl.cdiv(N, BLOCK_M)
+        num_splits = tl.cdiv(V, SPLIT_V)
+        pid_m, pid_s = _tile_swizzle(tl.program_id(0), num_pid_m, num_splits, GROUP_M)
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = offs_m < N
+        label = tl.load(labels_ptr + offs_m, mask=row_mask, other=-1)
+        v_start = pid_s * SPLIT_V
+        v_end = tl.minimum(v_start + SPLIT_V, V)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        u_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        zy = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for v0 in range(v_start, v_end, BLOCK_N):
+            offs_n = v0 + tl.arange(0, BLOCK_N)
+            col_mask = offs_n < v_end
+            z = _logits_tile(h_ptr, w_ptr, offs_m, offs_n, row_mask, col_mask, H,
+                             stride_hn, stride_hk, stride_wv, stride_wk,
+                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32) * inv_t
+            z = tl.where(col_mask[None, :], z, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z, axis=1))  # finite: every tile has a valid column
+            zc = tl.where(col_mask[None, :], z - m_new[:, None], 0.0)
+            p = tl.where(col_mask[None, :], tl.exp(zc), 0.0)
+            alpha = tl.exp(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+            if COMPUTE_ENTROPY:
+                shift = tl.where(s_i > 0.0, m_i - m_new, 0.0) * s_i  # 0 on the first tile
+                u_i = alpha * (u_i + shift) + tl.sum(p * zc, axis=1)
+            s_i = s_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            hit = offs_n[None, :] == label[:, None]
+            zy += tl.sum(tl.where(hit, z, 0.0), axis=1)
+
+        part = pid_s * N + offs_m
+        tl.store(m_ptr + part, m_i, mask=row_mask)
+        tl.store(s_ptr + part, s_i, mask=row_mask)
+        if COMPUTE_ENTROPY:
+            tl.store(u_ptr + part, u_i, mask=row_mask)
+        # Exactly one split holds each (in-shard) label, so this store has a single writer.
+        in_split = (label >= v_start) & (label < v_end)
+        tl.store(zy_ptr + offs_m, zy, mask=row_mask & in_split)
+
+    @triton.jit
+    def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, dz_ptr,
+                        R, C, H, v_off, stride_hn, stride_hk, stride_wv, stride_wk,
+                        stride_dm, stride_dn, inv_t,
+                        HAS_GL: tl.constexpr, HAS_GE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
+        """d_logits (w.r.t. the raw logits x) of an [R, C] slab x chunk, recomputing the tile."""
+        pid_m, pid_n = _tile_swizzle(tl.program_id(0), tl.cdiv(R, BLOCK_M), tl.cdiv(C, BLOCK_N),
+                                     GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = offs_m < R
+        col_mask = offs_n < C
+        z = _logits_tile(h_ptr, w_ptr, offs_m, offs_n, row_mask, col_mask, H,
+                         stride_hn, stride_hk, stride_wv, stride_wk,
+                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32) * inv_t
+        lse = tl.load(lse_ptr + offs_m, mask=row_mask, other=0.0)
+        logp = z - lse[:, None]
+        p = tl.exp(logp)
+        dz = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if HAS_GL:
+            label = tl.load(labels_ptr + offs_m, mask=row_mask, other=-1)
+            gl = tl.load(gl_ptr + offs_m, mask=row_mask, other=0.0)
+            onehot = tl.where((offs_n[None, :] + v_off) == label[:, None], 1.0, 0.0)
+            dz += gl[:, None] * (onehot - p)
+        if HAS_GE:
+            ent = tl.load(ent_ptr + offs_m, mask=row_mask, other=0.0)
+            ge = tl.load(ge_ptr + offs_m, mask=row_mask, other=0.0)
+            dz -= ge[:, None] * p * (logp + ent[:, None])
+        dz = dz * inv_t
+        d_ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dm + offs_n[None, :] * stride_dn
+        tl.store(d_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+    def _gpu_configs():
+        cfg = triton.Config
+        return [
+            cfg({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+            cfg({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            cfg({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            cfg({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
+        ]
+
+    # The interpreter runs one fixed small config (its blocks are numpy arrays; autotuning there
+    # would only time numpy). BLOCK_N=256 keeps V=151936 ragged (151936 = 593.5 * 256).
+    _INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 4}
+    # Triton 3.9's interpreter computes bf16/fp16 tl.dot wrongly (it multiplies the raw bits),
+    # so under the interpreter the operands are upcast to fp32 first: the same maths, since
+    # bf16/fp16 products are exact in fp32 and the accumulator is fp32 either way.
+    _DOT_FP32 = TRITON_INTERPRET
+    if TRITON_INTERPRET:
+        _fwd_launch, _dlogits_launch = _fwd_kernel, _dlogits_kernel
+    else:
+        _fwd_launch = triton.autotune(_gpu_configs(), key=["V", "H"])(_fwd_kernel)
+        _dlogits_launch = triton.autotune(_gpu_configs(), key=["C", "H"])(_dlogits_kernel)
+
+
+def triton_available(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether the Triton implementation can run on ``device``, and if not, why."""
+    if triton is None:
+        return False, f"triton is not importable ({_TRITON_IMPORT_ERROR!r})"
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type != "cuda" and not TRITON_INTERPRET:
+        return False, (f"the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 set before "
+                       f"importing {__name__}, to run on device {dev.type!r}")
+    return True, ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Chunking: ``rows`` per slab and ``vocab`` columns per chunk (torch forward, backward)."""
+
+    rows: int
+    vocab: int
+
+
+def _plan(n: int, h: int, v: int, itemsize: int) -> Plan:
+    """Backward chunking under a scratch budget of ~0.8% of the fp32 logits ``n * v * 4``.
+
+    Live scratch per slab row: fp32 d_hidden accumulator (4h) + one product in the input dtype
+    (itemsize * h) + the d_logits chunk (itemsize * vocab). One slab (no d_weight accumulation
+    across slabs) whenever it fits.
+    """
+    vocab = max(1, min(v, 4096))
+    budget = _BWD_BUDGET_FRACTION * n * v * 4
+    per_row = 4 * h + itemsize * h + itemsize * vocab
+    rows = int(budget // per_row)
+    if rows >= n:
+        return Plan(rows=max(n, 1), vocab=vocab)
+    rows = max(128, rows // 128 * 128)
+    return Plan(rows=min(rows, n), vocab=vocab)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward partials: (m, s, u, zy) over this rank's vocabulary
+# ----------------------------------------------------------------------------------------------
+def _merge_partials(m, s, u):
+    """Merge [P, N] partials (each relative to its own max) into [N] ones."""
+    mx = m.max(dim=0).values
+    scale = torch.exp(m - mx)
+    s_tot = (s * scale).sum(dim=0)
+    u_tot = None if u is None else (scale * (u + s * (m - mx))).sum(dim=0)
+    return mx, s_tot, u_tot
+
+
+def _partials_triton(hidden, weight, labels_local, inv_t, entropy):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    splits = triton.cdiv(v, _SPLIT_V)
+    dev = hidden.device
+    m = torch.empty((splits, n), device=dev, dtype=torch.float32)
+    s = torch.empty((splits, n), device=dev, dtype=torch.float32)
+    u = torch.empty((splits, n), device=dev, dtype=torch.float32) if entropy else s
+    zy = torch.zeros(n, device=dev, dtype=torch.float32)
+    if n == 0:
+        return m[0], s[0], (u[0] if entropy else None), zy
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_M"]) * splits,)
+
+    extra = _INTERPRET_META if TRITON_INTERPRET else {}
+    _fwd_launch[grid](hidden, weight, labels_local, m, s, u, zy, n, v, h,
+                      hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+                      inv_t, SPLIT_V=_SPLIT_V, COMPUTE_ENTROPY=entropy, DOT_FP32=_DOT_FP32,
+                      **extra)
+    mx, s_tot, u_tot = _merge_partials(m, s, u if entropy else None)
+    return mx, s_tot, u_tot, zy
+
+
+def _partials_torch(hidden, weight, labels_local, inv_t, entropy, plan: Plan):
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    dev = hidden.device
+    m = torch.full((n,), float("-inf"), device=dev, dtype=torch.float32)
+    s = torch.zeros(n, device=dev, dtype=torch.float32)
+    u = torch.zeros(n, device=dev, dtype=torch.float32) if entropy else None
+    zy = torch.zeros(n, device=dev, dtype=torch.float32)
+    for r0 in range(0, n, plan.rows):
+        r1 = min(n, r0 + plan.rows)
+        hf = hidden[r0:r1].float()
+        lab = labels_local[r0:r1]
+        mr, sr, ur, zr = m[r0:r1], s[r0:r1], (u[r0:r1] if entropy else None), zy[r0:r1]
+        for c0 in range(0, v, plan.vocab):
+            c1 = min(v, c0 + plan.vocab)
+            z = (hf @ weight[c0:c1].float().T) * inv_t
+            m_new = torch.maximum(mr, z.max(dim=1).values)
+            zc = z - m_new[:, None]
+            p = torch.exp(zc)
+            alpha = torch.exp(mr - m_new)
+            if entropy:
+                shift = torch.where(sr > 0, mr - m_new, torch.zeros_like(sr)) * sr
+                ur.copy_(alpha * (ur + shift) + (p * zc).sum(dim=1))
+            sr.copy_(sr * alpha + p.sum(dim=1))
+            mr.copy_(m_new)
+            in_chunk = (lab >= c0) & (lab < c1)
+            idx = (lab - c0).clamp(0, c1 - c0 - 1)
+            zr.add_(torch.where(in_chunk, z.gather(1, idx[:, None])[:, 0], torch.zeros_like(zr)))
+    return m, s, u, zy
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+def _dlogits_triton(h_slab, w_chunk, lab, lse, ent, gl, ge, v_off, inv_t, out):
+    r, hdim = h_slab.shape
+    c = w_chunk.shape[0]
+
+    def grid(meta):
+        return (triton.cdiv(r, meta["BLOCK_M"]) * triton.cdiv(c, meta["BLOCK_N"]),)
+
+    dummy = lse
+    extra = _INTERPRET_META if TRITON_INTERPRET else {}
+    _dlogits_launch[grid](h_slab, w_chunk, lab, lse, ent if ent is not None else dummy,
+                          gl if gl is not None else dummy, ge if ge is not None else dummy, out,
+                          r, c, hdim, v_off, h_slab.stride(0), h_slab.stride(1),
+                          w_chunk.stride(0), w_chunk.stride(1), out.stride(0), out.stride(1),
+                          inv_t, HAS_GL=gl is not None, HAS_GE=ge is not None,
+                          DOT_FP32=_DOT_FP32, **extra)
+    return out
+
+
+def _dlogits_torch(h_slab, w_chunk, lab, lse, ent, gl, ge, v_off, inv_t):
+    z = (h_slab.float() @ w_chunk.float().T) * inv_t
+    logp = z - lse[:, None]
+    p = torch.exp(logp)
+    dz = torch.zeros_like(z)
+    if gl is not None:
+        cols = torch.arange(v_off, v_off + w_chunk.shape[0], device=z.device)
+        onehot = (cols[None, :] == lab[:, None]).to(z.dtype)
+        dz += gl[:, None] * (onehot - p)
+    if ge is not None:
+        dz -= ge[:, None] * p * (logp + ent[:, None])
+    return dz * inv_t
+
+
+def _backward(impl, hidden, weight, labels_local, lse, ent, gl, ge, inv_t, plan, tp_group):
+    n, hdim = hidden.shape
+    v = weight.shape[0]
+    d_hidden = torch.empty_like(hidden)
+    d_weight = torch.empty_like(weight)
+    fp32 = hidden.dtype == torch.float32
+    for r0 in range(0, n, plan.rows):
+        r1 = min(n, r0 + plan.rows)
+        h_slab = hidden[r0:r1]
+        acc = torch.zeros((r1 - r0, hdim), device=hidden.device, dtype=torch.float32)
+        args = (labels_local[r0:r1], lse[r0:r1], None if ent is None else ent[r0:r1],
+                None if gl is None else gl[r0:r1], None if ge is None else ge[r0:r1])
+        for c0 in range(0, v, plan.vocab):
+            c1 = min(v, c0 + plan.vocab)
+            w_chunk = weight[c0:c1]
+            if impl == "triton":
+                dz = torch.empty((r1 - r0, c1 - c0), device=hidden.device, dtype=hidden.dtype)
+                _dlogits_triton(h_slab, w_chunk, *args, c0, inv_t, dz)
+                if fp32:
+                    acc.addmm_(dz, w_chunk)
+                else:  # one rounding of this chunk's product; the sum over chunks is fp32
+                    acc += (dz @ w_chunk).float()
+                dw_c = dz.T @ h_slab
+            else:
+                dz = _dlogits_torch(h_slab, w_chunk, *args, c0, inv_t)
+                acc.addmm_(dz, w_chunk.float())
+                dw_c = dz.T @ h_slab.float()
+            if r0 == 0:
+                d_weight[c0:c1].copy_(dw_c)
+            else:  # several slabs only when one would exceed the scratch budget
+                d_weight[c0:c1] += dw_c.to(d_weight.dtype)
+            del dz, dw_c
+        if tp_group is not None:
+            torch.distributed.all_reduce(acc, group=tp_group)
+        d_hidden[r0:r1].copy_(acc)
+        del acc
+    return d_hidden, d_weight
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
+def _vocab_offset(v_local: int, device, tp_group) -> tuple[int, int]:
+    """(start of this rank's shard, total vocabulary) from every rank's shard size."""
+    if tp_group is None:
+        return 0, v_local
+    import torch.distributed as dist
+
+    world = dist.get_world_size(tp_group)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    sizes[dist.get_rank(tp_group)] = v_local
+    dist.all_reduce(sizes, group=tp_group)
+    sizes = sizes.tolist()
+    rank = dist.get_rank(tp_group)
+    return int(sum(sizes[:rank])), int(sum(sizes))
+
+
+class _FusedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, return_entropy, tp_group, impl, plan):
+        inv_t = 1.0 / temperature
+        n = hidden.shape[0]
+        v_local = weight.shape[0]
+        v_start, v_total = _vocab_offset(v_local, hidden.device, tp_group)
+        ignored = labels == IGNORE_INDEX
+        bad = ((labels < 0) & ~ignored) | (labels >= v_total)
+        if n and bool(bad.any()):
+            raise ValueError(f"fused_logprobs: labels must be in [0, {v_total}) or "
+                             f"{IGNORE_INDEX} (ignored); got e.g. {int(labels[bad][0])}")
+        local = labels - v_start
+        labels_local = torch.where(ignored | (local < 0) | (local >= v_local),
+                                   torch.full_like(labels, -1), local).contiguous()
+        if plan is None:
+            plan = _plan(n, hidden.shape[1], v_local, hidden.element_size())
+
+        if impl == "triton":
+            m, s, u, zy = _partials_triton(hidden, weight, labels_local, inv_t, return_entropy)
+        else:
+            m, s, u, zy = _partials_torch(hidden, weight, labels_local, inv_t, return_entropy, plan)
+
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            m_glob = m.clone()
+            dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=tp_group)
+            scale = torch.exp(m - m_glob)
+            parts = [s * scale, zy]
+            if return_entropy:
+                parts.append(scale * (u + s * (m - m_glob)))
+            packed = torch.stack(parts)
+            dist.all_reduce(packed, group=tp_group)
+            m, s, zy = m_glob, packed[0], packed[1]
+            u = packed[2] if return_entropy else None
+
+        log_s = torch.log(s)
+        lse = m + log_s
+        zero = torch.zeros_like(lse)
+        logp = torch.where(ignored, zero, zy - lse)
+        ent = torch.where(ignored, zero, log_s - u / s) if return_entropy else None
+
+        ctx.save_for_backward(hidden, weight, labels_local, ignored, lse,
+                              ent if ent is not None else lse)
+        ctx.inv_t, ctx.tp_group, ctx.impl, ctx.plan = inv_t, tp_group, impl, plan
+        ctx.has_ent = return_entropy
+        ctx.set_materialize_grads(False)
+        if return_entropy:
+            return logp, ent
+        return logp
+
+    @staticmethod
+    def backward(ctx, *grads):
+        hidden, weight, labels_local, ignored, lse, ent = ctx.saved_tensors
+        g_logp = grads[0]
+        g_ent = grads[1] if ctx.has_ent else None
+        if g_logp is None and g_ent is None:
+            return (None,) * 8
+        zero = torch.zeros((), device=lse.device, dtype=torch.float32)
+
+        def prep(g):
+            return None if g is None else torch.where(ignored, zero, g.float()).contiguous()
+
+        d_hidden, d_weight = _backward(ctx.impl, hidden, weight, labels_local, lse,
+                                       ent if g_ent is not None else None,
+                                       prep(g_logp), prep(g_ent), ctx.inv_t, ctx.plan,
+                                       ctx.tp_group)
+        return d_hidden, d_weight, None, None, None, None, None, None
+
+
+def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                   temperature: float = 1.0, return_entropy: bool = False, tp_group=None,
+                   *, impl: str | None = None, plan: Plan | None = None):
+    """Per-token log-probs (and entropy) of the LM head, without materialising the logits.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states (fp32, bf16 or fp16).
+        weight: ``[V, H]`` LM-head weight, same dtype and device (with ``tp_group``: this
+            rank's contiguous ``[V_local, H]`` slice of the vocabulary).
+        labels: ``[N]`` int64 target ids (global ids under ``tp_group``); ``-100`` means
+            ignore: log-prob 0, entropy 0, no gradient from that row.
+        temperature: the logits are ``hidden @ weight.T / temperature`` (must be > 0).
+        return_entropy: also return the entropy of ``softmax(logits)`` per row.
+        tp_group: a ``torch.distributed`` process group over which the vocabulary is sharded.
+        impl: ``"triton"`` or ``"torch"``; default ``"triton"`` for CUDA tensors and
+            ``"torch"`` otherwise. ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``
+            (set before import) and raises if Triton cannot run; it never falls back.
+        plan: override the row-slab / vocab-chunk sizes (tests; see :func:`_plan`).
+
+    Returns:
+        fp32 ``logprobs [N]``, or ``(logprobs, entropy)`` fp32 ``[N]`` each. Both are
+        differentiable with respect to ``hidden`` and ``weight``.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"fused_logprobs: expected hidden [N, H] and weight [V, H], got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"fused_logprobs: labels must be [N]={hidden.shape[0]}, "
+                         f"got {tuple(labels.shape)}")
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16,
+                                                            torch.float16):
+        raise TypeError(f"fused_logprobs: hidden and weight must share a float32/bfloat16/"
+                        f"float16 dtype, got {hidden.dtype} and {weight.dtype}")
+    if hidden.device != weight.device or labels.device != hidden.device:
+        raise ValueError("fused_logprobs: hidden, weight and labels must be on one device")
+    if weight.shape[0] == 0:
+        raise ValueError("fused_logprobs: weight has no vocabulary rows")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and temperature > 0):
+        raise ValueError(f"fused_logprobs: temperature must be a finite float > 0, "
+                         f"got {temperature!r}")
+    if impl is None:
+        impl = "triton" if hidden.is_cuda else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"fused_logprobs: impl must be 'triton' or 'torch', got {impl!r}")
+    if impl == "triton":
+        ok, why = triton_available(hidden.device)
+        if not ok:
+            raise RuntimeError(f"fused_logprobs(impl='triton'): {why}")
+    return _FusedLogprobs.apply(hidden.contiguous(), weight.contiguous(), labels.long(),
+                                float(temperature), bool(return_entropy), tp_group, impl, plan)
+
+
+__all__ = ["fused_logprobs", "triton_available", "Plan", "IGNORE_INDEX"]
