@@ -218,6 +218,8 @@ def _describe(err: ValidationError, source: str) -> str:
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
             hint = f" (did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?)" if close else ""
             lines.append(f"  {key}: unknown key{hint}")
+        elif not loc:  # a cross-field check: its message names the keys itself
+            lines.append("  " + e["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"  {key}: {e['msg']}")
     return "\n".join(lines)

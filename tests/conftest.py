@@ -1,0 +1,18 @@
+import os
+
+import pytest
+import torch
+
+# Tests are small: one thread per process keeps the 2-core CI machine responsive when tests
+# start subprocesses (servers, gloo ranks).
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

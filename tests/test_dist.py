@@ -1,0 +1,47 @@
+"""Role assignment and process groups of the torchrun world."""
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import load_config
+from moe_rl.dist import Layout, build_groups
+from tests.distributed import run_distributed
+
+
+def test_layout_groups():
+    cfg = load_config("configs/tiny.yaml", ["pools.trainer=4", "pools.rollout=2", "train.ep_size=2"])
+    lay = Layout.from_config(cfg)
+    assert lay.world_size == 6
+    assert lay.trainer_ranks == [0, 1, 2, 3] and lay.rollout_ranks == [4, 5]
+    assert lay.ep_groups == [[0, 1], [2, 3]]
+    assert lay.expert_dp_groups == [[0, 2], [1, 3]]
+    assert [lay.role(r) for r in range(6)] == ["trainer"] * 4 + ["rollout"] * 2
+
+
+def test_sglang_engines_take_no_ranks():
+    cfg = load_config("configs/tiny.yaml", ["engine.kind=sglang", "engine.urls=[http://127.0.0.1:30000]",
+                                             "pools.trainer=2"])
+    assert cfg.world_size == 2
+
+
+def _check_groups(rank, world):
+    cfg = load_config("configs/tiny.yaml", ["pools.trainer=4", "pools.rollout=1", "train.ep_size=2"])
+    g = build_groups(cfg)
+    assert g.role == ("trainer" if rank < 4 else "rollout")
+    if g.is_trainer:
+        # membership checked by communication, not by reading our own bookkeeping back
+        members = [torch.zeros(1) for _ in range(2)]
+        dist.all_gather(members, torch.tensor([float(rank)]), group=g.ep)
+        assert sorted(int(m) for m in members) == [rank - rank % 2, rank - rank % 2 + 1]
+        dist.all_gather(members, torch.tensor([float(rank)]), group=g.expert_dp)
+        assert sorted(int(m) for m in members) == [rank % 2, rank % 2 + 2]
+        t = torch.ones(1)
+        dist.all_reduce(t, group=g.trainer)
+        assert t.item() == 4
+        assert g.ep_rank == rank % 2 and g.dp_rank == rank // 2
+    else:
+        assert g.ep is None and g.expert_dp is None
+    dist.barrier()
+
+
+def test_groups_over_five_ranks():
+    run_distributed(_check_groups, 5)
