@@ -1,0 +1,173 @@
+"""What the trainer loop needs from a training backend, and the native (torch) backend.
+
+A backend owns the model, its parallel layout and its optimizer. The loop hands it packed
+micro-batches (with the routing to replay) and gets differentiable per-token log-probs back;
+it calls ``backward`` on its own loss and ``optimizer_step`` once per step. ``hf_tensors``
+yields this rank's weights under HuggingFace names, which the weight-sync sender and the
+checkpoint writer consume.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.kernels import fused_logprobs
+from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors, load_hf_weights
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class MicroBatch:
+    """Several sequences packed into one row.
+
+    input_ids [1, T]; cu_seqlens [S + 1]; labels [T] holds the next token where a loss is
+    taken (response tokens) and -100 elsewhere; replay is one [T, top_k] tensor per MoE layer
+    (Megatron's RouterReplay format) or None to let the router choose.
+    """
+
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    labels: torch.Tensor
+    replay: list[torch.Tensor] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+class TrainBackend(Protocol):
+    arch: MoEArch
+    ep_size: int
+
+    def logprobs(
+        self, mb: MicroBatch, temperature: float, with_entropy: bool = False, record: list | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 log-prob [T] of each label (0 where label is -100) and optionally entropy [T];
+        differentiable when grad is enabled. ``record`` receives the experts used per layer."""
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Reduces gradients over the data-parallel groups, clips, steps, zeroes grads."""
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for every tensor this rank holds: all dense tensors, and the
+        experts of this EP rank under their global HF names."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class NativeBackend:
+    """The torch-native model: data parallel over the trainer pool, experts over the EP group.
+
+    Losses are normalised by the global token count, so gradients are *summed*: dense ones over
+    the whole trainer pool, expert ones over the expert-data-parallel group (the all-to-all's
+    backward already summed the EP group's contributions to this rank's experts).
+    """
+
+    def __init__(self, cfg, groups=None):
+        self.cfg = cfg
+        self.groups = groups
+        self.arch = cfg.model.arch()
+        ep_group = groups.ep if groups is not None and cfg.train.ep_size > 1 else None
+        self.ep_size = cfg.train.ep_size
+        self.model = MoEForCausalLM(self.arch, ep_group=ep_group)
+        if cfg.model.path:
+            load_hf_weights(self.model, cfg.model.path)
+        else:
+            self.model.init_weights(cfg.model.init_seed)
+        self.device = torch.device(cfg.train.device)
+        self.model.to(device=self.device, dtype=DTYPES[cfg.model.dtype])
+        self.expert_params = [p for n, p in self.model.named_parameters() if ".experts." in n]
+        expert_ids = {id(p) for p in self.expert_params}
+        self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+            weight_decay=cfg.train.weight_decay,
+        )
+
+    def logprobs(self, mb, temperature, with_entropy=False, record=None):
+        hidden = self.model.hidden_states(
+            mb.input_ids.to(self.device), cu_seqlens=mb.cu_seqlens.to(self.device),
+            replay=None if mb.replay is None else [r.to(self.device) for r in mb.replay], record=record,
+        )
+        out = fused_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]), self.model.lm_head.weight, mb.labels.to(self.device),
+            temperature=temperature, return_entropy=with_entropy,
+        )
+        return out if with_entropy else (out, None)
+
+    def _reduce_grads(self) -> None:
+        if self.groups is None or self.groups.layout.world_size == 1:
+            return
+        trainer_size = len(self.groups.layout.trainer_ranks)
+        if trainer_size > 1:
+            _all_reduce_sum([p.grad for p in self.dense_params], self.groups.trainer)
+        if self.groups.dp_size > 1:
+            _all_reduce_sum([p.grad for p in self.expert_params], self.groups.expert_dp)
+
+    def optimizer_step(self) -> dict[str, float]:
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._reduce_grads()
+        stats = {}
+        if self.cfg.train.grad_clip:
+            stats["grad_norm"] = float(self._clip(self.cfg.train.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """Global grad norm: expert grads are disjoint over the EP group, so their squares are
+        summed there; dense grads are identical on every rank after the reduction."""
+        dense_sq = sum((p.grad.float().pow(2).sum() for p in self.dense_params), torch.zeros(()))
+        expert_sq = sum((p.grad.float().pow(2).sum() for p in self.expert_params), torch.zeros(()))
+        if self.ep_size > 1:
+            dist.all_reduce(expert_sq, group=self.groups.ep)
+        norm = (dense_sq + expert_sq).sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.model.parameters():
+            p.grad.mul_(scale)
+        return norm
+
+    def hf_tensors(self):
+        return iter_local_hf_tensors(self.model)
+
+    def owner_ep_rank(self, name: str) -> int | None:
+        return expert_owner(name, self.arch, self.ep_size)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _all_reduce_sum(tensors: list[torch.Tensor], group) -> None:
+    """One all-reduce over a flat copy instead of one per tensor (latency-bound on gloo)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+def build_backend(cfg, groups=None) -> TrainBackend:
+    if cfg.train.backend == "native":
+        return NativeBackend(cfg, groups)
+    from .megatron import MegatronBackend  # needs megatron-core (pip install 'moe-rl[megatron]')
+
+    return MegatronBackend(cfg, groups)
