@@ -54,6 +54,7 @@ class EngineConfig(Strict):
     request_timeout_s: float = Field(600.0, gt=0)
     connect_retries: int = Field(3, ge=0)
     threads: int | None = Field(None, ge=1, description="torch threads of an embedded engine")
+    weight_version: str = "0"  # weight_version an embedded engine reports before its first update
     # kind=sglang, launched by moe-rl: arguments passed to `python -m sglang.launch_server`
     sglang_model_path: str | None = None
     sglang_ep_size: int = Field(1, ge=1)

@@ -1,0 +1,440 @@
+"""The embedded rollout engine: continuous batching over the native MoE model with a KV cache.
+
+One background thread runs the model. Each step forwards, in ONE call of
+``model.forward_tokens``, the whole prompt of every newly admitted request (prefill) and the
+last sampled token of every running request (decode); embeddings, projections, norms, routers
+and experts see all of those tokens at once. Attention reads a slot-based KV cache
+(``[slots, kv_heads, max_context, head_dim]`` per layer): decode rows of all requests go
+through one padded, masked SDPA call; each prefill segment gets its own causal call.
+
+Requests come from any thread (the aiohttp loop) through ``submit``; results go back through
+``asyncio`` futures. Torch releases the GIL during the forward, so the event loop stays
+responsive while the engine computes.
+
+Pause modes (SGLang's): ``abort`` finishes every in-flight request with an ``abort`` finish
+reason and its partial output; ``retract`` frees their KV cache and requeues them (recomputed
+by a prefill of prompt + output after ``continue``); ``in_place`` keeps them with their KV
+cache. Requests that arrive while paused wait for ``continue``. Weight commits run between
+steps under ``model_lock``; every output token is tagged with the version that produced it.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import protocol as P
+from .protocol import GenerateRequest, RequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Req:
+    req: GenerateRequest
+    rid: str
+    generator: torch.Generator
+    deliver: Callable[[dict], None]  # final response (called from any thread)
+    on_update: Callable[[dict], None] | None = None  # streaming snapshots
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    routing: list[np.ndarray] = field(default_factory=list)  # int32 [tokens, layers, k] chunks
+    routing_len: int = 0
+    slot: int = -1
+    kv_len: int = 0  # tokens whose K/V are in the cache
+    abort_msg: str | None = None  # set while the request is inside a step
+    done: bool = False
+    retractions: int = 0
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def params(self) -> P.SamplingParams:
+        return self.req.sampling_params
+
+
+class _StepAttention:
+    """The ``attend`` backend of one engine step (see the module docstring)."""
+
+    def __init__(self, k_cache, v_cache, segments, device):
+        self.k_cache, self.v_cache = k_cache, v_cache
+        dec = [(i, s) for i, s in enumerate(segments) if s[2] == 1 and s[1] > 0]
+        self.prefill = [s for s in segments if not (s[2] == 1 and s[1] > 0)]
+        self.dec_rows = torch.tensor([s[3] for _, s in dec], dtype=torch.long, device=device)
+        self.dec_slots = torch.tensor([s[0] for _, s in dec], dtype=torch.long, device=device)
+        self.dec_pos = torch.tensor([s[1] for _, s in dec], dtype=torch.long, device=device)
+        if dec:
+            self.lmax = int(self.dec_pos.max()) + 1
+            ar = torch.arange(self.lmax, device=device)
+            self.dec_mask = (ar[None, :] <= self.dec_pos[:, None])[:, None, None, :]  # [B,1,1,L]
+
+    def __call__(self, layer, q, k, v):
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        out = torch.empty_like(q)
+        for slot, start, n, off in self.prefill:
+            kc[slot, :, start : start + n] = k[off : off + n].transpose(0, 1)
+            vc[slot, :, start : start + n] = v[off : off + n].transpose(0, 1)
+            qs = q[off : off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            ks = kc[slot : slot + 1, :, : start + n]
+            vs = vc[slot : slot + 1, :, : start + n]
+            if start == 0:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                qpos = torch.arange(start, start + n, device=q.device)
+                mask = qpos[:, None] >= torch.arange(start + n, device=q.device)[None, :]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            out[off : off + n] = o.squeeze(0).transpose(0, 1)
+        if self.dec_rows.numel():
+            rows, slots, pos = self.dec_rows, self.dec_slots, self.dec_pos
+            kc[slots, :, pos] = k[rows]
+            vc[slots, :, pos] = v[rows]
+            ks = kc[:, :, : self.lmax].index_select(0, slots)  # [B, Hkv, L, D]
+            vs = vc[:, :, : self.lmax].index_select(0, slots)
+            o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), ks, vs, attn_mask=self.dec_mask, enable_gqa=True)
+            out[rows] = o.squeeze(2)
+        return out
+
+
+class Engine:
+    """Continuous-batching generation over ``model`` (a ``MoEForCausalLM``, EP=1)."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_running_requests: int = 64,
+        max_context: int = 512,
+        weight_version: str = "0",
+        threads: int | None = None,
+        model_path: str | None = None,
+    ):
+        self.model = model.eval()
+        self.arch = model.arch
+        self.model_path = model_path
+        self.max_running = max_running_requests
+        self.max_context = min(max_context, self.arch.max_position_embeddings)
+        self.threads = threads
+        self.weight_version = str(weight_version)
+        self.num_layers = self.arch.num_hidden_layers
+        self.top_k = self.arch.num_experts_per_tok
+        self.moe_layers = list(model.moe_layers)
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        shape = (self.max_running, self.arch.num_key_value_heads, self.max_context, self.arch.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+        self.cond = threading.Condition()  # guards all request state below
+        self.model_lock = threading.Lock()  # held by a forward and by a weight commit
+        self.waiting: collections.deque[_Req] = collections.deque()
+        self.running: list[_Req] = []
+        self.by_rid: dict[str, _Req] = {}
+        self.free_slots = list(range(self.max_running - 1, -1, -1))
+        self.paused: str | None = None
+        self.in_step = False
+        self._stop = False
+        self.error: str | None = None  # engine thread crashed
+        self.last_update_error: str | None = None
+        self.stats = collections.Counter()
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="moe-rl-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # --- requests ------------------------------------------------------------------------
+    def submit(self, req: GenerateRequest, deliver: Callable[[dict], None], on_update=None) -> str:
+        rid = req.rid if req.rid is not None else uuid.uuid4().hex
+        seed = req.sampling_params.sampling_seed
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little"))
+        r = _Req(req=req, rid=rid, generator=gen, deliver=deliver, on_update=on_update)
+        with self.cond:
+            if self.error is not None:
+                raise RuntimeError(f"engine is not running: {self.error}")
+            if rid in self.by_rid:
+                raise RequestError("rid", f"a request with rid {rid!r} is already in flight")
+            self.by_rid[rid] = r
+            self.waiting.append(r)
+            self.stats["submitted"] += 1
+            self.cond.notify_all()
+        return rid
+
+    async def generate(self, req: GenerateRequest) -> dict:
+        """Submits from an asyncio loop and waits; cancelling the wait aborts the request."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def deliver(result):
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        rid = self.submit(req, deliver)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.abort(rid, "client disconnected")
+            raise
+
+    def abort(self, rid: str | None = None, message: str = "Aborted by /abort_request", *, abort_all: bool = False) -> int:
+        """Finishes requests with an abort reason and their partial outputs. Returns how many."""
+        with self.cond:
+            targets = list(self.by_rid.values()) if abort_all else [self.by_rid[rid]] if rid in self.by_rid else []
+            for r in targets:
+                self._abort_locked(r, message)
+            self.cond.notify_all()
+            return len(targets)
+
+    def _abort_locked(self, r: _Req, message: str) -> None:
+        if r.done:
+            return
+        if self.in_step and r in self.running:
+            r.abort_msg = message  # the engine thread finishes it after the step
+        else:
+            self._finish_locked(r, P.finish_abort(message))
+
+    # --- pause / continue / weights ------------------------------------------------------
+    def pause(self, mode: str = "abort") -> None:
+        """Blocks until no step is running; then applies ``mode`` to the in-flight requests."""
+        if mode not in P.PAUSE_MODES:
+            raise RequestError("mode", f"must be one of {', '.join(P.PAUSE_MODES)}, got {mode!r}")
+        with self.cond:
+            self.paused = mode
+            self.cond.notify_all()
+            while self.in_step:
+                self.cond.wait()
+            if mode == "abort":
+                for r in list(self.by_rid.values()):
+                    self._finish_locked(r, P.finish_abort("Aborted by pause_generation"))
+            elif mode == "retract":
+                for r in reversed(self.running):
+                    self._release_slot(r)
+                    r.kv_len = 0
+                    r.retractions += 1
+                    self.waiting.appendleft(r)
+                self.running.clear()
+            self.cond.notify_all()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = None
+            self.cond.notify_all()
+
+    def commit_weights(self, commit: Callable[[], Any], weight_version: str | None) -> None:
+        """Runs ``commit`` (copies staged weights into the live parameters) between steps."""
+        with self.model_lock:
+            commit()
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+        self.last_update_error = None
+        self.stats["weight_updates"] += 1
+
+    def info(self) -> dict:
+        with self.cond:
+            return {
+                "paused": self.paused,
+                "running_requests": len(self.running),
+                "waiting_requests": len(self.waiting),
+                "max_running_requests": self.max_running,
+                "max_context": self.max_context,
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "num_hidden_layers": self.num_layers,
+                "moe_layers": self.moe_layers,
+                "num_experts": self.arch.num_experts,
+                "num_experts_per_tok": self.top_k,
+                "vocab_size": self.arch.vocab_size,
+                "alive": self.alive,
+                "engine_error": self.error,
+                "last_weight_update_error": self.last_update_error,
+                "stats": dict(self.stats),
+            }
+
+    # --- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self.cond:
+                        while not self._stop and (self.paused or not (self.waiting or self.running)):
+                            self.cond.wait()
+                        if self._stop:
+                            return
+                        segments = self._schedule_locked()
+                        self.in_step = True
+                    try:
+                        self._step(segments)
+                    finally:
+                        with self.cond:
+                            self.in_step = False
+                            self.cond.notify_all()
+        except BaseException as e:  # never leave callers hanging
+            log.exception("engine thread crashed")
+            with self.cond:
+                self.error = f"{type(e).__name__}: {e}"
+                for r in list(self.by_rid.values()):
+                    self._finish_locked(r, P.finish_abort(f"engine error: {self.error}"))
+                self.cond.notify_all()
+
+    def _schedule_locked(self) -> list[tuple[_Req, list[int], int]]:
+        while self.waiting and self.free_slots:
+            r = self.waiting.popleft()
+            r.slot = self.free_slots.pop()
+            r.kv_len = 0
+            self.running.append(r)
+        batch = []
+        for r in self.running:
+            if r.kv_len == 0:  # prefill: prompt plus any output kept over a retract
+                batch.append((r, r.req.input_ids + r.output_ids, 0))
+            else:
+                batch.append((r, [r.output_ids[-1]], r.kv_len))
+        return batch
+
+    def _step(self, batch: list[tuple[_Req, list[int], int]]) -> None:
+        segments, ids, pos, off = [], [], [], 0
+        for r, toks, start in batch:
+            segments.append((r.slot, start, len(toks), off))
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            off += len(toks)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        last = torch.tensor([s[3] + s[2] - 1 for s in segments], dtype=torch.long, device=self.device)
+        attend = _StepAttention(self.k_cache, self.v_cache, segments, self.device)
+        record: list[torch.Tensor] = []
+        with self.model_lock:
+            hidden = self.model.forward_tokens(input_ids, positions, attend, record=record)
+            logits = self.model.lm_head(hidden.index_select(0, last)).float()
+            version = self.weight_version
+        routing = np.zeros((off, self.num_layers, self.top_k), dtype=np.int32)
+        for layer, ids_l in zip(self.moe_layers, record):
+            routing[:, layer, :] = ids_l.to(torch.int32).cpu().numpy()
+
+        temps = torch.tensor([r.params.logprob_temperature for r, _, _ in batch], dtype=torch.float32)
+        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+        tokens = [self._sample(r.params, logits[i], logp[i], r.generator) for i, (r, _, _) in enumerate(batch)]
+        lps = logp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None]).squeeze(1).tolist()
+
+        with self.cond:
+            self.stats["steps"] += 1
+            self.stats["forwarded_tokens"] += off
+            for i, (r, toks, start) in enumerate(batch):
+                n, o = len(toks), segments[i][3]
+                if start == 0:  # a (re-)prefill recomputes the routing of every token it forwards
+                    r.routing, r.routing_len = [], 0
+                if r.req.return_routed_experts:
+                    r.routing.append(routing[o : o + n])
+                r.routing_len += n
+                r.kv_len = start + n
+                if r.done:
+                    continue
+                if r.abort_msg is not None:
+                    self._finish_locked(r, P.finish_abort(r.abort_msg))
+                    continue
+                p = r.params
+                if p.max_new_tokens == 0:  # prompt-only request: the last token was not "forwarded"
+                    self._trim_routing(r, r.routing_len - 1)
+                    self._finish_locked(r, P.finish_length(0))
+                    continue
+                tok = tokens[i]
+                r.output_ids.append(tok)
+                r.logprobs.append(lps[i])
+                r.versions.append(version)
+                self.stats["output_tokens"] += 1
+                if tok in p.stop_token_ids:
+                    self._finish_locked(r, P.finish_stop(tok))
+                elif len(r.output_ids) >= p.max_new_tokens or len(r.req.input_ids) + len(r.output_ids) >= self.max_context:
+                    self._finish_locked(r, P.finish_length(len(r.output_ids)))
+                elif r.on_update is not None:
+                    r.on_update(self._response(r, None))
+
+    @staticmethod
+    def _sample(p: P.SamplingParams, logits: torch.Tensor, logp: torch.Tensor, gen: torch.Generator) -> int:
+        if p.greedy:
+            return int(torch.argmax(logits))
+        probs = logp.exp()
+        if p.top_k > 0 and p.top_k < probs.numel():
+            kth = torch.topk(probs, p.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if p.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, 0)
+            drop = (cum - sorted_p) > p.top_p * cum[-1]  # keep the smallest prefix reaching top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    # --- finishing -----------------------------------------------------------------------
+    def _trim_routing(self, r: _Req, n: int) -> None:
+        if r.routing:
+            rows = np.concatenate(r.routing)[:n]
+            r.routing = [rows]
+        r.routing_len = min(r.routing_len, n)
+
+    def _release_slot(self, r: _Req) -> None:
+        if r.slot >= 0:
+            self.free_slots.append(r.slot)
+            r.slot = -1
+
+    def _finish_locked(self, r: _Req, reason: dict) -> None:
+        if r.done:
+            return
+        r.done = True
+        if r in self.running:
+            self.running.remove(r)
+        else:
+            try:
+                self.waiting.remove(r)
+            except ValueError:
+                pass
+        self._release_slot(r)
+        self.by_rid.pop(r.rid, None)
+        self.stats["finished_" + reason["type"]] += 1
+        # Rows cover the forwarded tokens: seqlen-1 once the last sampled token is appended.
+        self._trim_routing(r, max(0, len(r.req.input_ids) + len(r.output_ids) - 1))
+        r.deliver(self._response(r, reason))
+
+    def _response(self, r: _Req, reason: dict | None) -> dict:
+        version = r.versions[-1] if r.versions else self.weight_version
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(r.req.input_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": 0,
+            "weight_version": version,
+            "weight_versions": P.version_spans(r.versions) or [{"version": version, "start": 0, "end": 0}],
+            "output_token_weight_versions": list(r.versions),
+            "num_retractions": r.retractions,
+            "e2e_latency": time.monotonic() - r.created,
+        }
+        if r.req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
+            meta["output_token_logprobs_length"] = len(r.logprobs)
+        if r.req.return_routed_experts and reason is not None:
+            rows = np.concatenate(r.routing) if r.routing else np.zeros((0, self.num_layers, self.top_k), np.int32)
+            meta["routed_experts"] = P.encode_routed_experts(rows[r.req.routed_experts_start_len :])
+        return {"output_ids": list(r.output_ids), "meta_info": meta}

@@ -1,0 +1,348 @@
+"""SGLang's native HTTP protocol: request validation, response encodings, shared helpers.
+
+Field names and encodings follow SGLang's ``srt/managers/io_struct.py`` (checked against the
+sglang 0.5.23 wheel). Nothing here imports torch, so the client can use it on any machine.
+
+Encodings the rest of the stack relies on:
+
+* ``meta_info.output_token_logprobs``: ``[[logprob, token_id, null], ...]`` (SGLang's tuples
+  with no text), one per output token. Convention (SGLang's default, and the trainer's): the
+  log-probability of the sampled token under ``softmax(logits / temperature)`` over the whole
+  vocabulary, computed in fp32, *before* top-k / top-p truncation. A greedy request
+  (``temperature == 0``) uses temperature 1, as SGLang does.
+* ``meta_info.routed_experts``: base64 of int32 ``[seqlen - 1, num_hidden_layers, top_k]``,
+  one row per forwarded token (prompt and output, all but the last token), every decoder layer;
+  rows of dense (non-MoE) layers are 0, as in SGLang (its capture buffer is zero-initialised and
+  dense layers never write it). ``routed_experts_start_len`` = s returns rows ``[s, seqlen-1)``.
+* ``meta_info.weight_versions``: SGLang's spans ``[{"version", "start", "end"}]`` over output
+  token indices; ``meta_info.weight_version`` is the version of the last span (the engine's
+  current version when there is no output). Our extension
+  ``meta_info.output_token_weight_versions`` lists the version of each output token.
+* ``meta_info.finish_reason``: ``{"type": "length", "length": n}``,
+  ``{"type": "stop", "matched": token_id}`` or
+  ``{"type": "abort", "message": ..., "status_code": null, "err_type": null}``.
+"""
+from __future__ import annotations
+
+import base64
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+GREEDY_EPS = 1e-6  # temperature below this means greedy, as SGLang's _SAMPLING_EPS
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class RequestError(ValueError):
+    """A malformed request; the message names the offending field (HTTP 400)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+# --- small typed readers that name the field on error ---------------------------------------
+def _int(d: dict, key: str, default=None, *, lo: int | None = None, where: str = "") -> int | None:
+    name = where + key
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise RequestError(name, f"expected an integer, got {v!r}")
+    if lo is not None and v < lo:
+        raise RequestError(name, f"must be >= {lo}, got {v}")
+    return v
+
+
+def _float(d: dict, key: str, default: float, where: str = "") -> float:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise RequestError(where + key, f"expected a finite number, got {v!r}")
+    return float(v)
+
+
+def _bool(d: dict, key: str, default: bool = False) -> bool:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(key, f"expected true or false, got {v!r}")
+    return v
+
+
+def _str(d: dict, key: str, default: str | None = None, *, numbers: bool = False) -> str | None:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if numbers and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return str(v)
+    if not isinstance(v, str):
+        raise RequestError(key, f"expected a string, got {v!r}")
+    return v
+
+
+def _int_list(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+        raise RequestError(name, "expected a list of integers")
+    return v
+
+
+# --- /generate ------------------------------------------------------------------------------
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    max_new_tokens: int = 128  # SGLang's default
+    stop_token_ids: frozenset[int] = frozenset()
+    sampling_seed: int | None = None  # per-request torch.Generator seed
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS or self.top_k == 1
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the distribution the returned log-probs are taken under."""
+        return 1.0 if self.temperature < GREEDY_EPS else self.temperature
+
+    _KNOWN = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "seed"}
+    # SGLang fields that are accepted when they hold their no-op value
+    _NEUTRAL = {
+        "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+        "min_new_tokens": 0, "n": 1, "stop": None, "ignore_eos": None, "skip_special_tokens": None,
+        "spaces_between_special_tokens": None, "no_stop_trim": None, "stream_interval": None,
+        "regex": None, "json_schema": None, "ebnf": None, "logit_bias": None, "custom_params": None,
+    }
+
+    @classmethod
+    def parse(cls, d: Any) -> "SamplingParams":
+        w = "sampling_params."
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise RequestError("sampling_params", f"expected an object, got {type(d).__name__}")
+        for key, value in d.items():
+            if key in cls._KNOWN:
+                continue
+            if key in cls._NEUTRAL:
+                neutral = cls._NEUTRAL[key]
+                if value is None or value == neutral or (neutral is None and value in (False, [], "")):
+                    continue
+                raise RequestError(w + key, f"{value!r} is not supported by the embedded engine")
+            raise RequestError(w + key, "unknown sampling parameter")
+        t = _float(d, "temperature", 1.0, w)
+        if t < 0:
+            raise RequestError(w + "temperature", f"must be >= 0, got {t}")
+        top_p = _float(d, "top_p", 1.0, w)
+        if not 0.0 < top_p <= 1.0:
+            raise RequestError(w + "top_p", f"must be in (0, 1], got {top_p}")
+        top_k = _int(d, "top_k", -1, where=w)
+        if top_k != -1 and top_k < 1:
+            raise RequestError(w + "top_k", f"must be -1 (disabled) or >= 1, got {top_k}")
+        mnt = _int(d, "max_new_tokens", 128, lo=0, where=w)
+        stop = d.get("stop_token_ids") or []
+        stop = frozenset(_int_list(list(stop) if isinstance(stop, (list, tuple, set)) else stop, w + "stop_token_ids"))
+        seed = _int(d, "sampling_seed", None, where=w)
+        if seed is None:
+            seed = _int(d, "seed", None, where=w)
+        return cls(t, top_p, top_k, mnt, stop, seed)
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    return_logprob: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    stream: bool = False
+
+    _IGNORED = {"log_metrics", "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num",
+                "modalities", "lora_path", "session_params", "custom_logit_processor", "bootstrap_host",
+                "bootstrap_port", "bootstrap_room", "data_parallel_rank", "return_hidden_states", "priority"}
+
+    @classmethod
+    def parse(cls, body: Any, *, vocab_size: int, max_context: int) -> "GenerateRequest":
+        if not isinstance(body, dict):
+            raise RequestError("body", "expected a JSON object")
+        known = {"input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts",
+                 "routed_experts_start_len", "stream", "text"}
+        for key in body:
+            if key not in known and key not in cls._IGNORED:
+                raise RequestError(key, "unknown or unsupported /generate field")
+        if body.get("text") is not None:
+            raise RequestError("text", "the embedded engine has no tokenizer; send input_ids")
+        if "input_ids" not in body:
+            raise RequestError("input_ids", "required")
+        ids = body["input_ids"]
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            raise RequestError("input_ids", "batched prompts are not supported; send one prompt per request")
+        ids = _int_list(ids, "input_ids")
+        if not ids:
+            raise RequestError("input_ids", "empty prompt")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError("input_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(ids) >= max_context:
+            raise RequestError(
+                "input_ids",
+                f"the input ({len(ids)} tokens) is longer than the model's context length ({max_context} tokens)",
+            )
+        sp = SamplingParams.parse(body.get("sampling_params"))
+        bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError("sampling_params.stop_token_ids", f"token id {bad[0]} is outside the vocabulary")
+        rid = _str(body, "rid", numbers=True)
+        start = _int(body, "routed_experts_start_len", 0, lo=0)
+        if start > len(ids):
+            raise RequestError("routed_experts_start_len", f"must be in [0, {len(ids)}] (the prompt length), got {start}")
+        return cls(
+            input_ids=list(ids),
+            sampling_params=sp,
+            rid=rid,
+            return_logprob=_bool(body, "return_logprob"),
+            return_routed_experts=_bool(body, "return_routed_experts"),
+            routed_experts_start_len=start,
+            stream=_bool(body, "stream"),
+        )
+
+
+def finish_length(n: int) -> dict:
+    return {"type": "length", "length": n}
+
+
+def finish_stop(token: int) -> dict:
+    return {"type": "stop", "matched": token}
+
+
+def finish_abort(message: str = "Aborted") -> dict:
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+# --- weight sync requests -------------------------------------------------------------------
+@dataclass
+class InitGroupRequest:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+    @classmethod
+    def parse(cls, body: Any) -> "InitGroupRequest":
+        if not isinstance(body, dict):
+            raise RequestError("body", "expected a JSON object")
+        for key in ("master_address", "master_port", "rank_offset", "world_size"):
+            if key not in body:
+                raise RequestError(key, "required")
+        return cls(
+            master_address=_str(body, "master_address"),
+            master_port=_int(body, "master_port", lo=0),
+            rank_offset=_int(body, "rank_offset", lo=0),
+            world_size=_int(body, "world_size", lo=1),
+            group_name=_str(body, "group_name", "weight_update_group"),
+            backend=_str(body, "backend", "nccl"),
+        )
+
+
+@dataclass
+class UpdateWeightsRequest:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    checksum: Any = None  # our extension, passed to the receiver
+
+    @classmethod
+    def parse(cls, body: Any) -> "UpdateWeightsRequest":
+        if not isinstance(body, dict):
+            raise RequestError("body", "expected a JSON object")
+        for key in ("names", "dtypes", "shapes"):
+            if not isinstance(body.get(key), list):
+                raise RequestError(key, "required: a list")
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not all(isinstance(n, str) for n in names):
+            raise RequestError("names", "expected a list of strings")
+        if not all(isinstance(n, str) for n in dtypes):
+            raise RequestError("dtypes", "expected a list of strings")
+        for i, s in enumerate(shapes):
+            _int_list(s, f"shapes[{i}]")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise RequestError("names", f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        return cls(
+            names=names, dtypes=dtypes, shapes=shapes,
+            group_name=_str(body, "group_name", "weight_update_group"),
+            flush_cache=_bool(body, "flush_cache", True),
+            abort_all_requests=_bool(body, "abort_all_requests", False),
+            weight_version=_str(body, "weight_version", numbers=True),
+            load_format=_str(body, "load_format"),
+            checksum=body.get("checksum"),
+        )
+
+
+# --- routing and versions in responses -------------------------------------------------------
+def encode_routed_experts(rows: np.ndarray) -> str:
+    """int32 [tokens, layers, top_k] -> base64 (SGLang's meta_info.routed_experts)."""
+    return base64.b64encode(np.ascontiguousarray(rows, dtype=np.int32).tobytes()).decode("ascii")
+
+
+def decode_routed_experts(data: str | dict, num_layers: int, top_k: int) -> np.ndarray:
+    """SGLang's ``meta_info.routed_experts`` (or a whole response / meta_info) -> int32
+    [tokens, num_layers, top_k]. ``num_layers`` is the model's num_hidden_layers."""
+    if isinstance(data, dict):
+        data = data.get("meta_info", data).get("routed_experts")
+    if data is None:
+        raise ValueError("the response has no meta_info.routed_experts (was return_routed_experts set, "
+                         "and SGLang launched with --enable-return-routed-experts?)")
+    flat = np.frombuffer(base64.b64decode(data), dtype=np.int32)
+    if flat.size % (num_layers * top_k):
+        raise ValueError(f"routed_experts has {flat.size} ints, not a multiple of layers*top_k={num_layers * top_k}")
+    return flat.reshape(-1, num_layers, top_k)
+
+
+def version_spans(versions: list[str]) -> list[dict]:
+    """Per-output-token versions -> SGLang's ``weight_versions`` spans."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
+def token_weight_versions(meta_info: dict) -> list[str] | None:
+    """The weight version of each output token, from our extension or SGLang's spans; None when
+    the server reported neither (then ``meta_info["weight_version"]`` applies to all)."""
+    if "output_token_weight_versions" in meta_info:
+        return list(meta_info["output_token_weight_versions"])
+    spans = meta_info.get("weight_versions")
+    if spans is None:
+        return None
+    out: list[str] = []
+    for s in spans:
+        if isinstance(s, dict):
+            v, start, end = s["version"], s["start"], s["end"]
+        else:  # msgspec array_like form [version, start, end]
+            v, start, end = s
+        out.extend([v] * (end - start))
+    return out
+
+
+def output_logprobs(meta_info: dict) -> list[float]:
+    """Log-probs of the output tokens from ``meta_info.output_token_logprobs``."""
+    return [float(t[0]) for t in meta_info.get("output_token_logprobs") or []]

@@ -1,0 +1,303 @@
+"""``moe-rl serve``: the embedded engine behind SGLang's native HTTP API (aiohttp).
+
+  moe-rl serve CONFIG [--host 127.0.0.1] [--port N] [--api-key K] [key=value ...]
+
+``--port 0`` picks a free port. Once listening it prints one line
+``moe-rl engine listening on http://HOST:PORT`` (stdout, flushed), which tests and launchers
+parse. Endpoints and fields are SGLang's (see ``protocol``); errors are
+``{"error": {"message": ...}}`` with 400 (malformed request, naming the field) or 401 (bad or
+missing ``Authorization: Bearer K`` when an api key is set; every endpoint needs it).
+Weight-sync endpoints answer ``{"success": bool, "message": str}`` like SGLang.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from . import protocol as P
+from .engine import Engine
+from .protocol import RequestError
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --- building an engine from the config ------------------------------------------------------
+def build_model(cfg):
+    """The native model of ``cfg.model`` (HF directory, or the seeded random init) in
+    ``cfg.engine.dtype``."""
+    from ..model import MoEForCausalLM, load_hf
+
+    if cfg.model.path:
+        model = load_hf(cfg.model.path)
+    else:
+        model = MoEForCausalLM(cfg.model.arch()).init_weights(cfg.model.init_seed)
+    return model.to(_DTYPES[cfg.engine.dtype])
+
+
+def build_engine(cfg, model=None) -> Engine:
+    e = cfg.engine
+    return Engine(
+        model if model is not None else build_model(cfg),
+        max_running_requests=e.max_running_requests,
+        max_context=e.max_context,
+        weight_version=e.weight_version,
+        threads=e.threads,
+        model_path=cfg.model.path,
+    )
+
+
+# --- the HTTP application --------------------------------------------------------------------
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+async def _json(request: web.Request, *, optional: bool = False) -> Any:
+    if optional and not request.can_read_body:
+        return {}
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RequestError("body", "not valid JSON") from None
+
+
+class EngineServer:
+    """Handlers of one engine. ``app()`` returns the aiohttp application."""
+
+    def __init__(self, engine: Engine, api_key: str | None = None):
+        self.engine = engine
+        self.api_key = api_key
+        self.receiver = None  # moe_rl.sync.receiver.WeightReceiver, made on the first init
+        self._update_lock = asyncio.Lock()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
+        r = app.router
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_get("/get_model_info", self.get_model_info)
+        r.add_get("/model_info", self.get_model_info)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        app.on_shutdown.append(self._on_shutdown)
+        return app
+
+    async def _on_shutdown(self, app) -> None:
+        self.engine.abort(abort_all=True, message="server shutting down")
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return _error(401, "missing or wrong api key (send 'Authorization: Bearer <key>')")
+        try:
+            return await handler(request)
+        except RequestError as e:
+            return _error(400, str(e))
+
+    # --- generation ------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        req = P.GenerateRequest.parse(body, vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context)
+        if not self.engine.alive:
+            return _error(503, f"engine is not running: {self.engine.error}")
+        if req.stream:
+            return await self._generate_stream(request, req)
+        return web.json_response(await self.engine.generate(req))
+
+    async def _generate_stream(self, request: web.Request, req: P.GenerateRequest) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def push(item, final=False):
+            loop.call_soon_threadsafe(queue.put_nowait, (item, final))
+
+        rid = self.engine.submit(req, lambda res: push(res, True), on_update=push)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            while True:
+                item, final = await queue.get()
+                await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+                if final:
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.engine.abort(rid, "client disconnected")
+            raise
+        return resp
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await _json(request, optional=True)
+        mode = body.get("mode", "abort") if isinstance(body, dict) else None
+        if mode not in P.PAUSE_MODES:
+            raise RequestError("mode", f"must be one of {', '.join(P.PAUSE_MODES)}, got {mode!r}")
+        await asyncio.to_thread(self.engine.pause, mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _json(request, optional=True)
+        self.engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _json(request, optional=True)
+        if not isinstance(body, dict):
+            raise RequestError("body", "expected a JSON object")
+        rid = P._str(body, "rid", "", numbers=True)
+        abort_all = P._bool(body, "abort_all")
+        if not rid and not abort_all:
+            raise RequestError("rid", "give a rid or abort_all: true")
+        n = self.engine.abort(rid, abort_all=abort_all)
+        return web.json_response({"success": True, "aborted": n})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        # No prefix cache to flush: KV slots are freed when a request finishes.
+        return web.Response(text="Cache flushed.\n")
+
+    # --- weights ---------------------------------------------------------------------------
+    def _weight_receiver(self):
+        if self.receiver is None:
+            from ..model import iter_local_hf_tensors
+            from ..sync.receiver import WeightReceiver
+
+            self.receiver = WeightReceiver(dict(iter_local_hf_tensors(self.engine.model)))
+        return self.receiver
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        req = P.InitGroupRequest.parse(await _json(request))
+        if req.backend == "nccl" and not torch.cuda.is_available():
+            return web.json_response({"success": False, "message": "backend: nccl needs CUDA; use backend gloo on CPU"}, status=400)
+        try:
+            receiver = self._weight_receiver()
+            await asyncio.to_thread(
+                receiver.init_group, req.master_address, req.master_port, req.rank_offset,
+                req.world_size, req.group_name, req.backend,
+            )
+        except Exception as e:
+            log.exception("init_weights_update_group failed")
+            return web.json_response({"success": False, "message": f"Failed to init group: {type(e).__name__}: {e}"}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        req = P.UpdateWeightsRequest.parse(await _json(request))
+        if self.receiver is None:
+            return web.json_response({"success": False, "message": "no weight update group: call /init_weights_update_group first"}, status=400)
+        if req.abort_all_requests:
+            self.engine.abort(abort_all=True, message="Aborted for a weight update")
+        async with self._update_lock:
+            try:
+                complete = await asyncio.to_thread(
+                    self.receiver.receive_bucket, req.names, req.dtypes, req.shapes, req.group_name,
+                    req.load_format, req.weight_version, req.checksum,
+                )
+                if complete:
+                    await asyncio.to_thread(self.engine.commit_weights, self.receiver.commit, req.weight_version)
+            except Exception as e:
+                log.exception("update_weights_from_distributed failed")
+                try:
+                    self.receiver.abort()
+                except Exception:
+                    log.exception("receiver.abort failed")
+                msg = (f"Failed to update weights: {type(e).__name__}: {e}; the partial update was discarded "
+                       f"and the engine keeps serving weight_version {self.engine.weight_version}")
+                self.engine.last_update_error = msg
+                return web.json_response({"success": False, "message": msg}, status=400)
+        if complete:
+            return web.json_response({"success": True, "message": f"Succeeded to update parameter online (weight_version {self.engine.weight_version})."})
+        return web.json_response({"success": True, "message": "Bucket received; the update completes with its last bucket."})
+
+    # --- info ------------------------------------------------------------------------------
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        info = self.engine.info()
+        return web.json_response({
+            "model_path": self.engine.model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.engine.weight_version,
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "engine": "moe-rl-embedded",
+            **info,
+        })
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.alive:
+            return _error(503, f"engine is not running: {self.engine.error}")
+        return web.Response(status=200)
+
+
+# --- running it ------------------------------------------------------------------------------
+async def start_server(engine: Engine, host: str, port: int, api_key: str | None = None):
+    """Starts the engine thread and the HTTP site; returns (runner, url)."""
+    engine.start()
+    runner = web.AppRunner(EngineServer(engine, api_key).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
+    shown = f"[{host}]" if ":" in host else host
+    return runner, f"http://{shown}:{bound}"
+
+
+async def _serve(cfg, host: str, port: int, api_key: str | None) -> None:
+    engine = build_engine(cfg)
+    runner, url = await start_server(engine, host, port, api_key)
+    print(f"moe-rl engine listening on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        engine.stop()
+
+
+def serve_main(argv: list[str]) -> int:
+    from ..config import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(prog="moe-rl serve", description="Serve an embedded engine over SGLang's HTTP API.")
+    ap.add_argument("config", help="experiment YAML (its model and engine sections are used)")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    ap.add_argument("--host", default=None, help="bind address (default engine.host, 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=None, help="port (default engine.port; 0 = a free port)")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default engine.api_key)")
+    args = ap.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    e = cfg.engine
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host = args.host or e.host
+    port = e.port if args.port is None else args.port
+    api_key = args.api_key if args.api_key is not None else e.api_key
+    try:
+        asyncio.run(_serve(cfg, host, port, api_key))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main(sys.argv[1:]))
