@@ -1,0 +1,204 @@
+"""Engine side of the weight sync: receive buckets, stage them, commit atomically.
+
+The embedded engine's aiohttp handlers drive it, one call per SGLang endpoint:
+
+- ``/init_weights_update_group``       -> ``init_group(...)`` (blocks until rank 0 and every
+  engine rank have joined);
+- ``/update_weights_from_distributed`` -> ``receive_bucket(...)`` (blocks on the broadcast);
+  when it returns True every parameter has been staged for this update and the engine calls
+  ``commit()`` paused, under its lock, then sets its weight_version.
+
+Staging keeps each received bucket whole and holds views into it (no per-tensor copies);
+``commit`` copies them into the live parameters in one pass (one Triton launch per bucket on
+CUDA). Until then the live parameters are untouched, so a transfer that fails midway (the
+sender died, a timeout, a bad checksum, an unknown name) leaves the engine on its previous
+version: the error says so, and the staged buckets are dropped.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from moe_rl.kernels.bucket_pack import unpack
+
+from .group import DEFAULT_TIMEOUT_S, SyncGroup
+from .plan import _prod, parse_dtype, verify_checksum
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update that did not complete; the message says which version is live."""
+
+
+class WeightReceiver:
+    def __init__(self, named_params: dict[str, torch.Tensor], timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.params = dict(named_params)
+        if not self.params:
+            raise ValueError("WeightReceiver needs at least one named parameter")
+        self.device = next(iter(self.params.values())).device
+        self.timeout_s = timeout_s
+        self.groups: dict[str, SyncGroup] = {}
+        self.weight_version: str | None = None  # version of the last committed update
+        self._lock = threading.Lock()
+        self._reset()
+
+    # --- group ----------------------------------------------------------------------------
+    def init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> None:
+        """Joins the weight-sync group as rank ``rank_offset`` (one rank per engine here).
+        A group of the same name is replaced (a sender that re-creates it after a failure)."""
+        old = self.groups.pop(group_name, None)
+        if old is not None:
+            old.close()
+        self.groups[group_name] = SyncGroup(
+            master_address, master_port, rank_offset, world_size, group_name, backend, self.timeout_s
+        )
+
+    def destroy_group(self, group_name: str) -> None:
+        g = self.groups.pop(group_name, None)
+        if g is not None:
+            g.close()
+
+    # --- update -----------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._staged: dict[str, torch.Tensor] = {}
+        self._buffers: list[torch.Tensor] = []
+        self._pending_version: str | None = None
+        self._received_buckets = 0
+
+    def receive_bucket(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        load_format: str | None = "flattened_bucket",
+        weight_version: str | None = None,
+        checksum: str | None = None,
+    ) -> bool:
+        """Receives one bucket's broadcast and stages it. Returns True once every parameter of
+        the model is staged for this update (then call ``commit``). Raises ``WeightSyncError``
+        (naming the tensor, for a mismatch) and drops the partial update on any failure."""
+        with self._lock:
+            try:
+                return self._receive(names, dtypes, shapes, group_name, load_format, weight_version, checksum)
+            except BaseException as e:
+                done = self._received_buckets
+                self._reset()
+                live = self.weight_version if self.weight_version is not None else "the initial weights"
+                if isinstance(e, WeightSyncError):
+                    raise WeightSyncError(f"{e}; update to version {weight_version} aborted after {done} "
+                                          f"buckets, parameters unchanged (still {live})") from None
+                raise WeightSyncError(
+                    f"weight update to version {weight_version} failed after {done} buckets: "
+                    f"{type(e).__name__}: {e}; parameters unchanged (still {live})"
+                ) from e
+
+    def _receive(self, names, dtypes, shapes, group_name, load_format, weight_version, checksum) -> bool:
+        if load_format not in ("flattened_bucket", None):
+            raise WeightSyncError(f"load_format {load_format!r} is not supported (use 'flattened_bucket')")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise WeightSyncError(f"a bucket needs equal, non-empty names/dtypes/shapes "
+                                  f"(got {len(names)}/{len(dtypes)}/{len(shapes)})")
+        group = self.groups.get(group_name)
+        if group is None:
+            raise WeightSyncError(f"no weight-sync group {group_name!r}; call init_weights_update_group first")
+        wire = {parse_dtype(d) for d in dtypes}
+        if len(wire) != 1:
+            raise WeightSyncError(f"a flattened bucket has one dtype, got {sorted(map(str, wire))}")
+        dtype = wire.pop()
+        numels = [_prod(s) for s in shapes]
+        if any(int(d) < 0 for s in shapes for d in s):
+            raise WeightSyncError(f"negative dimension in the shapes of {names[0]}...")
+        if self._pending_version != weight_version and self._received_buckets:
+            log.warning("weight update %s was incomplete (%d buckets) when %s started; dropped",
+                        self._pending_version, self._received_buckets, weight_version)
+            self._reset()
+        self._pending_version = weight_version
+
+        # Receive first, so the collective completes on every rank even if the metadata is bad.
+        buf = torch.empty(sum(numels), dtype=dtype, device=self.device)
+        work = group.broadcast(buf, src=0)
+        try:
+            group.wait_work(work)
+        except Exception as e:
+            self.destroy_group(group_name)  # a broken group: the sender re-creates it
+            raise WeightSyncError(f"broadcast of a bucket ({len(names)} tensors, first {names[0]}) "
+                                  f"failed: {e}") from e
+        if checksum is not None and not verify_checksum(buf, checksum):
+            raise WeightSyncError(f"checksum mismatch on the bucket starting with {names[0]}")
+
+        pos = 0
+        for name, shape, n in zip(names, shapes, numels):
+            live = self.params.get(name)
+            if live is None:
+                raise WeightSyncError(f"unknown tensor {name!r}: the engine's model has no such parameter")
+            if tuple(live.shape) != tuple(shape):
+                raise WeightSyncError(f"shape mismatch for {name}: sent {tuple(shape)}, the model has {tuple(live.shape)}")
+            if live.dtype != dtype:
+                raise WeightSyncError(f"dtype mismatch for {name}: sent {dtype}, the model has {live.dtype}")
+            if name in self._staged:
+                raise WeightSyncError(f"tensor {name} sent twice in update {weight_version}")
+            self._staged[name] = buf[pos : pos + n].view(live.shape)
+            pos += n
+        self._buffers.append(buf)
+        self._received_buckets += 1
+        return len(self._staged) == len(self.params)
+
+    @property
+    def complete(self) -> bool:
+        return len(self._staged) == len(self.params)
+
+    @property
+    def pending_version(self) -> str | None:
+        return self._pending_version
+
+    def commit(self) -> None:
+        """Copies every staged tensor into the live parameters (call paused, under the engine's
+        lock). Refuses an incomplete update."""
+        with self._lock:
+            if not self.complete:
+                missing = [n for n in self.params if n not in self._staged]
+                n = len(missing)
+                self._reset()
+                raise WeightSyncError(f"commit of an incomplete update: {n} tensors missing, e.g. {missing[0]}; "
+                                      f"parameters unchanged")
+            with torch.no_grad():
+                # group by source buffer: one unpack (one launch on CUDA) per bucket
+                by_buf: dict[int, tuple[torch.Tensor, list, list]] = {}
+                for name, view in self._staged.items():
+                    key = view.untyped_storage().data_ptr()
+                    base = by_buf.setdefault(key, (view, [], []))
+                    base[1].append(self.params[name])
+                    base[2].append(view)
+                for buf in self._buffers:
+                    entry = by_buf.get(buf.untyped_storage().data_ptr())
+                    if entry is None:
+                        continue
+                    _, dsts, views = entry
+                    offs = [v.storage_offset() - buf.storage_offset() for v in views]
+                    contiguous = all(d.is_contiguous() for d in dsts)
+                    if contiguous:
+                        unpack(buf, dsts, offs)
+                    else:  # pragma: no cover - parameters are contiguous in practice
+                        for d, v in zip(dsts, views):
+                            d.copy_(v)
+            self.weight_version = self._pending_version
+            self._reset()
+
+    def abort(self) -> None:
+        """Drops a partial update (the live parameters were never touched)."""
+        with self._lock:
+            if self._received_buckets:
+                log.warning("weight update %s aborted after %d buckets", self._pending_version, self._received_buckets)
+            self._reset()

@@ -1,0 +1,394 @@
+"""Trainer side of the weight sync: gather, pack and broadcast bucket by bucket.
+
+Roles in the trainer pool (``moe_rl.dist`` layout):
+
+- the *source* (trainer rank 0 = EP rank 0 of EP block 0) talks to the engines, owns the
+  weight-sync group (rank 0 of it) and broadcasts each bucket;
+- the other ranks of EP block 0 (*helpers*) contribute the expert tensors they own, bucket by
+  bucket: for each bucket the source broadcasts its index over the EP group, every EP rank
+  packs its own tensors of that bucket, and the helpers send them to the source point to
+  point, straight into the bucket buffer (one message per run of consecutive tensors). Only
+  one bucket (two while double buffering) is ever gathered, never the whole model;
+- every other EP block (expert-DP replicas) holds the same weights and only learns the result.
+
+Per bucket the source posts SGLang's ``/update_weights_from_distributed`` to every engine,
+starts one broadcast, and meanwhile gathers and packs the next bucket (double buffering); it
+then waits for the broadcast and the engines' replies before posting the next bucket (replies
+must not be reordered). Any failure is raised on every trainer rank (``WeightSyncError``).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.kernels.bucket_pack import pack
+
+from ..model.hf_io import expert_owner, local_hf_tensor
+from .engines import EngineCallError, as_engine
+from .group import DEFAULT_TIMEOUT_S, SyncGroup, free_port
+from .plan import Bucket, Plan, checksum, model_specs, plan_buckets
+from .receiver import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+_STOP, _ABORT = -1, -2
+
+
+@dataclass
+class SyncStats:
+    """What the last push did (source rank)."""
+
+    version: str | None = None
+    buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    pack_seconds: float = 0.0  # gather + pack (overlapped with broadcasts)
+    peak_extra_bytes: int = 0  # most bytes of sender-allocated buffers alive at once
+    history: list = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+class _Mem:
+    """Bytes of buffers the sender allocated and still holds (thread-safe), with the peak."""
+
+    def __init__(self):
+        self.cur = self.peak = 0
+        self._lock = threading.Lock()
+
+    def alloc(self, n: int) -> None:
+        with self._lock:
+            self.cur += n
+            self.peak = max(self.peak, self.cur)
+
+    def free(self, n: int) -> None:
+        with self._lock:
+            self.cur -= n
+
+
+class WeightSender:
+    """One per trainer rank; every rank of the trainer pool calls ``sync``/``sync_async``."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        ep_group=None,
+        trainer_group=None,
+        dp_rank: int = 0,
+        engines=(),
+        bucket_mb: float = 64.0,
+        verify: bool = False,
+        group_name: str = "moe_rl_weight_sync",
+        master_address: str = "127.0.0.1",
+        port: int = 0,
+        backend: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        pause_mode: str = "abort",
+        wire_dtype: torch.dtype | None = None,
+        use_triton: bool | None = None,
+    ):
+        self.model = model
+        self.arch = model.arch
+        self.ep_group, self.trainer_group = ep_group, trainer_group
+        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        self.dp_rank = dp_rank
+        self.active = dp_rank == 0  # only EP block 0 sends
+        self.is_source = self.active and self.ep_rank == 0
+        self.engines = [as_engine(e, timeout_s=timeout_s + 60) for e in engines]
+        self.verify, self.group_name = verify, group_name
+        self.master_address, self.port = master_address, port
+        self.device = next(model.parameters()).device
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.timeout_s, self.pause_mode = timeout_s, pause_mode
+        self.use_triton = use_triton
+        self.plan: Plan = plan_buckets(model_specs(model, wire_dtype), int(bucket_mb * 2**20))
+        self.group: SyncGroup | None = None
+        self._group_key = None
+        self.stats = SyncStats()
+        self._mem = _Mem()
+        self._ep_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sync-pack")
+        self._bc_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sync-bcast")
+        self._layout = [self._bucket_layout(b) for b in self.plan.buckets]
+
+    @classmethod
+    def from_config(cls, model, sync_cfg, groups=None, engines=(), wire_dtype=None, **kw) -> "WeightSender":
+        """``sync_cfg`` is ``cfg.sync``; ``groups`` a ``moe_rl.dist.Groups`` (None: one rank)."""
+        g = {}
+        if groups is not None:
+            g = dict(ep_group=groups.ep if groups.layout.ep_size > 1 else None,
+                     trainer_group=groups.trainer if len(groups.layout.trainer_ranks) > 1 else None,
+                     dp_rank=groups.dp_rank)
+        return cls(
+            model, engines=engines, bucket_mb=sync_cfg.bucket_mb, verify=sync_cfg.verify,
+            group_name=sync_cfg.group_name, master_address=sync_cfg.master_address, port=sync_cfg.port,
+            timeout_s=sync_cfg.timeout_s, pause_mode=sync_cfg.pause_mode, wire_dtype=wire_dtype, **g, **kw,
+        )
+
+    # --- who packs what ---------------------------------------------------------------------
+    def _owner(self, name: str) -> int:
+        o = expert_owner(name, self.arch, self.ep_size)
+        return 0 if o is None else o
+
+    def _bucket_layout(self, b: Bucket):
+        """(my slots, remote runs): slots this rank packs; for the source, the runs of
+        consecutive slots each helper sends, as (ep_rank, element offset, numel)."""
+        numels = b.numels()
+        owners = [self._owner(n) for n in b.names]
+        mine = [j for j, o in enumerate(owners) if o == self.ep_rank]
+        runs = []  # (owner, offset, numel) for maximal runs of one owner
+        for j, o in enumerate(owners):
+            if runs and runs[-1][0] == o and runs[-1][1] + runs[-1][2] == b.offsets[j]:
+                runs[-1] = (o, runs[-1][1], runs[-1][2] + numels[j])
+            else:
+                runs.append((o, b.offsets[j], numels[j]))
+        return mine, runs
+
+    def _local(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        t = local_hf_tensor(self.model, name)
+        if t is None:
+            raise RuntimeError(f"{name} is not held by EP rank {self.ep_rank}")
+        t = t.detach()
+        return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+    def _alloc(self, numel: int, dtype) -> torch.Tensor:
+        buf = torch.empty(numel, dtype=dtype, device=self.device)
+        self._mem.alloc(buf.numel() * buf.element_size())
+        return buf
+
+    def _release(self, buf: torch.Tensor | None) -> None:
+        if buf is not None:
+            self._mem.free(buf.numel() * buf.element_size())
+
+    # --- EP gather ----------------------------------------------------------------------------
+    def _ctl(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device if self.backend == "nccl" else "cpu")
+        dist.broadcast(t, group=self.ep_group, group_src=0)
+        return int(t.item())
+
+    def _prepare(self, i: int):
+        """Source: gather + pack bucket i into a fresh buffer (runs in the pack thread)."""
+        t0 = time.perf_counter()
+        b = self.plan.buckets[i]
+        mine, runs = self._layout[i]
+        if self.ep_size > 1:
+            self._ctl(i)
+        buf = self._alloc(b.numel, b.dtype)
+        works = []
+        tag = 0
+        for owner, off, n in runs:
+            if owner != 0:
+                works.append(dist.irecv(buf[off : off + n], group=self.ep_group, group_src=owner, tag=tag))
+                tag += 1
+        pack([self._local(b.names[j], b.dtype) for j in mine], buf, [b.offsets[j] for j in mine],
+             use_triton=self.use_triton)
+        for w in works:
+            w.wait()
+        cs = checksum(buf) if self.verify else None
+        self.stats.pack_seconds += time.perf_counter() - t0
+        return buf, cs
+
+    def _stop_helpers(self, value: int) -> None:
+        if self.ep_size > 1:
+            self._ctl(value)
+
+    def _helper_loop(self) -> bool:
+        """Helper: serve buckets until the source says stop (True) or abort (False)."""
+        while True:
+            i = self._ctl(0)
+            if i < 0:
+                return i == _STOP
+            b = self.plan.buckets[i]
+            mine, runs = self._layout[i]
+            if not mine:
+                continue
+            send = self._alloc(sum(b.numels()[j] for j in mine), b.dtype)
+            try:
+                pack([self._local(b.names[j], b.dtype) for j in mine], send, use_triton=self.use_triton)
+                works, pos, tag = [], 0, 0
+                for owner, off, n in runs:
+                    if owner == self.ep_rank:
+                        works.append(dist.isend(send[pos : pos + n], group=self.ep_group, group_dst=0, tag=tag))
+                        pos += n
+                    if owner != 0:
+                        tag += 1
+                for w in works:
+                    w.wait()
+            finally:
+                self._release(send)
+
+    # --- weight-sync group ----------------------------------------------------------------
+    async def _ensure_group(self) -> None:
+        key = tuple(e.name for e in self.engines)
+        if self.group is not None and not self.group.closed and self._group_key == key:
+            return
+        self._close_group()
+        port = self.port or free_port(self.master_address)
+        world = 1 + sum(e.num_ranks for e in self.engines)
+        loop = asyncio.get_running_loop()
+        offsets, off = [], 1
+        for e in self.engines:
+            offsets.append(off)
+            off += e.num_ranks
+        calls = [
+            asyncio.ensure_future(e.init_weights_update_group(
+                master_address=self.master_address, master_port=port, rank_offset=ro, world_size=world,
+                group_name=self.group_name, backend=self.backend))
+            for e, ro in zip(self.engines, offsets)
+        ]
+        try:
+            group = await loop.run_in_executor(
+                self._bc_exec, SyncGroup, self.master_address, port, 0, world, self.group_name, self.backend, self.timeout_s)
+        except Exception as e:
+            for c in calls:
+                c.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            raise WeightSyncError(f"could not form the weight-sync group {self.group_name!r} "
+                                  f"({world} ranks at {self.master_address}:{port}): {e}") from e
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+        bad = [f"{e.name}: {r}" for e, r in zip(self.engines, replies) if isinstance(r, BaseException)]
+        if bad:
+            group.close()
+            raise WeightSyncError("init_weights_update_group failed on " + "; ".join(bad))
+        self.group, self._group_key = group, key
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+
+    # --- the push (source) ------------------------------------------------------------------
+    async def push(self, version) -> SyncStats:
+        """Source only: sends every bucket to every engine. Raises WeightSyncError."""
+        if not self.is_source:
+            raise RuntimeError("push runs on trainer rank 0 only; other ranks call sync()")
+        if not self.engines:
+            raise WeightSyncError("no engines to sync to")
+        version = None if version is None else str(version)
+        await self._ensure_group()
+        loop = asyncio.get_running_loop()
+        stats = SyncStats(version=version)
+        self.stats = stats
+        self._mem = _Mem()
+        t0 = time.perf_counter()
+        n = len(self.plan.buckets)
+        nxt = loop.run_in_executor(self._ep_exec, self._prepare, 0)
+        end = _ABORT
+        cur = None
+        try:
+            for i, b in enumerate(self.plan.buckets):
+                cur, cs = await nxt
+                nxt = None
+                body = dict(b.request_fields(), group_name=self.group_name, flush_cache=(i == n - 1),
+                            weight_version=version)
+                if cs is not None:
+                    body["checksum"] = cs
+                calls = [asyncio.ensure_future(e.update_weights_from_distributed(**body)) for e in self.engines]
+                await asyncio.sleep(0)  # let the requests go out
+                work = self.group.broadcast(cur, src=0)
+                if i + 1 < n:
+                    nxt = loop.run_in_executor(self._ep_exec, self._prepare, i + 1)
+                try:
+                    await loop.run_in_executor(self._bc_exec, self.group.wait_work, work)
+                except Exception as e:
+                    self._close_group()
+                    for c in calls:
+                        c.cancel()
+                    await asyncio.gather(*calls, return_exceptions=True)
+                    raise WeightSyncError(f"broadcast of bucket {i + 1}/{n} (first tensor {b.names[0]}) failed: {e}") from e
+                replies = await asyncio.gather(*calls, return_exceptions=True)
+                bad = [(eng, r) for eng, r in zip(self.engines, replies) if isinstance(r, BaseException)]
+                if bad:
+                    msg = "; ".join(f"{eng.name}: {r}" for eng, r in bad)
+                    if any(not isinstance(r, EngineCallError) for _, r in bad):
+                        self._close_group()  # an engine died or timed out: the group is suspect
+                    raise WeightSyncError(f"bucket {i + 1}/{n} of version {version} rejected: {msg}")
+                self._release(cur)
+                cur = None
+                stats.buckets += 1
+                stats.bytes += b.nbytes
+            end = _STOP
+        finally:
+            self._release(cur)
+            if nxt is not None:
+                try:
+                    buf, _ = await nxt
+                    self._release(buf)
+                except Exception:
+                    pass
+            await loop.run_in_executor(self._ep_exec, self._stop_helpers, end)
+            stats.seconds = time.perf_counter() - t0
+            stats.peak_extra_bytes = self._mem.peak
+        return stats
+
+    # --- the protocol: pause, sync, continue ----------------------------------------------
+    async def update_engines(self, version) -> SyncStats:
+        """Source only: pause every engine (``pause_mode``), push, continue. A failed push
+        leaves the engines on their previous weights; they are resumed and the error raised."""
+        paused = await asyncio.gather(*(e.pause_generation(mode=self.pause_mode) for e in self.engines),
+                                      return_exceptions=True)
+        err = None
+        try:
+            bad = [f"{e.name}: {r}" for e, r in zip(self.engines, paused) if isinstance(r, BaseException)]
+            if bad:
+                raise WeightSyncError("pause_generation failed on " + "; ".join(bad))
+            return await self.push(version)
+        except BaseException as e:
+            err = e
+            raise
+        finally:
+            resumed = await asyncio.gather(*(e.continue_generation() for e in self.engines), return_exceptions=True)
+            bad = [f"{e.name}: {r}" for e, r in zip(self.engines, resumed) if isinstance(r, BaseException)]
+            if bad and err is None:
+                raise WeightSyncError("continue_generation failed on " + "; ".join(bad))
+
+    async def sync_async(self, version) -> SyncStats | None:
+        """Collective over the trainer pool: every trainer rank calls it after an optimizer
+        step. Rank 0 returns the stats; every rank raises WeightSyncError on failure."""
+        loop = asyncio.get_running_loop()
+        err: str | None = None
+        stats = None
+        if self.is_source:
+            try:
+                stats = await self.update_engines(version)
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"
+                if self.trainer_group is None:
+                    raise
+                await loop.run_in_executor(self._ep_exec, self._share_status, err)
+                raise
+        elif self.active and self.ep_size > 1:
+            ok = await loop.run_in_executor(self._ep_exec, self._helper_loop)
+            if not ok:
+                err = "aborted by trainer rank 0"
+        if self.trainer_group is not None:
+            err = await loop.run_in_executor(self._ep_exec, self._share_status, err)
+            if err is not None:
+                raise WeightSyncError(f"weight sync to version {version} failed on trainer rank 0: {err}")
+        elif err is not None:
+            raise WeightSyncError(f"weight sync to version {version} failed on trainer rank 0: {err}")
+        return stats
+
+    def _share_status(self, err: str | None) -> str | None:
+        obj = [err]
+        dist.broadcast_object_list(obj, group=self.trainer_group, group_src=0)
+        return obj[0]
+
+    def sync(self, version) -> SyncStats | None:
+        """Blocking ``sync_async`` for a trainer loop without an event loop of its own."""
+        return asyncio.run(self.sync_async(version))
+
+    def close(self) -> None:
+        self._close_group()
+        self._ep_exec.shutdown(wait=False)
+        self._bc_exec.shutdown(wait=False)
