@@ -1,0 +1,198 @@
+"""The decoupled PPO policy loss (AReaL) with TIS, IcePop, k3 KL and an entropy bonus.
+
+Three policies meet here, all as per-token log-probs of the sampled response tokens:
+
+* ``logp``            pi_theta: the trainer's current parameters (carries the gradient);
+* ``proximal_logp``   pi_prox: the trainer's parameters *before* this step's update,
+                      recomputed by a forward pass (routing replayed);
+* ``behaviour_logp``  pi_behav: the engine that sampled the token (possibly stale and in
+                      another precision).
+
+Per token t (A = advantage, u = pi_theta/pi_prox, w = pi_prox/pi_behav)::
+
+    pg_t = w_t * max(-A_t * u_t, -A_t * clip(u_t, 1 - clip_low, 1 + clip_high))
+
+``w`` is detached and, with ``tis_cap``, truncated at the cap (TIS). IcePop: a token whose
+train/infer ratio w lies outside [icepop_low, icepop_high] is masked out (contributes zero)
+before truncation. With ``kl_coef`` the k3 estimator of KL(pi_theta || pi_ref),
+``exp(ref - logp) - (ref - logp) - 1``, is added per token; with ``entropy_coef`` the
+per-token entropy (given) is subtracted.
+
+Aggregation and distributed training
+-----------------------------------
+The trainer loop splits a step's batch over data-parallel ranks and micro-batches and sums
+the gradients. So the normaliser is the step's GLOBAL one, passed in:
+
+* ``loss_agg="token"``:    loss = sum_t mask_t * l_t / num_tokens_global
+* ``loss_agg="sequence"``: loss = sum_s mean_{t in s} l_t / num_seqs_global
+
+``num_tokens_global`` counts the tokens with ``mask == 1`` in the whole step (all ranks, all
+micro-batches); ``num_seqs_global`` counts the sequences that have at least one such token.
+IcePop-masked tokens stay in both counts (they are dropped from the numerator only), so the
+normalisers are known before the loss runs; :func:`loss_normalisers` computes the local
+counts to all-reduce. For sequence aggregation every sequence must lie entirely inside one
+call (the loop splits by sequences). With the normalisers left ``None`` the given tensors
+are the whole batch. Either way, the sum of the returned losses over all calls is the step's
+loss, and so are the summed gradients.
+
+Metrics are plain floats over the given (local) tokens; ``num_tokens`` lets the caller
+weight them when averaging over micro-batches.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import AlgoConfig
+
+
+def k3(log_ratio: Tensor) -> Tensor:
+    """k3 = exp(d) - d - 1 >= 0 for d = log q - log p (Schulman's low-variance KL estimator);
+    zero iff d == 0. Computed with expm1 for accuracy at small d."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def loss_normalisers(mask: Tensor, seq_ids: Tensor) -> tuple[int, int]:
+    """(tokens with mask==1, sequences with at least one such token) of one micro-batch;
+    sum them over micro-batches and ranks for ``num_tokens_global`` / ``num_seqs_global``."""
+    keep = mask > 0
+    return int(keep.sum()), int(torch.unique(seq_ids[keep]).numel())
+
+
+@torch.no_grad()
+def mismatch_metrics(proximal_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """Train/infer mismatch over the tokens with mask==1.
+
+    ``mismatch_k3``: mean of exp(b - p) - (b - p) - 1 (p = trainer, b = engine log-prob);
+    ``mismatch_max_ratio`` / ``mismatch_min_ratio``: extreme of exp(p - b);
+    ``num_tokens``: how many tokens were measured.
+    """
+    keep = mask > 0
+    n = int(keep.sum())
+    if n == 0:
+        return {"mismatch_k3": 0.0, "mismatch_max_ratio": 1.0, "mismatch_min_ratio": 1.0, "num_tokens": 0}
+    p = proximal_logp.detach()[keep].double()
+    b = behaviour_logp.detach()[keep].double()
+    log_r = p - b
+    return {
+        "mismatch_k3": float(k3(-log_r).mean()),
+        "mismatch_max_ratio": float(log_r.max().exp()),
+        "mismatch_min_ratio": float(log_r.min().exp()),
+        "num_tokens": n,
+    }
+
+
+def policy_loss(
+    logp: Tensor,
+    proximal_logp: Tensor,
+    behaviour_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    cfg: AlgoConfig,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+    num_tokens_global: int | float | None = None,
+    num_seqs_global: int | float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled-PPO loss of one micro-batch; every input is per response token, 1-D [T].
+
+    ``mask``: 1 (or True) where the token counts. ``seq_ids``: the sample each token belongs
+    to (any integers). ``advantages``: per token (a sequence's advantage repeated). Returns
+    ``(loss, metrics)``; the loss is a scalar whose sum over a step's micro-batches and ranks
+    is the step's loss (see the module docstring for the normalisers).
+    """
+    T = logp.shape[0]
+    for name, t in (("proximal_logp", proximal_logp), ("behaviour_logp", behaviour_logp),
+                    ("advantages", advantages), ("mask", mask), ("seq_ids", seq_ids),
+                    ("ref_logp", ref_logp), ("entropy", entropy)):
+        if t is not None and t.shape != (T,):
+            raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)}, expected ({T},) like logp")
+    if cfg.loss_agg not in ("token", "sequence"):
+        raise ValueError(f"algo.loss_agg={cfg.loss_agg!r}: expected 'token' or 'sequence'")
+
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    logp = logp.to(dtype)
+    prox = proximal_logp.detach().to(dtype)
+    behav = behaviour_logp.detach().to(dtype)
+    adv = advantages.detach().to(dtype)
+    keep = mask > 0
+    n_local = int(keep.sum())
+
+    # behaviour weight w = pi_prox / pi_behav: IcePop mask, then TIS truncation
+    log_w = prox - behav
+    w = log_w.exp()
+    ice = torch.zeros_like(keep)
+    if cfg.icepop_low is not None:
+        ice |= w < cfg.icepop_low
+    if cfg.icepop_high is not None:
+        ice |= w > cfg.icepop_high
+    ice &= keep
+    live = keep & ~ice
+    if cfg.tis_cap is not None:
+        tis = (w > cfg.tis_cap) & live
+        w = w.clamp(max=cfg.tis_cap)
+    else:
+        tis = torch.zeros_like(keep)
+
+    # Tokens that do not count see logp := prox (ratio 1, zero gradient), so garbage values at
+    # padding or huge ratios at IcePop-masked tokens cannot turn into inf * 0 = NaN.
+    logp = torch.where(live, logp, prox)
+    w = torch.where(live, w, torch.ones_like(w))
+    adv = torch.where(live, adv, torch.zeros_like(adv))
+
+    # PPO clip against the proximal policy, min form (max of the negated objectives)
+    ratio = (logp - prox).exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    pg = torch.maximum(unclipped, clipped) * w
+    clip_active = (clipped > unclipped) & live
+
+    per_token = pg
+    kl = None
+    if ref_logp is not None and cfg.kl_coef > 0:
+        kl = k3(ref_logp.detach().to(dtype) - logp)
+        per_token = per_token + cfg.kl_coef * kl
+    if entropy is not None and cfg.entropy_coef > 0:
+        ent = torch.where(live, entropy.to(dtype), torch.zeros((), dtype=dtype, device=logp.device))
+        per_token = per_token - cfg.entropy_coef * ent
+
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    if cfg.loss_agg == "token":
+        denom = float(num_tokens_global) if num_tokens_global is not None else float(n_local)
+        denom = max(denom, 1.0)
+
+        def agg(x: Tensor) -> Tensor:
+            return torch.where(live, x, zero).sum() / denom
+    else:
+        _, inv = torch.unique(seq_ids, return_inverse=True)
+        S = int(inv.max()) + 1 if T else 0
+        tok_count = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, keep.to(dtype))
+        per_tok_scale = 1.0 / tok_count.clamp(min=1.0)[inv]
+        n_seqs = int((tok_count > 0).sum())
+        denom = float(num_seqs_global) if num_seqs_global is not None else float(n_seqs)
+        denom = max(denom, 1.0)
+
+        def agg(x: Tensor) -> Tensor:
+            return (torch.where(live, x, zero) * per_tok_scale).sum() / denom
+
+    loss = agg(per_token)
+
+    with torch.no_grad():
+        nk, nl = max(n_local, 1), max(int(live.sum()), 1)
+        metrics: dict[str, float] = {
+            "pg_loss": float(agg(pg.detach())),
+            "clip_frac": float(clip_active.sum()) / nl,
+            "tis_frac": float(tis.sum()) / nk,
+            "icepop_frac": float(ice.sum()) / nk,
+            "ratio_mean": float(torch.where(live, ratio.detach(), zero).sum()) / nl,
+            "kl": float(torch.where(live, kl.detach(), zero).sum()) / nl if kl is not None else 0.0,
+            "num_tokens": n_local,
+        }
+        if entropy is not None:
+            metrics["entropy"] = float(torch.where(keep, entropy.detach().to(dtype), zero).sum()) / nk
+        mm = mismatch_metrics(prox, behav, keep)
+        metrics["mismatch_k3"] = mm["mismatch_k3"]
+        metrics["mismatch_max_ratio"] = mm["mismatch_max_ratio"]
+        metrics["loss"] = float(loss.detach())
+    return loss, metrics
