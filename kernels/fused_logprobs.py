@@ -8,7 +8,7 @@ Maths (per token row, ``x = hidden @ weight.T`` in fp32, ``z = x / T``)::
 
     M   = max_j z_j                   S = sum_j exp(z_j - M)        lse = M + log S
     U   = sum_j exp(z_j - M) (z_j - M)                              (always <= 0)
-    logp = z_y - lse                  H = lse - sum_j p_j z_j = log S - U / S
+    logp = (z_y - M) - log S          H = lse - sum_j p_j z_j = log S - U / S
 
 Keeping ``U`` relative to the running max (instead of ``sum p z``) avoids the cancellation
 ``lse - sum p z`` suffers when the logits are large in magnitude. Tiles over the vocabulary are
@@ -75,6 +75,8 @@ TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _SPLIT_V = 2048
 # Backward scratch budget as a fraction of the materialised fp32 logits (N * V * 4 bytes).
 _BWD_BUDGET_FRACTION = 0.008
+# Backward: column-group width of the d_logits rounding-error sums (divides every BLOCK_N).
+_ERR_GROUP = 128
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,10 +168,11 @@ if triton is not None:
         tl.store(zy_ptr + offs_m, zy, mask=row_mask & in_split)
 
     @triton.jit
-    def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, dz_ptr,
-                        R, C, H, v_off, stride_hn, stride_hk, stride_wv, stride_wk,
+    def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, mx_ptr, logs_ptr, ent_ptr, gl_ptr, ge_ptr, dz_ptr,
+                        err_ptr, R, C, H, v_off, stride_hn, stride_hk, stride_wv, stride_wk,
                         stride_dm, stride_dn, inv_t,
-                        HAS_GL: tl.constexpr, HAS_GE: tl.constexpr,
+                        HAS_GL: tl.constexpr, HAS_GE: tl.constexpr, TRACK_ERR: tl.constexpr,
+                        ERR_GROUP: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
         """d_logits (w.r.t. the raw logits x) of an [R, C] slab x chunk, recomputing the tile."""
@@ -182,8 +185,12 @@ if triton is not None:
         z = _logits_tile(h_ptr, w_ptr, offs_m, offs_n, row_mask, col_mask, H,
                          stride_hn, stride_hk, stride_wv, stride_wk,
                          BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32) * inv_t
-        lse = tl.load(lse_ptr + offs_m, mask=row_mask, other=0.0)
-        logp = z - lse[:, None]
+        mx = tl.load(mx_ptr + offs_m, mask=row_mask, other=0.0)
+        log_s = tl.load(logs_ptr + offs_m, mask=row_mask, other=0.0)
+        # (z - max) - log S, not z - lse: lse rounded to fp32 would bias every p by ulp(lse).
+        # Out-of-range lanes get logp = 0 (never stored) so exp() cannot overflow there.
+        logp = tl.where(row_mask[:, None] & col_mask[None, :],
+                        (z - mx[:, None]) - log_s[:, None], 0.0)
         p = tl.exp(logp)
         dz = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if HAS_GL:
@@ -196,8 +203,20 @@ if triton is not None:
             ge = tl.load(ge_ptr + offs_m, mask=row_mask, other=0.0)
             dz -= ge[:, None] * p * (logp + ent[:, None])
         dz = dz * inv_t
+        mask = row_mask[:, None] & col_mask[None, :]
+        dz_out = dz.to(dz_ptr.dtype.element_ty)
         d_ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dm + offs_n[None, :] * stride_dn
-        tl.store(d_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(d_ptrs, dz_out, mask=mask)
+        if TRACK_ERR:
+            # Rounding error of d_logits summed per row over each ERR_GROUP-wide column group
+            # (see _backward). The [groups, R] layout does not depend on BLOCK_N, so whichever
+            # config the autotuner picks writes every group: nothing stale is left behind.
+            err = tl.where(mask, dz_out.to(tl.float32) - dz, 0.0)
+            G: tl.constexpr = BLOCK_N // ERR_GROUP
+            err = tl.sum(tl.reshape(err, (BLOCK_M, G, ERR_GROUP)), axis=2)
+            grp = pid_n * G + tl.arange(0, G)
+            e_ptrs = err_ptr + grp[None, :] * R + offs_m[:, None]
+            tl.store(e_ptrs, err, mask=row_mask[:, None] & (grp[None, :] * ERR_GROUP < C))
 
     def _gpu_configs():
         cfg = triton.Config
@@ -331,27 +350,28 @@ def _partials_torch(hidden, weight, labels_local, inv_t, entropy, plan: Plan):
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
-def _dlogits_triton(h_slab, w_chunk, lab, lse, ent, gl, ge, v_off, inv_t, out):
+def _dlogits_triton(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t, out, err):
     r, hdim = h_slab.shape
     c = w_chunk.shape[0]
 
     def grid(meta):
         return (triton.cdiv(r, meta["BLOCK_M"]) * triton.cdiv(c, meta["BLOCK_N"]),)
 
-    dummy = lse
+    dummy = mx
     extra = _INTERPRET_META if TRITON_INTERPRET else {}
-    _dlogits_launch[grid](h_slab, w_chunk, lab, lse, ent if ent is not None else dummy,
+    _dlogits_launch[grid](h_slab, w_chunk, lab, mx, log_s, ent if ent is not None else dummy,
                           gl if gl is not None else dummy, ge if ge is not None else dummy, out,
-                          r, c, hdim, v_off, h_slab.stride(0), h_slab.stride(1),
+                          err if err is not None else dummy, r, c, hdim, v_off,
+                          h_slab.stride(0), h_slab.stride(1),
                           w_chunk.stride(0), w_chunk.stride(1), out.stride(0), out.stride(1),
                           inv_t, HAS_GL=gl is not None, HAS_GE=ge is not None,
-                          DOT_FP32=_DOT_FP32, **extra)
+                          TRACK_ERR=err is not None, ERR_GROUP=_ERR_GROUP, DOT_FP32=_DOT_FP32, **extra)
     return out
 
 
-def _dlogits_torch(h_slab, w_chunk, lab, lse, ent, gl, ge, v_off, inv_t):
+def _dlogits_torch(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t):
     z = (h_slab.float() @ w_chunk.float().T) * inv_t
-    logp = z - lse[:, None]
+    logp = (z - mx[:, None]) - log_s[:, None]
     p = torch.exp(logp)
     dz = torch.zeros_like(z)
     if gl is not None:
@@ -363,28 +383,49 @@ def _dlogits_torch(h_slab, w_chunk, lab, lse, ent, gl, ge, v_off, inv_t):
     return dz * inv_t
 
 
-def _backward(impl, hidden, weight, labels_local, lse, ent, gl, ge, inv_t, plan, tp_group):
+def _backward(impl, hidden, weight, labels_local, mx, log_s, ent, gl, ge, inv_t, plan,
+              tp_group):
+    """d_hidden and d_weight, per (row slab, vocab chunk).
+
+    The Triton path stores d_logits in the input dtype for the two GEMMs. Rounding them to
+    bf16 is harmless for d_weight but can wreck d_hidden when the weight rows share a large
+    common component (logits with a big common offset): d_hidden_i = sum_j dz_ij w_j then
+    cancels, and the rounding errors delta_ij no longer do. Write w_j = wbar + (w_j - wbar)
+    with wbar the chunk's mean row: the kernel also returns e_i = sum_j delta_ij, and
+    subtracting e_i * wbar leaves only sum_j delta_ij (w_j - wbar), an error proportional to
+    the spread of the weight rows instead of their mean.
+    """
     n, hdim = hidden.shape
     v = weight.shape[0]
     d_hidden = torch.empty_like(hidden)
     d_weight = torch.empty_like(weight)
     fp32 = hidden.dtype == torch.float32
+    w_means = None
+    if impl == "triton" and not fp32 and n:
+        w_means = [weight[c0:c0 + plan.vocab].sum(0, dtype=torch.float32) /
+                   weight[c0:c0 + plan.vocab].shape[0] for c0 in range(0, v, plan.vocab)]
     for r0 in range(0, n, plan.rows):
         r1 = min(n, r0 + plan.rows)
         h_slab = hidden[r0:r1]
         acc = torch.zeros((r1 - r0, hdim), device=hidden.device, dtype=torch.float32)
-        args = (labels_local[r0:r1], lse[r0:r1], None if ent is None else ent[r0:r1],
+        args = (labels_local[r0:r1], mx[r0:r1], log_s[r0:r1], None if ent is None else ent[r0:r1],
                 None if gl is None else gl[r0:r1], None if ge is None else ge[r0:r1])
         for c0 in range(0, v, plan.vocab):
             c1 = min(v, c0 + plan.vocab)
             w_chunk = weight[c0:c1]
             if impl == "triton":
                 dz = torch.empty((r1 - r0, c1 - c0), device=hidden.device, dtype=hidden.dtype)
-                _dlogits_triton(h_slab, w_chunk, *args, c0, inv_t, dz)
                 if fp32:
+                    _dlogits_triton(h_slab, w_chunk, *args, c0, inv_t, dz, None)
                     acc.addmm_(dz, w_chunk)
-                else:  # one rounding of this chunk's product; the sum over chunks is fp32
+                else:
+                    err = torch.empty((triton.cdiv(c1 - c0, _ERR_GROUP), r1 - r0),
+                                      device=hidden.device, dtype=torch.float32)
+                    _dlogits_triton(h_slab, w_chunk, *args, c0, inv_t, dz, err)
+                    # one rounding of this chunk's product; the sum over chunks is fp32
                     acc += (dz @ w_chunk).float()
+                    acc.sub_(err.sum(0)[:, None] * w_means[c0 // plan.vocab][None, :])
+                    del err
                 dw_c = dz.T @ h_slab
             else:
                 dz = _dlogits_torch(h_slab, w_chunk, *args, c0, inv_t)
@@ -458,13 +499,12 @@ class _FusedLogprobs(torch.autograd.Function):
             u = packed[2] if return_entropy else None
 
         log_s = torch.log(s)
-        lse = m + log_s
-        zero = torch.zeros_like(lse)
-        logp = torch.where(ignored, zero, zy - lse)
+        zero = torch.zeros_like(log_s)
+        logp = torch.where(ignored, zero, (zy - m) - log_s)
         ent = torch.where(ignored, zero, log_s - u / s) if return_entropy else None
 
-        ctx.save_for_backward(hidden, weight, labels_local, ignored, lse,
-                              ent if ent is not None else lse)
+        ctx.save_for_backward(hidden, weight, labels_local, ignored, m, log_s,
+                              ent if ent is not None else log_s)
         ctx.inv_t, ctx.tp_group, ctx.impl, ctx.plan = inv_t, tp_group, impl, plan
         ctx.has_ent = return_entropy
         ctx.set_materialize_grads(False)
@@ -474,17 +514,17 @@ class _FusedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        hidden, weight, labels_local, ignored, lse, ent = ctx.saved_tensors
+        hidden, weight, labels_local, ignored, mx, log_s, ent = ctx.saved_tensors
         g_logp = grads[0]
         g_ent = grads[1] if ctx.has_ent else None
         if g_logp is None and g_ent is None:
             return (None,) * 8
-        zero = torch.zeros((), device=lse.device, dtype=torch.float32)
+        zero = torch.zeros((), device=mx.device, dtype=torch.float32)
 
         def prep(g):
             return None if g is None else torch.where(ignored, zero, g.float()).contiguous()
 
-        d_hidden, d_weight = _backward(ctx.impl, hidden, weight, labels_local, lse,
+        d_hidden, d_weight = _backward(ctx.impl, hidden, weight, labels_local, mx, log_s,
                                        ent if g_ent is not None else None,
                                        prep(g_logp), prep(g_ent), ctx.inv_t, ctx.plan,
                                        ctx.tp_group)
