@@ -196,8 +196,8 @@ WRITER = textwrap.dedent("""
     i = len(log)
     while True:
         rng = np.random.default_rng(i)
-        ids = np.argsort(rng.random((64, L, E), dtype=np.float32), axis=-1)[..., :K]
-        ids = np.tile(ids, (int(rng.integers(1, 40)), 1, 1))
+        ids = np.argsort(rng.random((16, L, E), dtype=np.float32), axis=-1)[..., :K]
+        ids = np.tile(ids, (int(rng.integers(1, 160)), 1, 1))
         log.append(f"r{i}", ids, versions=[i])
         print(i, flush=True)
         i += 1
@@ -206,8 +206,8 @@ WRITER = textwrap.dedent("""
 
 def expected(i):
     rng = np.random.default_rng(i)
-    ids = np.argsort(rng.random((64, 48, 128), dtype=np.float32), axis=-1)[..., :8]
-    return np.tile(ids, (int(rng.integers(1, 40)), 1, 1))
+    ids = np.argsort(rng.random((16, 48, 128), dtype=np.float32), axis=-1)[..., :8]
+    return np.tile(ids, (int(rng.integers(1, 160)), 1, 1))
 
 
 def test_kill_9_writer_mid_append(tmp_path):
@@ -216,11 +216,11 @@ def test_kill_9_writer_mid_append(tmp_path):
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
     path = tmp_path / "log"
-    done = -1
+    done, checked = -1, 0
     for round_ in range(6):
         p = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        target = done + 5 + 3 * round_
+        target = done + 3 + round_
         deadline = time.monotonic() + 30
         while done < target and time.monotonic() < deadline:
             done = int(p.stdout.readline())
@@ -233,9 +233,12 @@ def test_kill_9_writer_mid_append(tmp_path):
         n = len(log)
         assert n >= done + 1, "a record reported appended was lost"
         assert log.uids() == [f"r{i}" for i in range(n)]
-        for i in range(n):
+        for i in range(max(0, checked - 1), n):  # the new ones; all of them in the end
             assert np.array_equal(log.get(f"r{i}"), expected(i)), i
             assert log.versions(f"r{i}") == (i,)
+        checked = n
         log.close()
         ReplayLog(path).close()  # writer reopen: truncates the torn tail
         done = n - 1
+    log = ReplayLog(path, mode="r")
+    assert all(np.array_equal(log.get(f"r{i}"), expected(i)) for i in range(len(log)))
