@@ -95,14 +95,12 @@ class WeightReceiver:
             except BaseException as e:
                 done = self._received_buckets
                 self._reset()
-                live = self.weight_version if self.weight_version is not None else "the initial weights"
-                if isinstance(e, WeightSyncError):
-                    raise WeightSyncError(f"{e}; update to version {weight_version} aborted after {done} "
-                                          f"buckets, parameters unchanged (still {live})") from None
+                live = f"version {self.weight_version}" if self.weight_version is not None else "the initial weights"
+                what = str(e) if isinstance(e, WeightSyncError) else f"{type(e).__name__}: {e}"
                 raise WeightSyncError(
-                    f"weight update to version {weight_version} failed after {done} buckets: "
-                    f"{type(e).__name__}: {e}; parameters unchanged (still {live})"
-                ) from e
+                    f"weight update to version {weight_version} aborted after {done} buckets: {what}; "
+                    f"parameters unchanged (still {live})"
+                ) from (None if isinstance(e, WeightSyncError) else e)
 
     def _receive(self, names, dtypes, shapes, group_name, load_format, weight_version, checksum) -> bool:
         if load_format not in ("flattened_bucket", None):
@@ -133,8 +131,8 @@ class WeightReceiver:
             group.wait_work(work)
         except Exception as e:
             self.destroy_group(group_name)  # a broken group: the sender re-creates it
-            raise WeightSyncError(f"broadcast of a bucket ({len(names)} tensors, first {names[0]}) "
-                                  f"failed: {e}") from e
+            raise WeightSyncError(f"receiving the bucket starting with {names[0]} failed (is the sender "
+                                  f"alive?): {e}") from e
         if checksum is not None and not verify_checksum(buf, checksum):
             raise WeightSyncError(f"checksum mismatch on the bucket starting with {names[0]}")
 

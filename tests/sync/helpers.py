@@ -85,3 +85,20 @@ class _DyingEngine(LocalEngine):
             self.conn.send(("update_weights_from_distributed", body))  # the engine waits for the broadcast
             os._exit(1)  # the sender is killed mid-update, before broadcasting this bucket
         return await super().update_weights_from_distributed(**body)
+
+
+def trainer_mismatch(rank, world, conn):
+    """EP=2 trainers whose experts are wider than the engine's: every rank must see the error."""
+    from moe_rl.sync import WeightSyncError
+
+    ep = dist.new_group(list(range(world)))
+    model = MoEForCausalLM(arch(moe_intermediate_size=24), ep_group=ep).init_weights(3)
+    engines = [LocalEngine(conn, timeout_s=60)] if rank == 0 else []
+    sender = WeightSender(model, ep_group=ep, trainer_group=ep, engines=engines, bucket_mb=BUCKET_MB, timeout_s=30)
+    try:
+        sender.sync("bad")
+    except WeightSyncError as e:
+        raise AssertionError(f"rank {rank} saw: {e}") from None
+    finally:
+        sender.close()
+    raise RuntimeError("the sync should have failed")

@@ -54,3 +54,36 @@ def test_sync_ep1_then_ep2_identical(receiver):
     assert got.keys() == want2.keys()
     assert [n for n in want2 if got[n] != want2[n]] == []
     assert ctl.call("state")["result"]["version"] == "2"
+
+
+def test_killed_sender_leaves_old_version(receiver):
+    """The sender dies after 3 buckets; the receiver reports it and keeps the old weights;
+    a fresh sender then re-creates the group and syncs fine."""
+    tr, ctl, _ = receiver
+    before = ctl.call("hashes")["result"]
+    with pytest.raises(AssertionError, match="exit"):
+        run_distributed(H.trainer_sync, 1, tr, 1, "v1", False, 3, timeout=60)
+    state = ctl.call("state")["result"]
+    assert state["version"] is None
+    err = state["last_error"]
+    assert "aborted after 3 buckets" in err and "is the sender alive?" in err and "parameters unchanged (still the initial weights)" in err, err
+    assert ctl.call("hashes")["result"] == before
+    # recovery: the control pipe acts as a new trainer's engine connection
+    model = MoEForCausalLM(H.arch()).init_weights(1)
+    sender = WeightSender(model, engines=[ctl], bucket_mb=H.BUCKET_MB, timeout_s=30)
+    sender.sync("v2")
+    sender.close()
+    assert ctl.call("hashes")["result"] == expected_hashes(1)
+    assert ctl.call("state")["result"]["version"] == "v2"
+
+
+def test_engine_rejection_reaches_every_trainer_rank(receiver):
+    """A trainer whose model does not match the engine's (other expert width): the engine
+    rejects the bucket naming the tensor, both EP ranks raise, the engine keeps its weights."""
+    tr, ctl, _ = receiver
+    before = ctl.call("hashes")["result"]
+    with pytest.raises(AssertionError) as ei:
+        run_distributed(H.trainer_mismatch, 2, tr, timeout=90)
+    msg = str(ei.value)
+    assert "shape mismatch for model.layers.0.mlp.experts.0.gate_proj.weight" in msg, msg
+    assert ctl.call("hashes")["result"] == before
