@@ -281,6 +281,7 @@ def serve_main(argv: list[str]) -> int:
     ap.add_argument("--host", default=None, help="bind address (default engine.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, default=None, help="port (default engine.port; 0 = a free port)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default engine.api_key)")
+    ap.add_argument("--dry-run", action="store_true", help="engine.kind=sglang: print the SGLang command, do not run it")
     args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -288,6 +289,8 @@ def serve_main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     e = cfg.engine
+    if e.kind == "sglang":
+        return _exec_sglang(cfg, args)
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host = args.host or e.host
     port = e.port if args.port is None else args.port
@@ -297,6 +300,32 @@ def serve_main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _exec_sglang(cfg, args) -> int:
+    """engine.kind=sglang: replace this process by SGLang's server (or print its command)."""
+    import importlib.util
+    import os
+
+    from .sglang import format_command, sglang_command
+
+    if args.api_key is not None:
+        cfg.engine.api_key = args.api_key
+    try:
+        cmd = sglang_command(cfg, host=args.host, port=args.port)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(format_command(cmd))
+        return 0
+    if importlib.util.find_spec("sglang") is None:
+        print("error: engine.kind=sglang but the sglang package is not installed here "
+              f"(the command would be: {format_command(cmd)})", file=sys.stderr)
+        return 2
+    print(f"moe-rl serve: exec {format_command(cmd)}", file=sys.stderr, flush=True)
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
 
 
 if __name__ == "__main__":
