@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
+#include <vector>
 
 namespace moe_rl {
 namespace {
@@ -176,8 +177,48 @@ void unpack(const uint8_t* in, size_t nbytes, size_t first, size_t n, int bits, 
                                                                            out);
 }
 
+// Rows of a compile-time width K: compare each id with the ones 1..K/2 places further round
+// the row, which covers every pair; branch-free so the compiler can vectorise it.
+template <int K, typename T>
+int64_t first_duplicate_row_k(const T* in, size_t rows) {
+  constexpr size_t kBlock = 16;
+  for (size_t r0 = 0; r0 < rows; r0 += kBlock) {
+    const size_t r1 = std::min(rows, r0 + kBlock);
+    bool any = false;
+    for (size_t r = r0; r < r1; ++r) {
+      const T* row = in + r * K;
+      bool dup = false;
+#pragma GCC unroll 16
+      for (int s = 1; s <= K / 2; ++s)
+#pragma GCC unroll 16
+        for (int j = 0; j < K; ++j) dup |= row[j] == row[(j + s) % K];
+      any |= dup;
+    }
+    if (any) {
+      for (size_t r = r0; r < r1; ++r) {
+        const T* row = in + r * K;
+        for (int a = 1; a < K; ++a)
+          for (int b = 0; b < a; ++b)
+            if (row[a] == row[b]) return int64_t(r);
+      }
+    }
+  }
+  return -1;
+}
+
 template <typename T>
 int64_t first_duplicate_row(const T* in, size_t rows, size_t k) {
+  switch (k) {
+    case 0:
+    case 1: return -1;
+    case 2: return first_duplicate_row_k<2>(in, rows);
+    case 4: return first_duplicate_row_k<4>(in, rows);
+    case 6: return first_duplicate_row_k<6>(in, rows);
+    case 8: return first_duplicate_row_k<8>(in, rows);
+    case 10: return first_duplicate_row_k<10>(in, rows);
+    case 12: return first_duplicate_row_k<12>(in, rows);
+    case 16: return first_duplicate_row_k<16>(in, rows);
+  }
   for (size_t r = 0; r < rows; ++r) {
     const T* row = in + r * k;
     bool dup = false;

@@ -209,7 +209,7 @@ size_t Store::parse_index(bool truncate_torn_tail) {
     if (left < 8) break;  // incomplete tail (or clean end)
     const uint32_t len = get_at<uint32_t>(&data[pos]);
     const uint32_t crc = get_at<uint32_t>(&data[pos + 4]);
-    if (len > kMaxBody || len < 36) {
+    if (len > kMaxBody || len < 32) {
       // A tail of zeros (a torn write after a power loss) is not corruption of a record.
       if (std::all_of(data.begin() + pos, data.end(), [](uint8_t x) { return x == 0; })) break;
       throw corrupt("entry length " + std::to_string(len));

@@ -33,11 +33,13 @@ def pack(ids, num_experts: int) -> np.ndarray:
     return _C.pack(np.ascontiguousarray(ids), int(num_experts))
 
 
-def unpack(buf, n: int, num_experts: int, *, dtype=np.int64, first: int = 0) -> np.ndarray:
-    """Decodes ids ``[first, first+n)`` of a packed stream into a flat int32/int64 array."""
+def unpack(buf, n: int, num_experts: int, *, dtype=np.int64, first: int = 0,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """Decodes ids ``[first, first+n)`` of a packed stream into a flat int32/int64 array (or
+    into ``out``: C-contiguous int32/int64 with ``n`` elements)."""
     buf = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
     return _C.unpack(np.ascontiguousarray(buf), int(n), int(num_experts),
-                     np.dtype(dtype).name, int(first))
+                     np.dtype(dtype).name, int(first), out)
 
 
 def _plan(bits: int):
@@ -77,8 +79,10 @@ def pack_numpy(ids, num_experts: int) -> np.ndarray:
     return np.ascontiguousarray(out).reshape(-1)[: (n * bits + 7) // 8]
 
 
-def unpack_numpy(buf, n: int, num_experts: int, *, dtype=np.int64) -> np.ndarray:
-    """Vectorised numpy implementation of :func:`unpack` (whole stream, ``first=0``)."""
+def unpack_numpy(buf, n: int, num_experts: int, *, dtype=np.int64,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Vectorised numpy implementation of :func:`unpack` (whole stream, ``first=0``); decodes
+    into ``out`` (flat, ``n`` elements, a multiple of 8) when given."""
     bits = bits_for(num_experts)
     buf = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
     groups = -(-n // 8)
@@ -90,7 +94,12 @@ def unpack_numpy(buf, n: int, num_experts: int, *, dtype=np.int64) -> np.ndarray
     raw[:, :bits] = padded.reshape(groups, bits)
     words = raw.view(np.uint64)  # [groups, nwords]
     mask = np.uint64((1 << bits) - 1)
-    out = np.empty((groups, 8), dtype=dtype)
+    if out is not None and out.size == groups * 8:
+        res = out
+        out = out.reshape(groups, 8)
+    else:
+        res = None
+        out = np.empty((groups, 8), dtype=dtype)
     tmp = np.empty(groups, dtype=np.uint64)
     for j, (w, off, spill) in enumerate(_plan(bits)):
         np.right_shift(words[:, w], off, out=tmp)
@@ -98,4 +107,4 @@ def unpack_numpy(buf, n: int, num_experts: int, *, dtype=np.int64) -> np.ndarray
             tmp |= words[:, w + 1] << spill
         tmp &= mask
         out[:, j] = tmp
-    return out.reshape(-1)[:n]
+    return res if res is not None else out.reshape(-1)[:n]

@@ -66,3 +66,15 @@ def test_crc32c_known_values():
     assert _C.crc32c(bytes(range(32))) == 0x46DD794E
     data = np.random.default_rng(1).integers(0, 256, 1001, dtype=np.uint8).tobytes()
     assert _C.crc32c(data[500:], _C.crc32c(data[:500])) == _C.crc32c(data)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6, 8, 10, 12, 16])
+def test_first_duplicate_row_every_pair(k):
+    rows = np.tile(np.arange(k, dtype=np.int32), 40)
+    assert _C.first_duplicate_row(rows, k) == -1
+    for a in range(k):
+        for b in range(k):
+            if a != b:
+                z = rows.copy()
+                z[k * 23 + a] = z[k * 23 + b]
+                assert _C.first_duplicate_row(z, k) == 23
