@@ -263,20 +263,26 @@ class Plan:
     vocab: int
 
 
-def _plan(n: int, h: int, v: int, itemsize: int) -> Plan:
-    """Backward chunking under a scratch budget of ~0.8% of the fp32 logits ``n * v * 4``.
+def _plan(n: int, h: int, v: int, itemsize: int, impl: str = "triton") -> Plan:
+    """Chunking under a scratch budget of ~0.8% of the fp32 logits ``n * v * 4``.
 
-    Live scratch per slab row: fp32 d_hidden accumulator (4h) + one product in the input dtype
-    (itemsize * h) + the d_logits chunk (itemsize * vocab). One slab (no d_weight accumulation
-    across slabs) whenever it fits.
+    Triton path, backward scratch per slab row: fp32 d_hidden accumulator (4h) + one product
+    in the input dtype (itemsize * h) + the d_logits chunk (itemsize * vocab); slabs are
+    multiples of 128 rows (GEMM-friendly). Torch path: fp32 copies of the slab (4h), the
+    d_hidden accumulator (4h) and about three fp32 ``[rows, vocab]`` temporaries. One slab
+    (no d_weight accumulation across slabs) whenever it fits. Tiny problems exceed the
+    fraction because of the minimum slab height.
     """
-    vocab = max(1, min(v, 4096))
+    vocab = max(1, min(v, 4096 if impl == "triton" else 2048))
     budget = _BWD_BUDGET_FRACTION * n * v * 4
-    per_row = 4 * h + itemsize * h + itemsize * vocab
+    if impl == "triton":
+        per_row, step = 4 * h + itemsize * h + itemsize * vocab, 128
+    else:
+        per_row, step = 8 * h + 12 * vocab, 32
     rows = int(budget // per_row)
     if rows >= n:
         return Plan(rows=max(n, 1), vocab=vocab)
-    rows = max(128, rows // 128 * 128)
+    rows = max(step, rows // step * step)
     return Plan(rows=min(rows, n), vocab=vocab)
 
 
@@ -331,19 +337,21 @@ def _partials_torch(hidden, weight, labels_local, inv_t, entropy, plan: Plan):
         mr, sr, ur, zr = m[r0:r1], s[r0:r1], (u[r0:r1] if entropy else None), zy[r0:r1]
         for c0 in range(0, v, plan.vocab):
             c1 = min(v, c0 + plan.vocab)
-            z = (hf @ weight[c0:c1].float().T) * inv_t
+            z = hf @ weight[c0:c1].float().T
+            z.mul_(inv_t)
+            in_chunk = (lab >= c0) & (lab < c1)
+            idx = (lab - c0).clamp(0, c1 - c0 - 1)
+            zr.add_(torch.where(in_chunk, z.gather(1, idx[:, None])[:, 0], torch.zeros_like(zr)))
             m_new = torch.maximum(mr, z.max(dim=1).values)
-            zc = z - m_new[:, None]
+            zc = z.sub_(m_new[:, None])  # in place: two [rows, vocab] buffers live at most
             p = torch.exp(zc)
             alpha = torch.exp(mr - m_new)
             if entropy:
                 shift = torch.where(sr > 0, mr - m_new, torch.zeros_like(sr)) * sr
-                ur.copy_(alpha * (ur + shift) + (p * zc).sum(dim=1))
+                ur.copy_(alpha * (ur + shift) + torch.linalg.vecdot(p, zc))
             sr.copy_(sr * alpha + p.sum(dim=1))
             mr.copy_(m_new)
-            in_chunk = (lab >= c0) & (lab < c1)
-            idx = (lab - c0).clamp(0, c1 - c0 - 1)
-            zr.add_(torch.where(in_chunk, z.gather(1, idx[:, None])[:, 0], torch.zeros_like(zr)))
+            del z, zc, p
     return m, s, u, zy
 
 
@@ -370,17 +378,19 @@ def _dlogits_triton(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t, 
 
 
 def _dlogits_torch(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t):
-    z = (h_slab.float() @ w_chunk.float().T) * inv_t
-    logp = (z - mx[:, None]) - log_s[:, None]
+    logp = h_slab.float() @ w_chunk.float().T
+    logp.mul_(inv_t).sub_(mx[:, None]).sub_(log_s[:, None])
     p = torch.exp(logp)
-    dz = torch.zeros_like(z)
-    if gl is not None:
-        cols = torch.arange(v_off, v_off + w_chunk.shape[0], device=z.device)
-        onehot = (cols[None, :] == lab[:, None]).to(z.dtype)
-        dz += gl[:, None] * (onehot - p)
-    if ge is not None:
-        dz -= ge[:, None] * p * (logp + ent[:, None])
-    return dz * inv_t
+    if ge is not None:  # dz = -e p (logp + H), built in the logp buffer
+        dz = logp.add_(ent[:, None]).mul_(p).mul_(-ge[:, None])
+    else:
+        dz = torch.zeros_like(logp)
+    if gl is not None:  # + g (onehot - p)
+        dz.sub_(p.mul_(gl[:, None]))
+        hit = (lab >= v_off) & (lab < v_off + w_chunk.shape[0])
+        rows = torch.nonzero(hit)[:, 0]
+        dz[rows, lab[rows] - v_off] += gl[rows]
+    return dz.mul_(inv_t)
 
 
 def _backward(impl, hidden, weight, labels_local, mx, log_s, ent, gl, ge, inv_t, plan,
@@ -477,7 +487,7 @@ class _FusedLogprobs(torch.autograd.Function):
         labels_local = torch.where(ignored | (local < 0) | (local >= v_local),
                                    torch.full_like(labels, -1), local).contiguous()
         if plan is None:
-            plan = _plan(n, hidden.shape[1], v_local, hidden.element_size())
+            plan = _plan(n, hidden.shape[1], v_local, hidden.element_size(), impl)
 
         if impl == "triton":
             m, s, u, zy = _partials_triton(hidden, weight, labels_local, inv_t, return_entropy)
