@@ -287,6 +287,12 @@ class Engine:
                         self.in_step = True
                     try:
                         self._step(segments)
+                    except Exception as e:  # fail this step's requests, keep serving
+                        log.exception("engine step failed")
+                        with self.cond:
+                            self.stats["step_errors"] += 1
+                            for r, _, _ in segments:
+                                self._finish_locked(r, P.finish_abort(f"engine step failed: {type(e).__name__}: {e}", 500))
                     finally:
                         with self.cond:
                             self.in_step = False
@@ -296,7 +302,7 @@ class Engine:
             with self.cond:
                 self.error = f"{type(e).__name__}: {e}"
                 for r in list(self.by_rid.values()):
-                    self._finish_locked(r, P.finish_abort(f"engine error: {self.error}"))
+                    self._finish_locked(r, P.finish_abort(f"engine error: {self.error}", 500))
                 self.cond.notify_all()
 
     def _schedule_locked(self) -> list[tuple[_Req, list[int], int]]:

@@ -224,8 +224,10 @@ def finish_stop(token: int) -> dict:
     return {"type": "stop", "matched": token}
 
 
-def finish_abort(message: str = "Aborted") -> dict:
-    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+def finish_abort(message: str = "Aborted", status_code: int | None = None) -> dict:
+    """An abort; with an error ``status_code`` (>= 400) the server answers with that HTTP error,
+    as SGLang does, instead of a response with partial output."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
 
 
 # --- weight sync requests -------------------------------------------------------------------

@@ -116,7 +116,11 @@ class EngineServer:
             return _error(503, f"engine is not running: {self.engine.error}")
         if req.stream:
             return await self._generate_stream(request, req)
-        return web.json_response(await self.engine.generate(req))
+        out = await self.engine.generate(req)
+        reason = out["meta_info"]["finish_reason"]
+        if reason["type"] == "abort" and (reason.get("status_code") or 0) >= 400:
+            return _error(reason["status_code"], reason["message"])
+        return web.json_response(out)
 
     async def _generate_stream(self, request: web.Request, req: P.GenerateRequest) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -245,7 +249,8 @@ class EngineServer:
 async def start_server(engine: Engine, host: str, port: int, api_key: str | None = None):
     """Starts the engine thread and the HTTP site; returns (runner, url)."""
     engine.start()
-    runner = web.AppRunner(EngineServer(engine, api_key).app(), access_log=None)
+    # handler_cancellation: a client that disconnects aborts its request (frees its KV slot)
+    runner = web.AppRunner(EngineServer(engine, api_key).app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -9,7 +9,7 @@ from moe_rl.engine.protocol import (
 )
 from moe_rl.engine.sglang import sglang_command
 
-from .server_proc import CONFIG
+from .helpers import CONFIG
 
 
 def test_routed_experts_roundtrip_and_versions():

@@ -8,18 +8,12 @@ import urllib.request
 
 import numpy as np
 import pytest
-import torch
 
-from moe_rl.config import load_config
 from moe_rl.engine import EngineClient, EngineError, EngineHTTPError, decode_routed_experts, output_logprobs
 from moe_rl.engine.protocol import token_weight_versions
 from moe_rl.engine.server import build_model
 
-from .server_proc import CONFIG, OVERRIDES, ServerProc
-
-CFG = load_config(CONFIG, OVERRIDES)
-ARCH = CFG.model.arch()
-L, K = ARCH.num_hidden_layers, ARCH.num_experts_per_tok
+from .helpers import ARCH, CFG, K, L, ServerProc, check_against_native, recompute, run, start_long
 
 
 @pytest.fixture(scope="module")
@@ -32,37 +26,6 @@ def server():
 @pytest.fixture(scope="module")
 def model():
     return build_model(CFG)
-
-
-def recompute(model, prompt, output, temperature):
-    """The native model's log-probs of ``output`` and routing rows [seqlen-1, L, K] (dense
-    layers 0), from one fresh full-sequence forward."""
-    seq = list(prompt) + list(output)
-    record: list[torch.Tensor] = []
-    with torch.no_grad():
-        logits = model(torch.tensor([seq]), record=record)[0].float()
-    t = temperature if temperature > 0 else 1.0
-    lp = torch.log_softmax(logits / t, dim=-1)
-    P = len(prompt)
-    logprobs = [lp[P - 1 + j, tok].item() for j, tok in enumerate(output)]
-    rows = np.zeros((len(seq), L, K), dtype=np.int32)
-    for i, layer in enumerate(model.moe_layers):
-        rows[:, layer] = record[i].numpy()
-    return logprobs, rows[:-1]
-
-
-def check_against_native(model, prompt, out, temperature):
-    ref_lp, ref_rows = recompute(model, prompt, out["output_ids"], temperature)
-    got = output_logprobs(out["meta_info"])
-    assert len(got) == len(out["output_ids"])
-    np.testing.assert_allclose(got, ref_lp, atol=1e-5, rtol=0)
-    rows = decode_routed_experts(out, L, K)
-    assert rows.shape == ref_rows.shape
-    np.testing.assert_array_equal(rows, ref_rows)
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 SAMPLING = [
@@ -112,21 +75,12 @@ def test_seed_and_stop(server):
     assert s["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
 
 
-async def _start_long(c, prompts, n=900, **kw):
-    base = (await c.get_model_info())["stats"].get("output_tokens", 0)
-    tasks = [asyncio.ensure_future(c.generate(p, {"temperature": 1.0, "max_new_tokens": n, "sampling_seed": i},
-                                              return_routed_experts=True, **kw)) for i, p in enumerate(prompts)]
-    while (await c.get_model_info())["stats"].get("output_tokens", 0) < base + 8 * len(prompts):
-        await asyncio.sleep(0.01)
-    return tasks
-
-
 def test_pause_abort_partial_outputs_resume_with_prefix(server, model):
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8]]
 
     async def main():
         async with EngineClient(server.url) as c:
-            tasks = await _start_long(c, prompts)
+            tasks = await start_long(c, prompts)
             await c.pause_generation("abort")
             partial = await asyncio.gather(*tasks)
             # a request sent while paused waits for continue
@@ -163,7 +117,7 @@ def test_pause_in_place_and_retract_resume(server, model, mode):
 
     async def main():
         async with EngineClient(server.url) as c:
-            tasks = await _start_long(c, prompts, n=120, return_logprob=True)
+            tasks = await start_long(c, prompts, n=120, return_logprob=True)
             await c.pause_generation(mode)
             before = (await c.get_model_info())["stats"]["output_tokens"]
             await asyncio.sleep(0.3)
@@ -257,7 +211,7 @@ def test_server_killed_mid_request_gives_a_clear_error():
 
     async def main():
         async with EngineClient([s.url], connect_retries=1, retry_backoff_s=0.05, timeout_s=60) as c:
-            tasks = await _start_long(c, [[1, 2, 3]], n=1000)
+            tasks = await start_long(c, [[1, 2, 3]], n=1000)
             s.kill()
             with pytest.raises(EngineError) as e:
                 await asyncio.wait_for(tasks[0], 20)
@@ -286,3 +240,29 @@ def test_client_spreads_requests_over_urls(server):
         return seen
 
     assert run(main()) == {"http://a", "http://b"}
+
+
+def test_stream_and_client_disconnect(server):
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 6}, "stream": True}
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5, 6]  # cumulative, as SGLang's default
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+    async def main():  # a client that goes away frees its request on the engine
+        async with EngineClient(server.url) as c:
+            before = (await c.get_model_info())["stats"].get("finished_abort", 0)
+            tasks = await start_long(c, [[4, 4]], n=1000)
+            tasks[0].cancel()
+            for _ in range(500):
+                info = await c.get_model_info()
+                if info["running_requests"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert info["running_requests"] == 0 and info["stats"]["finished_abort"] == before + 1
+
+    run(main())

@@ -16,8 +16,9 @@ from moe_rl.engine import EngineClient, EngineHTTPError, output_logprobs, token_
 from moe_rl.model import iter_local_hf_tensors  # noqa: E402
 from moe_rl.sync.group import SyncGroup, free_port  # noqa: E402
 
-from .server_proc import ROOT, ServerProc  # noqa: E402
-from .test_server import CFG, _start_long, build_model, check_against_native, recompute, run  # noqa: E402
+from moe_rl.engine.server import build_model  # noqa: E402
+
+from .helpers import CFG, ROOT, ServerProc, start_long, check_against_native, recompute, run  # noqa: E402
 
 
 async def _push(c, url, group, group_name, tensors, version, n_buckets=2):
@@ -54,7 +55,7 @@ def test_weight_update_changes_outputs_and_version():
             assert reply["success"], reply
 
             # an in-flight request paused in place spans the update
-            tasks = await _start_long(c, [prompt], n=150, return_logprob=True)
+            tasks = await start_long(c, [prompt], n=150, return_logprob=True)
             await c.pause_generation("in_place")
             replies = await _push(c, s.url, group, "wtest", tensors, "1")
             assert all(r["success"] for r in replies), replies

@@ -1,6 +1,8 @@
-"""Starts ``moe-rl serve`` as a subprocess on a free port (one torch thread) for tests."""
+"""Test helpers: ``moe-rl serve`` as a subprocess on a free port (one torch thread), and the
+native model's recomputation that engine outputs are checked against."""
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -9,11 +11,21 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from moe_rl.config import load_config
+from moe_rl.engine import decode_routed_experts, output_logprobs
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
 # 3 layers with a dense one in the middle, so routed_experts rows of dense layers are exercised
 OVERRIDES = ["model.num_hidden_layers=3", "model.mlp_only_layers=[1]", "model.max_position_embeddings=1024",
              "engine.max_context=1024", "engine.threads=1", "engine.max_running_requests=16"]
+
+CFG = load_config(CONFIG, OVERRIDES)
+ARCH = CFG.model.arch()
+L, K = ARCH.num_hidden_layers, ARCH.num_experts_per_tok
 
 
 class ServerProc:
@@ -61,3 +73,43 @@ def wait_for(pred, timeout: float = 30.0, interval: float = 0.02):
             return True
         time.sleep(interval)
     return False
+
+
+def recompute(model, prompt, output, temperature):
+    """The native model's log-probs of ``output`` and routing rows [seqlen-1, L, K] (dense
+    layers 0), from one fresh full-sequence forward."""
+    seq = list(prompt) + list(output)
+    record: list[torch.Tensor] = []
+    with torch.no_grad():
+        logits = model(torch.tensor([seq]), record=record)[0].float()
+    t = temperature if temperature > 0 else 1.0
+    lp = torch.log_softmax(logits / t, dim=-1)
+    P = len(prompt)
+    logprobs = [lp[P - 1 + j, tok].item() for j, tok in enumerate(output)]
+    rows = np.zeros((len(seq), L, K), dtype=np.int32)
+    for i, layer in enumerate(model.moe_layers):
+        rows[:, layer] = record[i].numpy()
+    return logprobs, rows[:-1]
+
+
+def check_against_native(model, prompt, out, temperature):
+    ref_lp, ref_rows = recompute(model, prompt, out["output_ids"], temperature)
+    got = output_logprobs(out["meta_info"])
+    assert len(got) == len(out["output_ids"])
+    np.testing.assert_allclose(got, ref_lp, atol=1e-5, rtol=0)
+    rows = decode_routed_experts(out, L, K)
+    assert rows.shape == ref_rows.shape
+    np.testing.assert_array_equal(rows, ref_rows)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def start_long(c, prompts, n=900, **kw):
+    base = (await c.get_model_info())["stats"].get("output_tokens", 0)
+    tasks = [asyncio.ensure_future(c.generate(p, {"temperature": 1.0, "max_new_tokens": n, "sampling_seed": i},
+                                              return_routed_experts=True, **kw)) for i, p in enumerate(prompts)]
+    while (await c.get_model_info())["stats"].get("output_tokens", 0) < base + 8 * len(prompts):
+        await asyncio.sleep(0.01)
+    return tasks
