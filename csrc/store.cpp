@@ -260,6 +260,7 @@ size_t Store::parse_index(bool truncate_torn_tail) {
 }
 
 size_t Store::refresh() {
+  std::lock_guard<std::mutex> wg(write_mu_);  // one parse at a time (readers never append)
   check_open();
   if (writable_) return 0;  // the writer's view is always current
   return parse_index(false);

@@ -120,7 +120,7 @@ class Store {
   uint64_t next_seq_ = 0;
 
   std::mutex state_mu_;  // entries_, order_, maps_, counters
-  std::mutex write_mu_;  // serialises appends
+  std::mutex write_mu_;  // serialises appends, and a reader's index parsing
   std::unordered_map<std::string, RecordInfo> entries_;
   std::vector<std::string> order_;
   std::unordered_map<uint32_t, std::shared_ptr<Mapping>> maps_;

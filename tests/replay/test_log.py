@@ -242,3 +242,26 @@ def test_kill_9_writer_mid_append(tmp_path):
         done = n - 1
     log = ReplayLog(path, mode="r")
     assert all(np.array_equal(log.get(f"r{i}"), expected(i)) for i in range(len(log)))
+
+
+def test_threads_read_while_writer_appends(tmp_path):
+    """Reads release the GIL; concurrent readers in threads and a writer stay consistent."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = ReplayLog(tmp_path, L, K, E)
+    r = ReplayLog(tmp_path, mode="r")
+    w.append("u0", rec(0, 50))
+
+    def read_loop(_):
+        for i in range(40):
+            uid = f"u{i % 20}"
+            if uid in r:
+                assert np.array_equal(r.get(uid), rec(i % 20, 50))
+        return True
+
+    with ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(read_loop, j) for j in range(2)]
+        for i in range(1, 20):
+            w.append(f"u{i}", rec(i, 50))
+        assert all(f.result() for f in futs)
+    assert r.refresh() >= 0 and len(r) == 20
