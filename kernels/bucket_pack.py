@@ -145,7 +145,7 @@ def pack(
 ) -> torch.Tensor:
     """Copies ``tensors`` into the flat buffer ``out`` at element ``offsets`` (default: back
     to back; ``out`` default: a new buffer of the first tensor's dtype and device)."""
-    tensors = list(tensors)
+    tensors = [t.detach() for t in tensors]
     if offsets is None:
         offsets = contiguous_offsets(tensors)
     if out is None:
@@ -172,7 +172,7 @@ def unpack(
     use_triton: bool | None = None,
 ) -> None:
     """Copies slices of ``flat`` (at element ``offsets``, default back to back) into ``outs``."""
-    outs = list(outs)
+    outs = [t.detach() for t in outs]  # parameters are written in place
     if offsets is None:
         offsets = contiguous_offsets(outs)
     _check(outs, flat, offsets)

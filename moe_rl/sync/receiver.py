@@ -34,11 +34,16 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightReceiver:
-    def __init__(self, named_params: dict[str, torch.Tensor], timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, named_params: dict[str, torch.Tensor], timeout_s: float = DEFAULT_TIMEOUT_S,
+                 keep_buffers: bool | None = None):
+        """``keep_buffers``: reuse the staging buffers across updates (default on CPU, where
+        fresh pages cost more than the copy; on CUDA torch's caching allocator does it)."""
         self.params = dict(named_params)
         if not self.params:
             raise ValueError("WeightReceiver needs at least one named parameter")
         self.device = next(iter(self.params.values())).device
+        self.keep_buffers = (self.device.type == "cpu") if keep_buffers is None else keep_buffers
+        self._pool: list[torch.Tensor] = []
         self.timeout_s = timeout_s
         self.groups: dict[str, SyncGroup] = {}
         self.weight_version: str | None = None  # version of the last committed update
@@ -71,6 +76,8 @@ class WeightReceiver:
 
     # --- update -----------------------------------------------------------------------------
     def _reset(self) -> None:
+        if self.keep_buffers and getattr(self, "_buffers", None):
+            self._pool = self._buffers  # the same plan next time: same sizes, in order
         self._staged: dict[str, torch.Tensor] = {}
         self._buffers: list[torch.Tensor] = []
         self._pending_version: str | None = None
@@ -125,7 +132,7 @@ class WeightReceiver:
         self._pending_version = weight_version
 
         # Receive first, so the collective completes on every rank even if the metadata is bad.
-        buf = torch.empty(sum(numels), dtype=dtype, device=self.device)
+        buf = self._buffer(sum(numels), dtype)
         work = group.broadcast(buf, src=0)
         try:
             group.wait_work(work)
@@ -152,6 +159,12 @@ class WeightReceiver:
         self._buffers.append(buf)
         self._received_buckets += 1
         return len(self._staged) == len(self.params)
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        for i, b in enumerate(self._pool):
+            if b.dtype == dtype and b.numel() == numel:
+                return self._pool.pop(i)
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     @property
     def complete(self) -> bool:

@@ -96,6 +96,7 @@ class WeightSender:
         pause_mode: str = "abort",
         wire_dtype: torch.dtype | None = None,
         use_triton: bool | None = None,
+        keep_buffers: bool | None = None,
     ):
         self.model = model
         self.arch = model.arch
@@ -112,6 +113,12 @@ class WeightSender:
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.timeout_s, self.pause_mode = timeout_s, pause_mode
         self.use_triton = use_triton
+        # CPU: keep the two bucket buffers between syncs (fresh pages cost more than the copy);
+        # CUDA: torch's caching allocator already reuses them, and training wants the memory.
+        self.keep_buffers = (self.device.type == "cpu") if keep_buffers is None else keep_buffers
+        self._pool: list[torch.Tensor] = []
+        self._views: dict[int, list[torch.Tensor]] = {}
+        self._views_key = None
         self.plan: Plan = plan_buckets(model_specs(model, wire_dtype), int(bucket_mb * 2**20))
         self.group: SyncGroup | None = None
         self._group_key = None
@@ -162,13 +169,41 @@ class WeightSender:
         return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
     def _alloc(self, numel: int, dtype) -> torch.Tensor:
+        """A bucket buffer: from the pool (sized for the largest bucket of its dtype) when
+        buffers are kept between syncs, else fresh. The pool holds at most two per dtype."""
+        if self.keep_buffers:
+            for i, base in enumerate(self._pool):
+                if base.dtype == dtype and base.numel() >= numel:
+                    return self._pool.pop(i)[:numel]
+            cap = max(b.numel for b in self.plan.buckets if b.dtype == dtype)
+            base = torch.empty(max(cap, numel), dtype=dtype, device=self.device)
+            self._mem.alloc(base.numel() * base.element_size())
+            return base[:numel]
         buf = torch.empty(numel, dtype=dtype, device=self.device)
         self._mem.alloc(buf.numel() * buf.element_size())
         return buf
 
     def _release(self, buf: torch.Tensor | None) -> None:
-        if buf is not None:
+        if buf is None:
+            return
+        if self.keep_buffers:
+            base = buf if buf._base is None else buf._base
+            self._pool.append(base)
+        else:
             self._mem.free(buf.numel() * buf.element_size())
+
+    def _local_tensors(self, i: int, slots: list[int]) -> list[torch.Tensor]:
+        """This rank's tensors of bucket i, as views (cached; rebuilt if a parameter moved)."""
+        key = tuple(p.data_ptr() for p in self.model.parameters())
+        if key != self._views_key:
+            self._views, self._views_key = {}, key
+        views = self._views.get(i)
+        if views is None:
+            b = self.plan.buckets[i]
+            views = [self._local(b.names[j], b.dtype) for j in slots]
+            if all(v.dtype == local_hf_tensor(self.model, b.names[j]).dtype for v, j in zip(views, slots)):
+                self._views[i] = views  # plain views of the parameters (no cast copies): reusable
+        return views
 
     # --- EP gather ----------------------------------------------------------------------------
     def _ctl(self, value: int) -> int:
@@ -190,8 +225,7 @@ class WeightSender:
             if owner != 0:
                 works.append(dist.irecv(buf[off : off + n], group=self.ep_group, group_src=owner, tag=tag))
                 tag += 1
-        pack([self._local(b.names[j], b.dtype) for j in mine], buf, [b.offsets[j] for j in mine],
-             use_triton=self.use_triton)
+        pack(self._local_tensors(i, mine), buf, [b.offsets[j] for j in mine], use_triton=self.use_triton)
         for w in works:
             w.wait()
         cs = checksum(buf) if self.verify else None
@@ -214,7 +248,7 @@ class WeightSender:
                 continue
             send = self._alloc(sum(b.numels()[j] for j in mine), b.dtype)
             try:
-                pack([self._local(b.names[j], b.dtype) for j in mine], send, use_triton=self.use_triton)
+                pack(self._local_tensors(i, mine), send, use_triton=self.use_triton)
                 works, pos, tag = [], 0, 0
                 for owner, off, n in runs:
                     if owner == self.ep_rank:
@@ -279,7 +313,9 @@ class WeightSender:
         loop = asyncio.get_running_loop()
         stats = SyncStats(version=version)
         self.stats = stats
-        self._mem = _Mem()
+        if not self.keep_buffers:
+            self._mem = _Mem()
+        self._mem.peak = self._mem.cur
         t0 = time.perf_counter()
         n = len(self.plan.buckets)
         nxt = loop.run_in_executor(self._ep_exec, self._prepare, 0)

@@ -1,0 +1,301 @@
+"""``moe-rl bench sync [--json]``: bucketed weight sync vs per-tensor and flat broadcasts.
+
+Two processes on this machine, one weight-sync group over gloo (CPU): this process is the
+sender (trainer rank 0), a spawned process is the receiver (an engine's ``WeightReceiver``
+over its own model, driven over a pipe with SGLang's request fields). Parameter set: an
+MoE-shaped model (default 10 MoE layers x 64 experts x 3 projections of 128 x 256 fp32,
+~252 MiB in ~2,000 tensors). Measured, best of ``--reps`` (time until the receiver has
+acknowledged):
+
+  (a) per_tensor: one broadcast per tensor, straight into the receiver's parameters;
+  (b) flat: one broadcast of a single pre-packed buffer of all the bytes (the link's bound);
+  (c) bucketed: ``WeightSender.push`` at each bucket size, including the gather/pack on the
+      sender and the receiver's staging + commit (unpack into its parameters).
+
+Sender peak extra memory = the most bytes of buffers the sender had allocated and alive at
+once (it tracks every bucket buffer it allocates: the one in flight and the one being packed);
+the RSS high-water delta of the sender process over the push is printed too.
+
+On CUDA (``--gpu``, default when a GPU is visible): Triton pack + unpack throughput over the
+same tensor set, vs one device-to-device copy of the same bytes and vs a per-tensor copy loop.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+import zlib
+
+import torch
+
+from moe_rl.model import MoEArch, MoEForCausalLM, iter_local_hf_tensors
+
+ARCH = dict(vocab_size=4096, hidden_size=256, moe_intermediate_size=128, intermediate_size=512,
+            num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            num_experts=64, num_experts_per_tok=4, tie_word_embeddings=True)
+
+
+def _arch(scale: float) -> MoEArch:
+    layers = max(1, round(ARCH["num_hidden_layers"] * scale))
+    return MoEArch(**{**ARCH, "num_hidden_layers": layers})
+
+
+def _crc(tensors) -> int:
+    c = 0
+    for t in tensors:
+        c = zlib.crc32(memoryview(t.detach().contiguous().view(torch.uint8).numpy()), c)
+    return c
+
+
+# --- receiver process ----------------------------------------------------------------------
+def _receiver_main(conn, scale: float, threads: int):
+    torch.set_num_threads(threads)
+    from moe_rl.sync import WeightReceiver
+    from moe_rl.sync.local import serve_receiver
+
+    model = MoEForCausalLM(_arch(scale))
+    named = dict(iter_local_hf_tensors(model))
+    rx = WeightReceiver(named, timeout_s=300)
+    tensors = list(named.values())
+
+    def per_tensor(group_name: str, reps: int):
+        g = rx.groups[group_name]
+        for _ in range(reps):
+            works = [g.broadcast(t) for t in tensors]  # all posted, as SGLang does
+            for w in works:
+                g.wait_work(w)
+            conn.send({"success": True, "ack": True})
+        return "done"
+
+    def flat(group_name: str, numel: int, reps: int):
+        g = rx.groups[group_name]
+        buf = torch.empty(numel, dtype=torch.float32)
+        for _ in range(reps):
+            g.wait_work(g.broadcast(buf))
+            conn.send({"success": True, "ack": True})
+        return "done"
+
+    serve_receiver(conn, rx, {"per_tensor": per_tensor, "flat": flat, "crc": lambda: _crc(tensors),
+                              "version": lambda: rx.weight_version})
+
+
+# --- sender side ---------------------------------------------------------------------------
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _timed_collective(conn, cmd: str, kw: dict, reps: int, body) -> list[float]:
+    """Starts ``cmd`` on the receiver, runs ``body()`` reps times, each until the receiver acks."""
+    conn.send((cmd, kw))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        body()
+        ack = conn.recv()
+        if not ack.get("success"):
+            raise RuntimeError(ack.get("message"))
+        times.append(time.perf_counter() - t0)
+    final = conn.recv()
+    if not final.get("success"):
+        raise RuntimeError(final.get("message"))
+    return times
+
+
+def run_cpu(args) -> dict:
+    from moe_rl.sync import WeightSender
+    from moe_rl.sync.local import LocalEngine
+
+    torch.set_num_threads(args.threads)
+    arch = _arch(args.scale)
+    model = MoEForCausalLM(arch)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.uniform_(-1, 1, generator=g)
+    tensors = [t for _, t in iter_local_hf_tensors(model)]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    largest = max(t.numel() * t.element_size() for t in tensors)
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(b, args.scale, args.threads), daemon=True)
+    proc.start()
+    b.close()
+    engine = LocalEngine(a, name="bench-receiver", timeout_s=600)
+    results: dict = {"bytes": total, "tensors": len(tensors), "largest_tensor_bytes": largest}
+    try:
+        # (c) first: its group setup also serves (a) and (b)
+        bucketed = {}
+        sender = None
+        for mb in args.buckets:
+            s = WeightSender(model, engines=[engine], bucket_mb=mb, timeout_s=300, group_name="bench",
+                             use_triton=False)
+            if sender is not None:  # reuse the formed group
+                s.group, s._group_key = sender.group, sender._group_key
+                sender.group = None
+                sender.close()
+            sender = s
+            times, peaks, rss = [], [], []
+            for r in range(args.reps):
+                rss0 = _rss_kib("VmRSS")
+                hwm = _reset_hwm()
+                st = asyncio.run(sender.push(f"{mb}-{r}"))
+                times.append(st.seconds)
+                peaks.append(st.peak_extra_bytes)
+                if hwm:
+                    rss.append(max(0, _rss_kib("VmHWM") - rss0) * 1024)
+            ok = engine.call("crc")["result"] == _crc(tensors)
+            best = min(times)
+            bucketed[mb] = {
+                "buckets": len(sender.plan.buckets), "seconds": best, "median_seconds": statistics.median(times),
+                "gbps": total / best / 1e9, "peak_extra_mib": max(peaks) / 2**20,
+                "bound_mib": (2 * sender.plan.max_bucket_bytes + largest) / 2**20,
+                "rss_hwm_delta_mib": (max(rss) / 2**20) if rss else None, "bit_identical": ok,
+            }
+        group = sender.group
+        # (a) one broadcast per tensor
+        def per_tensor():
+            works = [group.broadcast(t) for t in tensors]
+            for w in works:
+                group.wait_work(w)
+        t_a = _timed_collective(a, "per_tensor", {"group_name": "bench", "reps": args.reps}, args.reps, per_tensor)
+        # (b) one broadcast of a pre-packed flat buffer
+        flat_buf = torch.cat([t.reshape(-1) for t in tensors])
+        t_b = _timed_collective(a, "flat", {"group_name": "bench", "numel": flat_buf.numel(), "reps": args.reps},
+                                args.reps, lambda: group.wait_work(group.broadcast(flat_buf)))
+        results["per_tensor"] = {"seconds": min(t_a), "median_seconds": statistics.median(t_a), "gbps": total / min(t_a) / 1e9}
+        results["flat"] = {"seconds": min(t_b), "median_seconds": statistics.median(t_b), "gbps": total / min(t_b) / 1e9}
+        results["bucketed"] = bucketed
+        sender.close()
+    finally:
+        try:
+            engine.call("stop")
+        except Exception:
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return results
+
+
+def run_gpu(args) -> dict:
+    """Triton pack/unpack vs a device-to-device copy of the same bytes vs a per-tensor loop."""
+    from moe_rl.kernels.bucket_pack import pack, unpack
+
+    arch = _arch(args.scale)
+    model = MoEForCausalLM(arch).to("cuda", torch.bfloat16)
+    tensors = [t.detach() for _, t in iter_local_hf_tensors(model)]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.bfloat16, device="cuda")
+    other = torch.empty_like(flat)
+    outs = [torch.empty_like(t) for t in tensors]
+
+    def timeit(fn, reps=args.reps * 5):
+        fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            best = min(best, s.elapsed_time(e) / 1e3)
+        return best
+
+    def loop_pack():
+        pos = 0
+        for t in tensors:
+            flat[pos : pos + t.numel()].copy_(t.reshape(-1))
+            pos += t.numel()
+
+    def loop_unpack():
+        pos = 0
+        for t in outs:
+            t.copy_(flat[pos : pos + t.numel()].view(t.shape))
+            pos += t.numel()
+
+    res = {
+        "d2d_copy": timeit(lambda: other.copy_(flat)),
+        "triton_pack": timeit(lambda: pack(tensors, flat, use_triton=True)),
+        "triton_unpack": timeit(lambda: unpack(flat, outs, use_triton=True)),
+        "loop_pack": timeit(loop_pack),
+        "loop_unpack": timeit(loop_unpack),
+    }
+    # d2d copy reads and writes the bytes once, like pack or unpack: compare bandwidths directly
+    out = {k + "_gbps": total / v / 1e9 for k, v in res.items()}
+    out["bytes"] = total
+    out["tensors"] = len(tensors)
+    out["pack_vs_d2d"] = res["d2d_copy"] / res["triton_pack"]
+    out["unpack_vs_d2d"] = res["d2d_copy"] / res["triton_unpack"]
+    out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="moe-rl bench sync", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--buckets", type=float, nargs="+", default=[16, 64, 256], help="bucket sizes in MiB")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0, help="scales the number of layers (size)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--gpu", choices=["auto", "on", "off"], default="auto")
+    args = ap.parse_args(argv)
+
+    cpu = run_cpu(args)
+    gpu = None
+    if args.gpu == "on" or (args.gpu == "auto" and torch.cuda.is_available()):
+        gpu = run_gpu(args)
+    best_mb = max(cpu["bucketed"], key=lambda mb: cpu["bucketed"][mb]["gbps"])
+    best = cpu["bucketed"][best_mb]
+    summary = {
+        "per_tensor_gbps": round(cpu["per_tensor"]["gbps"], 3),
+        "flat_gbps": round(cpu["flat"]["gbps"], 3),
+        "bucketed_gbps": round(best["gbps"], 3),
+        "best_bucket_mb": best_mb,
+        "peak_extra_mib": round(best["peak_extra_mib"], 1),
+        "device": "cpu (gloo, 2 processes)" + (f"; gpu kernels on {gpu['gpu']}" if gpu else ""),
+        "vs_flat": round(best["gbps"] / cpu["flat"]["gbps"], 3),
+        "vs_per_tensor": round(best["gbps"] / cpu["per_tensor"]["gbps"], 2),
+        "peak_bound_mib": round(best["bound_mib"], 1),
+    }
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+               "threads_per_process": args.threads}
+    if args.json:
+        print(json.dumps({"summary": summary, "cpu": cpu, "gpu": gpu, "machine": machine}, default=str))
+        return 0
+    mib = cpu["bytes"] / 2**20
+    print(f"weight sync over gloo, 2 processes: {mib:.0f} MiB in {cpu['tensors']} tensors (largest "
+          f"{cpu['largest_tensor_bytes'] / 2**20:.1f} MiB), best of {args.reps}")
+    print(f"{'method':<26}{'seconds':>9}{'GB/s':>8}{'peak extra MiB':>16}{'bound':>8}{'RSS dHWM':>10}")
+    print(f"{'(a) per-tensor broadcast':<26}{cpu['per_tensor']['seconds']:>9.3f}{cpu['per_tensor']['gbps']:>8.2f}")
+    print(f"{'(b) one flat broadcast':<26}{cpu['flat']['seconds']:>9.3f}{cpu['flat']['gbps']:>8.2f}")
+    for mb, r in cpu["bucketed"].items():
+        rss = f"{r['rss_hwm_delta_mib']:.0f}" if r["rss_hwm_delta_mib"] is not None else "-"
+        label = f"(c) sender {mb:g} MiB x{r['buckets']}"
+        print(f"{label:<26}{r['seconds']:>9.3f}{r['gbps']:>8.2f}{r['peak_extra_mib']:>16.1f}"
+              f"{r['bound_mib']:>8.0f}{rss:>10}" + ("" if r["bit_identical"] else "  NOT IDENTICAL"))
+    print(f"best bucket {best_mb:g} MiB: {summary['vs_flat']:.2f}x flat, {summary['vs_per_tensor']:.1f}x per-tensor")
+    if gpu:
+        print(f"GPU {gpu['gpu']}: {gpu['bytes'] / 2**20:.0f} MiB bf16 in {gpu['tensors']} tensors")
+        for k in ("d2d_copy", "triton_pack", "triton_unpack", "loop_pack", "loop_unpack"):
+            print(f"  {k:<14}{gpu[k + '_gbps']:>8.1f} GB/s")
+    return 0
