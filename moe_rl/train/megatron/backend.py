@@ -1,0 +1,273 @@
+"""``train.backend: megatron``: megatron-core's GPTModel (MoE, expert parallel) as a TrainBackend.
+
+Same contract as the native backend (moe_rl.train.backend): packed micro-batches in,
+differentiable fp32 per-token log-probs out (from the final hidden states through
+``moe_rl.kernels.fused_logprobs`` with the output layer's weight, never materialising the
+logits), summed gradients reduced over megatron's data-parallel groups, HF-named tensors out.
+
+Weights always enter as an HF state (a checkpoint, or the native model's seeded init, so both
+backends start from identical weights for one seed) and leave through ``hf_tensors``, one
+tensor at a time via ``convert.megatron_to_hf``.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.kernels import fused_logprobs
+from moe_rl.model import MoEForCausalLM, PackedCausal, hf_state_dict, packed_positions, parse_expert_name
+from moe_rl.model.hf_io import _checkpoint_files
+
+from .convert import MegatronLayout, hf_to_megatron, megatron_expert_owner, megatron_to_hf
+from .model import (
+    MegatronOptions,
+    RouterReplayControl,
+    build_gpt_model,
+    init_parallel_state,
+    transformer_config,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def initial_hf_state(cfg, arch):
+    """HF tensors to start from: a name -> tensor getter over cfg.model.path's safetensors
+    (read lazily, so each rank reads only what it holds), or the native model's seeded init."""
+    if cfg.model.path:
+        return _checkpoint_getter(Path(cfg.model.path))
+    return hf_state_dict(MoEForCausalLM(arch).init_weights(cfg.model.init_seed))
+
+
+def _checkpoint_getter(path: Path):
+    from safetensors import safe_open
+
+    files = {}
+    for f in _checkpoint_files(path):
+        with safe_open(str(f), framework="pt") as sf:
+            files.update({k: f for k in sf.keys()})
+
+    def get(name: str) -> torch.Tensor:
+        if name in files:
+            with safe_open(str(files[name]), framework="pt") as sf:
+                return sf.get_tensor(name)
+        parsed = parse_expert_name(name)
+        if parsed is not None:  # transformers v5 stacked experts: [E, 2I, H] / [E, H, I]
+            layer, e, proj = parsed
+            kind = "down_proj" if proj == "down_proj" else "gate_up_proj"
+            key = f"model.layers.{layer}.mlp.experts.{kind}"
+            if key in files:
+                with safe_open(str(files[key]), framework="pt") as sf:
+                    t = sf.get_slice(key)[e]
+                return t if kind == "down_proj" else t.chunk(2, dim=0)[0 if proj == "gate_proj" else 1]
+        raise KeyError(f"{path}: checkpoint has no tensor {name!r}")
+
+    return get
+
+
+class MegatronBackend:
+    """megatron-core GPTModel with MoE layers, expert parallelism over the trainer pool."""
+
+    def __init__(self, cfg, groups=None, hf_state=None):
+        """``hf_state``: HF tensors to start from (a mapping or a name -> tensor getter);
+        default: cfg.model.path, else the native model's seeded init (same seed, same weights)."""
+        self.cfg = cfg
+        self.groups = groups
+        self.arch = cfg.model.arch()
+        self.ep_size = cfg.train.ep_size
+        self.tp_size = cfg.train.tp_size
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                "train.tp_size > 1 with train.backend=megatron: the HF <-> Megatron conversion shards for TP, "
+                "but the training step's TP gradient reduction (sequence-parallel norms, clipping over TP) "
+                "is not implemented yet; use train.tp_size=1 (expert parallelism via train.ep_size)"
+            )
+        self.opts = MegatronOptions.from_config(cfg)
+        self.device = torch.device(cfg.train.device)
+        self.dtype = DTYPES[cfg.model.dtype]
+        if self.device.type != "cuda":
+            log.warning("megatron backend on %s: megatron-core's forward needs CUDA; only building and "
+                        "weight conversion work here", self.device)
+
+        trainer_ranks = groups.layout.trainer_ranks if groups is not None else None
+        init_parallel_state(self.tp_size, self.ep_size, trainer_ranks, seed=cfg.train.seed)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.layout: MegatronLayout = self.opts.layout(ep_size=self.ep_size, ep_rank=self.ep_rank)
+        log.info(
+            "megatron backend: %s layer spec (%s), experts: %s, dispatcher %s, EP %d (rank %d), recompute %s, replay %s",
+            "Transformer Engine" if self.opts.use_te else "local (megatron-core modules)",
+            "transformer_engine imports" if self.opts.use_te else "transformer_engine not used",
+            "TEGroupedMLP" if self.opts.grouped_gemm else "SequentialMLP", self.opts.dispatcher,
+            self.ep_size, self.ep_rank, self.opts.recompute, self.opts.replay,
+        )
+
+        RouterReplayControl.reset()
+        self.tconfig = transformer_config(self.arch, self.opts, dtype=self.dtype, tp_size=self.tp_size,
+                                          ep_size=self.ep_size, cpu_init=self.device.type != "cuda")
+        self.model = build_gpt_model(self.arch, self.opts, self.tconfig)
+        self.replay = (
+            RouterReplayControl(len(self.arch.moe_layers), self.arch.num_experts_per_tok, self.arch.num_experts,
+                                self.opts.recompute)
+            if self.opts.replay else None
+        )
+        self.load_hf_state(hf_state if hf_state is not None else initial_hf_state(cfg, self.arch))
+        self.model.to(self.device)
+
+        self.expert_params = [p for n, p in self.model.named_parameters() if ".experts." in n]
+        expert_ids = {id(p) for p in self.expert_params}
+        self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+            weight_decay=cfg.train.weight_decay,
+        )
+
+    # --- weights ------------------------------------------------------------------------
+    def load_hf_state(self, hf) -> None:
+        """Copies HF tensors (full, global names; a mapping or a getter) into this rank's
+        Megatron parameters."""
+        state = hf_to_megatron(hf, self.arch, self.layout)
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(state) - set(params))
+        missing = sorted(set(params) - set(state))
+        if unknown or missing:
+            raise RuntimeError(f"HF -> Megatron names do not match the GPTModel: missing {missing[:4]}, "
+                               f"unexpected {unknown[:4]}")
+        with torch.no_grad():
+            for name, t in state.items():
+                p = params[name]
+                if tuple(p.shape) != tuple(t.shape):
+                    raise RuntimeError(f"{name}: converted shape {tuple(t.shape)}, GPTModel has {tuple(p.shape)}")
+                p.copy_(t)
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            yield from megatron_to_hf(lambda n: params[n].detach(), self.arch, self.layout)
+
+    def owner_ep_rank(self, name: str) -> int | None:
+        return megatron_expert_owner(name, self.arch, self.ep_size)
+
+    # --- forward ------------------------------------------------------------------------
+    def hidden_states(self, mb, record: list | None = None) -> torch.Tensor:
+        """Final normed hidden states [T, H] of a packed micro-batch (routing replayed if given)."""
+        ids = mb.input_ids.to(self.device)
+        if ids.shape[0] != 1:
+            raise ValueError("megatron backend: micro-batches are one packed row [1, T]")
+        T = ids.shape[1]
+        cu = mb.cu_seqlens.to(self.device)
+        pos = packed_positions(cu, T)[None]
+        kwargs = {}
+        if self.opts.use_te:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu32 = cu.to(torch.int32)
+            longest = int((cu32[1:] - cu32[:-1]).max())
+            kwargs["packed_seq_params"] = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=longest, max_seqlen_kv=longest
+            )
+            mask = None
+        else:
+            # the local spec's attention takes a boolean mask, True = masked; RoPE positions run over
+            # the whole row, which leaves attention inside each sequence unchanged (relative positions)
+            mask = ~PackedCausal(cu, T).mask[None, None]
+        ctx = self.replay.forward(mb.replay, T, self.device, record) if self.replay is not None else _no_replay(mb, record)
+        self.model.post_process = False  # GPTModel then returns the decoder output: no logits
+        try:
+            with ctx:
+                hidden = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, **kwargs)
+        finally:
+            self.model.post_process = True
+        return hidden.reshape(T, -1)  # [s, b=1, h] -> [T, H]
+
+    def logprobs(self, mb, temperature, with_entropy=False, record=None):
+        hidden = self.hidden_states(mb, record)
+        out = fused_logprobs(
+            hidden, self.model.output_layer.weight, mb.labels.to(self.device),
+            temperature=temperature, return_entropy=with_entropy,
+        )
+        return out if with_entropy else (out, None)
+
+    # --- step ---------------------------------------------------------------------------
+    def _reduce_grads(self) -> None:
+        """Sums gradients: dense ones over megatron's data-parallel group (the whole trainer
+        pool at TP=1), expert ones over its expert-data-parallel group."""
+        ps = self.ps
+        if ps.get_data_parallel_world_size() > 1:
+            _all_reduce_sum([p.grad for p in self.dense_params], ps.get_data_parallel_group())
+        if ps.get_expert_data_parallel_world_size() > 1:
+            _all_reduce_sum([p.grad for p in self.expert_params], ps.get_expert_data_parallel_group())
+
+    def optimizer_step(self) -> dict[str, float]:
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._reduce_grads()
+        stats = {}
+        if self.cfg.train.grad_clip:
+            stats["grad_norm"] = float(self._clip(self.cfg.train.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.replay is not None:
+            pending = self.replay.pending_backward()
+            self.replay.end_step()
+            if pending:
+                log.warning("routing replay: %d recomputed forwards were never run by a backward this step", pending)
+        return stats
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        dev = self.dense_params[0].device
+        dense_sq = sum((p.grad.float().pow(2).sum() for p in self.dense_params), torch.zeros((), device=dev))
+        expert_sq = sum((p.grad.float().pow(2).sum() for p in self.expert_params), torch.zeros((), device=dev))
+        if self.ep_size > 1:
+            dist.all_reduce(expert_sq, group=self.ps.get_expert_model_parallel_group())
+        norm = (dense_sq + expert_sq).sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.model.parameters():
+            p.grad.mul_(scale)
+        return norm
+
+    # --- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        model = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        return {"model": model, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class _no_replay:
+    """Context used when replay is disabled: ``record`` is not available without RouterReplay."""
+
+    def __init__(self, mb, record):
+        if mb.replay is not None:
+            raise ValueError("micro-batch carries routing replay but replay.enabled=false")
+        if record is not None:
+            raise ValueError("recording routes with the megatron backend needs replay.enabled=true "
+                             "(it uses megatron's RouterReplay RECORD action)")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _all_reduce_sum(tensors: list[torch.Tensor], group) -> None:
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

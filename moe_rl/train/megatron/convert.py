@@ -1,0 +1,306 @@
+"""HuggingFace Qwen3-MoE <-> Megatron-core GPTModel parameter conversion.
+
+Pure torch: nothing here imports megatron, so the mapping is testable anywhere. One
+:class:`MegatronLayout` says how the Megatron model was built (which layer spec, which expert
+module, the tensor- and expert-parallel shape and this rank's place in it); every function
+below derives names, shapes and shards from it and the :class:`~moe_rl.model.MoEArch`.
+
+Megatron's layout of a Qwen3-MoE decoder layer ``i`` (pipeline parallelism is not used):
+
+======================================  ==========================================================
+HF                                      Megatron
+======================================  ==========================================================
+input_layernorm                         ``input_layernorm.weight`` (local spec) or
+                                        ``self_attention.linear_qkv.layer_norm_weight`` (TE spec)
+q_proj, k_proj, v_proj                  ``self_attention.linear_qkv.weight``, one row block per
+                                        query group ``g``: ``[q heads of g; k_g; v_g]``
+o_proj                                  ``self_attention.linear_proj.weight``
+q_norm, k_norm                          ``self_attention.{q,k}_layernorm.weight``
+post_attention_layernorm                ``pre_mlp_layernorm.weight``, or for a dense layer under
+                                        the TE spec ``mlp.linear_fc1.layer_norm_weight``
+mlp.gate (router)                       ``mlp.router.weight``
+experts.{e}.{gate,up}_proj              ``mlp.experts.local_experts.{j}.linear_fc1.weight``
+                                        (SequentialMLP) or ``mlp.experts.linear_fc1.weight{j}``
+                                        (TEGroupedMLP): ``[gate; up]``, j = e - ep_rank * E_local
+experts.{e}.down_proj                   ``...linear_fc2.weight`` likewise
+mlp.{gate,up}_proj (dense layer)        ``mlp.linear_fc1.weight`` = ``[gate; up]``
+mlp.down_proj (dense layer)             ``mlp.linear_fc2.weight``
+======================================  ==========================================================
+
+plus ``embedding.word_embeddings.weight``, ``decoder.final_layernorm.weight`` and
+``output_layer.weight``. Under tensor parallelism (rank ``r`` of ``tp``) column-parallel
+tensors keep rows ``r`` of ``tp`` equal slices (the fused QKV by query groups, a fused
+``[gate; up]`` as ``[gate_r; up_r]``), row-parallel ones (``linear_proj``, ``linear_fc2``) keep
+columns, the embedding and output layer keep vocabulary rows; norms and the router are
+replicated. Experts are not tensor-parallel (expert_tensor_parallel_size = 1): each EP rank
+holds whole experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+from moe_rl.model import MoEArch, hf_param_specs, parse_expert_name
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """How the GPTModel was built, and where this rank sits in it."""
+
+    te: bool = False  # Transformer Engine layer spec (norms fused into the following linear)
+    grouped_gemm: bool = False  # TEGroupedMLP experts (``linear_fc1.weight{j}``); else SequentialMLP
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    def __post_init__(self):
+        if self.grouped_gemm and not self.te:
+            raise ValueError("grouped_gemm (TEGroupedMLP) needs the Transformer Engine spec (te=True)")
+        if not (0 <= self.tp_rank < self.tp_size and 0 <= self.ep_rank < self.ep_size):
+            raise ValueError(f"bad layout ranks: {self}")
+
+
+def check_arch(arch: MoEArch, layout: MegatronLayout) -> None:
+    """Raises ValueError for a model/layout pair this converter cannot shard."""
+    tp, ep = layout.tp_size, layout.ep_size
+    problems = []
+    if arch.tie_word_embeddings:
+        problems.append("tie_word_embeddings=True (Qwen3-MoE unties them; not supported)")
+    if arch.num_experts % ep:
+        problems.append(f"num_experts={arch.num_experts} is not divisible by ep_size={ep}")
+    if arch.num_key_value_heads % tp:
+        problems.append(f"num_key_value_heads={arch.num_key_value_heads} is not divisible by tp_size={tp}")
+    if arch.vocab_size % tp:
+        problems.append(f"vocab_size={arch.vocab_size} is not divisible by tp_size={tp} (no vocab padding)")
+    if arch.intermediate_size % tp and len(arch.moe_layers) < arch.num_hidden_layers:
+        problems.append(f"intermediate_size={arch.intermediate_size} is not divisible by tp_size={tp}")
+    if problems:
+        raise ValueError("cannot convert this model to Megatron: " + "; ".join(problems))
+
+
+# --- names ---------------------------------------------------------------------------------
+def _layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, str]:
+    """Megatron name of every non-expert tensor of decoder layer i, keyed by HF suffix."""
+    p = f"decoder.layers.{i}."
+    moe = arch.is_moe_layer(i)
+    names = {
+        "input_layernorm.weight": p + (
+            "self_attention.linear_qkv.layer_norm_weight" if layout.te else "input_layernorm.weight"
+        ),
+        "self_attn.qkv": p + "self_attention.linear_qkv.weight",
+        "self_attn.o_proj.weight": p + "self_attention.linear_proj.weight",
+        "self_attn.q_norm.weight": p + "self_attention.q_layernorm.weight",
+        "self_attn.k_norm.weight": p + "self_attention.k_layernorm.weight",
+        "post_attention_layernorm.weight": p + (
+            "mlp.linear_fc1.layer_norm_weight" if layout.te and not moe else "pre_mlp_layernorm.weight"
+        ),
+    }
+    if moe:
+        names["mlp.gate.weight"] = p + "mlp.router.weight"
+    else:
+        names["mlp.fc1"] = p + "mlp.linear_fc1.weight"
+        names["mlp.down_proj.weight"] = p + "mlp.linear_fc2.weight"
+    return names
+
+
+def expert_names(layout: MegatronLayout, layer: int, local: int) -> tuple[str, str]:
+    """(fc1, fc2) Megatron names of local expert ``local`` of decoder layer ``layer``."""
+    p = f"decoder.layers.{layer}.mlp.experts."
+    if layout.grouped_gemm:
+        return p + f"linear_fc1.weight{local}", p + f"linear_fc2.weight{local}"
+    return p + f"local_experts.{local}.linear_fc1.weight", p + f"local_experts.{local}.linear_fc2.weight"
+
+
+def megatron_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of this rank's GPTModel with its local shape (a fixed order, not
+    necessarily the module order)."""
+    check_arch(arch, layout)
+    tp = layout.tp_size
+    H, hd = arch.hidden_size, arch.head_dim
+    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    specs: list[tuple[str, tuple[int, ...]]] = [("embedding.word_embeddings.weight", (arch.vocab_size // tp, H))]
+    for i in range(arch.num_hidden_layers):
+        n = _layer_names(arch, layout, i)
+        moe = arch.is_moe_layer(i)
+        specs += [
+            (n["input_layernorm.weight"], (H,)),
+            (n["self_attn.qkv"], ((nq + 2 * nkv) * hd // tp, H)),
+            (n["self_attn.o_proj.weight"], (H, nq * hd // tp)),
+            (n["self_attn.q_norm.weight"], (hd,)),
+            (n["self_attn.k_norm.weight"], (hd,)),
+            (n["post_attention_layernorm.weight"], (H,)),
+        ]
+        if moe:
+            I = arch.moe_intermediate_size
+            specs.append((n["mlp.gate.weight"], (arch.num_experts, H)))
+            for j in range(arch.num_experts // layout.ep_size):
+                fc1, fc2 = expert_names(layout, i, j)
+                specs += [(fc1, (2 * I, H)), (fc2, (H, I))]
+        else:
+            I = arch.intermediate_size
+            specs += [(n["mlp.fc1"], (2 * I // tp, H)), (n["mlp.down_proj.weight"], (H, I // tp))]
+    specs += [("decoder.final_layernorm.weight", (H,)), ("output_layer.weight", (arch.vocab_size // tp, H))]
+    return specs
+
+
+# --- tensor transforms ------------------------------------------------------------------------
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: MoEArch) -> torch.Tensor:
+    """HF q/k/v [heads * hd, H] -> Megatron's fused QKV, grouped by query group."""
+    nkv, hd = arch.num_key_value_heads, arch.head_dim
+    per = arch.num_attention_heads // nkv
+    H = q.shape[1]
+    return torch.cat(
+        [q.reshape(nkv, per * hd, H), k.reshape(nkv, hd, H), v.reshape(nkv, hd, H)], dim=1
+    ).reshape(-1, H)
+
+
+def split_qkv(qkv: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv` (any number of whole query groups)."""
+    hd = arch.head_dim
+    per = arch.num_attention_heads // arch.num_key_value_heads
+    H = qkv.shape[1]
+    g = qkv.reshape(-1, (per + 2) * hd, H)
+    q, k, v = g.split([per * hd, hd, hd], dim=1)
+    return q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)
+
+
+def _rows(t: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
+    return t.chunk(layout.tp_size, dim=0)[layout.tp_rank] if layout.tp_size > 1 else t
+
+
+def _cols(t: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
+    return t.chunk(layout.tp_size, dim=1)[layout.tp_rank] if layout.tp_size > 1 else t
+
+
+def _fc1(gate: torch.Tensor, up: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
+    return torch.cat([_rows(gate, layout), _rows(up, layout)], dim=0)
+
+
+def _unfc1(full: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gathered fused fc1 ``[gate_0; up_0; gate_1; up_1; ...]`` -> (gate, up)."""
+    shards = full.reshape(tp, 2, full.shape[0] // (2 * tp), full.shape[1])
+    return shards[:, 0].reshape(-1, full.shape[1]), shards[:, 1].reshape(-1, full.shape[1])
+
+
+# --- HF -> Megatron -------------------------------------------------------------------------
+def hf_to_megatron(
+    get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor], arch: MoEArch, layout: MegatronLayout
+) -> dict[str, torch.Tensor]:
+    """This rank's Megatron state from HF tensors (``get(name)`` or a mapping of HF names).
+
+    Only the tensors this rank needs are asked for: all dense ones and the experts of its EP
+    rank. Returned tensors are new (contiguous) tensors, never views of the inputs.
+    """
+    check_arch(arch, layout)
+    fetch = get.__getitem__ if isinstance(get, Mapping) else get
+    out: dict[str, torch.Tensor] = {}
+    put = lambda name, t: out.__setitem__(name, t.contiguous().clone())  # noqa: E731
+    put("embedding.word_embeddings.weight", _rows(fetch("model.embed_tokens.weight"), layout))
+    E_local = arch.num_experts // layout.ep_size
+    for i in range(arch.num_hidden_layers):
+        hp = f"model.layers.{i}."
+        n = _layer_names(arch, layout, i)
+        put(n["input_layernorm.weight"], fetch(hp + "input_layernorm.weight"))
+        qkv = fuse_qkv(*(fetch(hp + f"self_attn.{x}_proj.weight") for x in "qkv"), arch)
+        put(n["self_attn.qkv"], qkv.chunk(layout.tp_size, 0)[layout.tp_rank] if layout.tp_size > 1 else qkv)
+        put(n["self_attn.o_proj.weight"], _cols(fetch(hp + "self_attn.o_proj.weight"), layout))
+        put(n["self_attn.q_norm.weight"], fetch(hp + "self_attn.q_norm.weight"))
+        put(n["self_attn.k_norm.weight"], fetch(hp + "self_attn.k_norm.weight"))
+        put(n["post_attention_layernorm.weight"], fetch(hp + "post_attention_layernorm.weight"))
+        if arch.is_moe_layer(i):
+            put(n["mlp.gate.weight"], fetch(hp + "mlp.gate.weight"))
+            for j in range(E_local):
+                e = layout.ep_rank * E_local + j
+                ep = hp + f"mlp.experts.{e}."
+                fc1, fc2 = expert_names(layout, i, j)
+                out[fc1] = torch.cat([fetch(ep + "gate_proj.weight"), fetch(ep + "up_proj.weight")], dim=0)
+                put(fc2, fetch(ep + "down_proj.weight"))
+        else:
+            out[n["mlp.fc1"]] = _fc1(fetch(hp + "mlp.gate_proj.weight"), fetch(hp + "mlp.up_proj.weight"), layout)
+            put(n["mlp.down_proj.weight"], _cols(fetch(hp + "mlp.down_proj.weight"), layout))
+    put("decoder.final_layernorm.weight", fetch("model.norm.weight"))
+    put("output_layer.weight", _rows(fetch("lm_head.weight"), layout))
+    return out
+
+
+# --- Megatron -> HF -------------------------------------------------------------------------
+Gather = Callable[[str, torch.Tensor, int], torch.Tensor]
+
+
+def megatron_to_hf(
+    get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
+    arch: MoEArch,
+    layout: MegatronLayout,
+    gather: Gather | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every tensor this rank holds, one at a time, in HF order.
+
+    Dense tensors come whole (tensor-parallel shards are joined with ``gather(name, local,
+    dim)``, which must return the concatenation of all TP ranks' shards along ``dim``: an
+    all-gather in a real run; required when tp_size > 1). Experts come for this EP rank only,
+    under their global HF names. Tensors are views of the Megatron tensors where no
+    re-layout is needed (norms, router, experts' fc2), new tensors otherwise; callers that
+    keep them across an optimizer step must copy.
+    """
+    check_arch(arch, layout)
+    fetch = get.__getitem__ if isinstance(get, Mapping) else get
+    tp = layout.tp_size
+    if tp > 1 and gather is None:
+        raise ValueError("megatron_to_hf: tp_size > 1 needs a gather function to join TP shards")
+    full = (lambda name, dim: gather(name, fetch(name), dim)) if tp > 1 else (lambda name, dim: fetch(name))
+    E_local = arch.num_experts // layout.ep_size
+    lo = layout.ep_rank * E_local
+    cache: dict[str, tuple[torch.Tensor, ...]] = {}  # fused tensors, split once, consumed in order
+    for hf_name, _ in hf_param_specs(arch):
+        parsed = parse_expert_name(hf_name)
+        if parsed is not None:
+            layer, e, proj = parsed
+            if not lo <= e < lo + E_local:
+                continue
+            fc1, fc2 = expert_names(layout, layer, e - lo)
+            if proj == "down_proj":
+                yield hf_name, fetch(fc2)
+            else:
+                gate, up = fetch(fc1).chunk(2, dim=0)
+                yield hf_name, gate if proj == "gate_proj" else up
+            continue
+        if hf_name == "model.embed_tokens.weight":
+            yield hf_name, full("embedding.word_embeddings.weight", 0)
+        elif hf_name == "model.norm.weight":
+            yield hf_name, fetch("decoder.final_layernorm.weight")
+        elif hf_name == "lm_head.weight":
+            yield hf_name, full("output_layer.weight", 0)
+        else:
+            i = int(hf_name.split(".")[2])
+            suffix = hf_name.split(".", 3)[3]
+            n = _layer_names(arch, layout, i)
+            if suffix in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+                key = n["self_attn.qkv"]
+                if key not in cache:
+                    cache[key] = split_qkv(full(key, 0), arch)
+                q, k, v = cache[key]
+                yield hf_name, {"q": q, "k": k, "v": v}[suffix[len("self_attn.")]]
+                if suffix.startswith("self_attn.v"):
+                    del cache[key]
+            elif suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+                key = n["mlp.fc1"]
+                if key not in cache:
+                    cache[key] = _unfc1(full(key, 0), tp)
+                gate, up = cache[key]
+                yield hf_name, gate if suffix.startswith("mlp.gate") else up
+                if suffix.startswith("mlp.up"):
+                    del cache[key]
+            elif suffix in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                yield hf_name, full(n[suffix], 1)
+            else:
+                yield hf_name, fetch(n[suffix])
+
+
+def megatron_expert_owner(name: str, arch: MoEArch, ep_size: int) -> int | None:
+    """EP rank holding an HF expert tensor (None for dense tensors): contiguous blocks of
+    num_experts / ep_size experts per rank, as megatron-core's MoELayer assigns them."""
+    parsed = parse_expert_name(name)
+    return None if parsed is None else parsed[1] // (arch.num_experts // ep_size)

@@ -1,0 +1,321 @@
+"""Megatron-core pieces of the megatron backend: parallel state, the GPTModel, RouterReplay.
+
+Everything that touches megatron-core's process-global state lives here:
+``init_parallel_state`` (megatron's ``parallel_state``, set up over the trainer pool only) and
+:class:`RouterReplayControl` (the one owner of ``RouterReplay``'s class-level instance list
+and actions). Written against the API megatron-core 0.16 and 0.19 share.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_rl.model import MoEArch, RoutingError
+
+from .convert import MegatronLayout, check_arch
+
+log = logging.getLogger(__name__)
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's torch extension imports (megatron's TE specs need it)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a TE build that does not match this torch/CUDA
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    """The megatron-specific choices, resolved from ``cfg.train`` (see config.TrainConfig)."""
+
+    use_te: bool
+    grouped_gemm: bool
+    dispatcher: str = "alltoall"
+    router_fusion: bool = False
+    recompute: bool = False
+    replay: bool = True
+
+    @classmethod
+    def from_config(cls, cfg) -> "MegatronOptions":
+        t = cfg.train
+        use_te = te_available() if t.megatron_use_te is None else t.megatron_use_te
+        if use_te and not te_available():
+            raise RuntimeError("train.megatron_use_te=true but transformer_engine does not import "
+                               "(pip install --no-build-isolation 'transformer_engine[pytorch]')")
+        grouped = use_te if t.megatron_grouped_gemm is None else t.megatron_grouped_gemm
+        if grouped and not use_te:
+            raise ValueError("train.megatron_grouped_gemm=true needs Transformer Engine (TEGroupedMLP); "
+                             "set train.megatron_use_te=true or megatron_grouped_gemm=false")
+        opts = cls(use_te, grouped, t.megatron_dispatcher, t.megatron_router_fusion, t.megatron_recompute,
+                   replay=cfg.replay.enabled)
+        opts.check()
+        return opts
+
+    def check(self) -> None:
+        if self.replay and self.router_fusion:
+            raise ValueError(
+                "train.megatron_router_fusion=true cannot be used with routing replay (replay.enabled=true):"
+                " megatron-core's fused top-k router returns before RouterReplay is consulted, so the"
+                " recorded experts would be silently ignored. Set train.megatron_router_fusion=false."
+            )
+
+    def layout(self, tp_size=1, tp_rank=0, ep_size=1, ep_rank=0) -> MegatronLayout:
+        return MegatronLayout(te=self.use_te, grouped_gemm=self.grouped_gemm, tp_size=tp_size,
+                              tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank)
+
+
+# --- parallel state -------------------------------------------------------------------------
+@contextlib.contextmanager
+def _world_is_first(n: int):
+    """Makes megatron's ``initialize_model_parallel`` build its groups over ranks [0, n) only.
+
+    It sizes its groups by the world size and creates every group on every rank; in a world
+    that also holds engine ranks those never call it. So, for the duration of the call, the
+    world size reads ``n`` and groups are created with local synchronisation (only members
+    take part), which lets the trainer pool ([0, n) by moe_rl.dist's layout) set it up alone.
+    """
+    real_size, real_new_group = dist.get_world_size, dist.new_group
+
+    def world_size(group=None):
+        return n if group is None else real_size(group)
+
+    def new_group(*args, **kwargs):
+        kwargs["use_local_synchronization"] = True
+        return real_new_group(*args, **kwargs)
+
+    dist.get_world_size, dist.new_group = world_size, new_group
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.new_group = real_size, real_new_group
+
+
+def init_parallel_state(tp_size: int, ep_size: int, trainer_ranks: list[int] | None = None, seed: int = 0) -> None:
+    """Initialises megatron's parallel_state over the trainer pool (ranks [0, len(trainers)))."""
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        raise RuntimeError("the megatron backend needs torch.distributed initialised (moe_rl.dist.init_distributed)")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if have != (tp_size, ep_size):
+            raise RuntimeError(f"megatron parallel_state already initialised with (tp, ep)={have}, "
+                               f"this backend needs {(tp_size, ep_size)}")
+        return
+    n = len(trainer_ranks) if trainer_ranks is not None else dist.get_world_size()
+    if trainer_ranks is not None and list(trainer_ranks) != list(range(n)):
+        raise RuntimeError(f"the megatron backend needs the trainer pool to be ranks [0, {n}), got {trainer_ranks}")
+    kwargs = dict(tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size,
+                  expert_tensor_parallel_size=1, create_gloo_process_groups=False)
+    if n == dist.get_world_size():
+        ps.initialize_model_parallel(**kwargs)
+    else:
+        log.info("megatron parallel_state: built over the trainer pool, ranks [0, %d) of %d", n, dist.get_world_size())
+        with _world_is_first(n):
+            ps.initialize_model_parallel(**kwargs)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel_state() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+
+# --- model ----------------------------------------------------------------------------------
+def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.float32, tp_size=1, ep_size=1,
+                       cpu_init: bool = True):
+    """Megatron's TransformerConfig for a Qwen3-MoE ``arch``.
+
+    Router: Qwen3-MoE takes softmax over all experts, keeps the top k and (norm_topk_prob)
+    renormalises them, which equals megatron's softmax score function with
+    ``moe_router_pre_softmax=False`` (top-k of the logits, softmax over those k). Without
+    norm_topk_prob it is ``pre_softmax=True`` (softmax over all, top-k, no renormalisation).
+    No scaling factor, no expert bias, no aux loss, no capacity (dropless).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_arch(arch, MegatronLayout(tp_size=tp_size, ep_size=ep_size))
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if opts.recompute else {}
+    return TransformerConfig(
+        num_layers=arch.num_hidden_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # MoE
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_intermediate_size,
+        moe_layer_freq=[1 if arch.is_moe_layer(i) else 0 for i in range(arch.num_hidden_layers)],
+        moe_router_topk=arch.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_topk_scaling_factor=None,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_fusion=opts.router_fusion,
+        moe_enable_routing_replay=opts.replay,
+        moe_grouped_gemm=opts.grouped_gemm,
+        moe_token_dispatcher_type=opts.dispatcher,
+        # parallelism and precision
+        tensor_model_parallel_size=tp_size,
+        expert_model_parallel_size=ep_size,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=tp_size > 1,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=cpu_init,
+        perform_initialization=False,  # weights always come from an HF state (checkpoint or seeded init)
+        **recompute,
+    )
+
+
+def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
+    """GPTModel with Qwen3-MoE layers: TE spec when ``opts.use_te``, the local spec otherwise."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=opts.use_te, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        parallel_output=True,
+    )
+
+
+# --- routing replay ---------------------------------------------------------------------------
+def check_replay(replay: list[torch.Tensor], num_layers: int, n_tokens: int, top_k: int, num_experts: int) -> None:
+    """The checks megatron's RouterReplay does not do (it gathers whatever it is given)."""
+    if len(replay) != num_layers:
+        raise RoutingError(f"replay record has {len(replay)} layers, the model has {num_layers} MoE layers")
+    for i, ids in enumerate(replay):
+        where = f"replay record for MoE layer {i}"
+        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise RoutingError(f"{where}: expected an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
+        if tuple(ids.shape) != (n_tokens, top_k):
+            raise RoutingError(f"{where}: shape {tuple(ids.shape)}, expected [tokens={n_tokens}, top_k={top_k}]")
+        if n_tokens:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= num_experts:
+                raise RoutingError(f"{where}: expert id out of range [0, {num_experts}): min {lo}, max {hi}")
+            srt = ids.sort(dim=1).values
+            dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1)
+            if bool(dup.any()):  # megatron's alltoall dispatcher would mis-size its splits
+                row = int(dup.nonzero()[0])
+                raise RoutingError(f"{where}: token {row} has a duplicate expert id: {ids[row].tolist()}")
+
+
+class RouterReplayControl:
+    """The one owner of megatron-core's global ``RouterReplay`` state.
+
+    megatron keeps one ``RouterReplay`` per TopKRouter in a class-level list (construction
+    order = MoE layer order) and one action per instance. Per micro-batch forward:
+
+    * replay given: ``set_replay_data`` (one ``[local_tokens, top_k]`` tensor per MoE layer),
+      action REPLAY_FORWARD; after the forward, when the graph will be recomputed in backward
+      (activation recompute, grad enabled), action REPLAY_BACKWARD, whose FIFO
+      (``replay_backward_list``) gives each recomputed forward its micro-batch's ids: backward
+      passes must then run in the order of their forwards. Otherwise the FIFO entry just added
+      is dropped again, so that no-grad forwards never desynchronise it;
+    * no replay, ``record`` wanted: action RECORD, ids read back with ``get_recorded_data``;
+    * neither: no action (the router chooses).
+
+    After every forward the action is REPLAY_BACKWARD while any recompute is pending, none
+    otherwise. With recompute on, all micro-batches of a step should replay (or none).
+
+    ``end_step`` clears ids, FIFOs and actions (called by ``optimizer_step``).
+    """
+
+    def __init__(self, num_moe_layers: int, top_k: int, num_experts: int, recompute: bool):
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        self._rr, self._action = RouterReplay, RouterReplayAction
+        self.num_layers, self.top_k, self.num_experts, self.recompute = num_moe_layers, top_k, num_experts, recompute
+        self.instances = list(RouterReplay.global_router_replay_instances)
+        if len(self.instances) != num_moe_layers:
+            raise RuntimeError(
+                f"megatron built {len(self.instances)} RouterReplay instances for {num_moe_layers} MoE layers"
+                " (was another megatron model built in this process without RouterReplayControl.reset()?)"
+            )
+
+    @staticmethod
+    def reset() -> None:
+        """Forgets instances of earlier models; call right before building a GPTModel."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
+
+    def _set_action(self, action) -> None:
+        for inst in self.instances:
+            if action is None:
+                inst.clear_router_replay_action()
+            else:
+                inst.set_router_replay_action(action)
+
+    @contextlib.contextmanager
+    def forward(self, replay: list[torch.Tensor] | None, n_tokens: int, device, record: list | None = None):
+        """Context for one micro-batch forward; fills ``record`` (if given) after it."""
+        if replay is not None:
+            check_replay(replay, self.num_layers, n_tokens, self.top_k, self.num_experts)
+            data = [r.to(device=device, dtype=torch.long) for r in replay]
+            for inst, ids in zip(self.instances, data):
+                inst.set_target_indices(ids)
+            self._set_action(self._action.REPLAY_FORWARD)
+        else:
+            self._set_action(self._action.RECORD if record is not None else None)
+        keep = replay is not None and self.recompute and torch.is_grad_enabled()
+        try:
+            yield
+            if record is not None:
+                if replay is not None:
+                    record.extend(d.detach() for d in data)
+                else:
+                    got = [inst.get_recorded_indices() for inst in self.instances]
+                    if any(g is None for g in got):
+                        raise RuntimeError("RouterReplay recorded nothing: was the fused router path used?")
+                    record.extend(g.detach() for g in got)
+        except BaseException:
+            keep = False
+            raise
+        finally:
+            if replay is not None and not keep:
+                for inst in self.instances:
+                    inst.replay_backward_list.pop()
+            # recomputed forwards of earlier micro-batches (run by their backward) replay from the FIFO
+            self._set_action(self._action.REPLAY_BACKWARD if self.pending_backward() else None)
+
+    def pending_backward(self) -> int:
+        return len(self.instances[0].replay_backward_list) if self.instances else 0
+
+    def end_step(self) -> None:
+        self._rr.clear_global_indices()
+        self._rr.clear_global_router_replay_action()
