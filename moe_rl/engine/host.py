@@ -1,0 +1,43 @@
+"""An engine rank of the torchrun world: serves an embedded engine until the trainers finish.
+
+Its URL reaches the trainers through one all_gather_object over the world; the final barrier
+of the world tells it to stop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import torch.distributed as dist
+
+from .server import build_engine, start_server
+
+log = logging.getLogger(__name__)
+
+
+def exchange_urls(my_url: str | None) -> list[str]:
+    """Collective over the whole world: every engine rank's URL, in rank order."""
+    urls: list = [None] * dist.get_world_size()
+    dist.all_gather_object(urls, my_url)
+    return [u for u in urls if u]
+
+
+def run_engine_host(cfg, groups) -> None:
+    e = cfg.engine
+    index = groups.layout.rollout_ranks.index(groups.rank)
+    port = 0 if e.port == 0 else e.port + index
+    loop = asyncio.new_event_loop()
+    engine = build_engine(cfg)
+    runner, url = loop.run_until_complete(start_server(engine, e.host, port, e.api_key))
+    thread = threading.Thread(target=loop.run_forever, name="engine-http", daemon=True)
+    thread.start()
+    log.info("embedded engine %d listening on %s", index, url)
+    try:
+        exchange_urls(url)
+        dist.barrier()  # the trainers reach it when the run is over
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        engine.stop()

@@ -1,0 +1,254 @@
+"""The rollout manager: draws prompts, submits GRPO groups to the engines, scores them, and
+fills the rollout buffer and the replay log. It runs its own asyncio loop in a thread beside
+the trainer, so generation never waits for training.
+
+Staleness gate (AReaL-style): with B groups per trainer step, group number s (0-based, in
+submission order) may only be submitted while s < (v + eta + 1) * B, v being the current policy
+version. Such a group is consumed by step <= v + eta, so no token it gets at version >= v is
+more than eta versions old when trained on. The buffer drops (and counts) whatever still is.
+eta = 0 is the synchronous baseline: submit B groups, wait for the step, repeat.
+
+Partial rollouts: a weight update pauses the engines. In ``abort`` mode the engines return the
+partial output of every in-flight request, and the manager resubmits prompt + partial output
+once the engines continue; each token keeps the version that produced it, and the routing
+segments are merged so the record covers the whole sequence exactly once. In ``in_place`` mode
+requests simply continue after the update with the new version.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+
+from moe_rl.engine.protocol import output_logprobs, token_weight_versions
+from moe_rl.replay import RoutingSpec, record_from_responses
+
+from .buffer import RolloutBuffer
+from .sample import Group, Sample
+
+log = logging.getLogger(__name__)
+
+
+class RolloutManager:
+    def __init__(self, cfg, task, client, buffer: RolloutBuffer, replay_log=None, routing_spec: RoutingSpec | None = None,
+                 start_index: int = 0, pending: list[int] | None = None, version: int = 0, submitted: int = 0,
+                 attempt: int = 0):
+        self.cfg, self.task, self.client, self.buffer = cfg, task, client, buffer
+        self.replay_log, self.spec = replay_log, routing_spec
+        self.B = cfg.rollout.prompts_per_step
+        self.eta = cfg.rollout.max_staleness
+        self.version = version
+        # Groups submitted so far (consumed, dropped as stale, or in the buffer); drives the gate.
+        self.submitted = submitted
+        self.next_index = start_index
+        self.redo = list(pending or [])  # in flight at the checkpoint we resumed from
+        self.attempt = attempt  # bumped on each resume so sample uids never repeat in the log
+        self.inflight: dict[int, float] = {}  # group index -> submit time
+        self.lock = threading.Lock()
+        self.stats = Counter()
+        self.busy_since: float | None = None
+        self.busy_time = 0.0
+        self.error: BaseException | None = None
+        self._rewards = concurrent.futures.ThreadPoolExecutor(cfg.rollout.reward_workers, thread_name_prefix="reward")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._thread_main, name="rollout-manager", daemon=True)
+        self._ready: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self._stop = False
+
+    # --- control from the trainer thread --------------------------------------------------
+    def start(self) -> "RolloutManager":
+        self._thread.start()
+        return self
+
+    def check(self) -> None:
+        """Raises in the trainer thread if the manager died."""
+        if self.error is not None:
+            raise RuntimeError(f"rollout manager failed: {self.error!r}") from self.error
+
+    def begin_update(self) -> None:
+        """Engines are about to pause for a weight update: hold back resubmissions."""
+        self._call(lambda: self._ready.clear())
+
+    def end_update(self, version: int) -> None:
+        """Engines serve ``version`` now; open the gate for more groups."""
+
+        def f():
+            self.version = version
+            self._ready.set()
+            self._wake.set()
+
+        self._call(f)
+
+    def stop(self) -> None:
+        self._stop = True
+        if self._thread.is_alive():
+            self._call(lambda: (self._wake.set(), self._ready.set()))
+            self._thread.join(timeout=60)
+        self._rewards.shutdown(wait=False, cancel_futures=True)
+
+    def state_dict(self) -> dict:
+        """Data position, the groups in flight (their prompts are resubmitted on resume) and the
+        buffer, taken under one lock: a group is either in flight or in the buffer, never both."""
+        with self.lock:
+            pending = sorted(self.inflight) + list(self.redo)
+            return {"next_index": self.next_index, "pending": pending, "stats": dict(self.stats),
+                    "submitted": self.submitted - len(self.inflight), "attempt": self.attempt,
+                    "buffer": self.buffer.state_dict()}
+
+    def busy_fraction_since(self, t0: float) -> float:
+        """Fraction of wall time since t0 with at least one request in flight."""
+        with self.lock:
+            busy = self.busy_time + (time.monotonic() - self.busy_since if self.busy_since else 0.0)
+        return busy / max(time.monotonic() - t0, 1e-9)
+
+    def _call(self, fn) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(fn)
+
+    # --- the loop -------------------------------------------------------------------------
+    def _thread_main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._run())
+        except BaseException as e:  # surfaced to the trainer by check()
+            log.exception("rollout manager failed")
+            self.error = e
+            self.buffer.close()
+        finally:
+            self._loop.close()
+
+    async def _run(self) -> None:
+        self._ready, self._wake = asyncio.Event(), asyncio.Event()
+        self._ready.set()
+        tasks: set[asyncio.Task] = set()
+        max_inflight = self.cfg.rollout.max_inflight_groups or 10**9
+        while not self._stop:
+            allowed = (self.version + self.eta + 1) * self.B
+            if self.submitted < allowed and len(tasks) < max_inflight and self._ready.is_set():
+                index = self._next_prompt_index()
+                if index is None:
+                    if not tasks:
+                        break  # a finite dataset is exhausted
+                else:
+                    self.submitted += 1
+                    t = asyncio.create_task(self._group(index, self.version))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+                    continue
+            self._wake.clear()
+            waiters = [asyncio.create_task(self._wake.wait())] + list(tasks)
+            done, _ = await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not waiters[0] and t.exception() is not None:
+                    raise t.exception()
+            waiters[0].cancel()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.client.close()
+
+    def _next_prompt_index(self) -> int | None:
+        with self.lock:
+            if self.redo:
+                return self.redo.pop(0)
+            n = self.task.num_prompts
+            if n is not None and self.next_index >= n and not getattr(self.task, "cycles", False):
+                return None
+            i = self.next_index
+            self.next_index += 1
+            return i
+
+    def _mark(self, delta: int) -> None:
+        """Tracks the busy time of the rollout pool (>= 1 request in flight)."""
+        with self.lock:
+            now = time.monotonic()
+            if self.stats["requests_inflight"] == 0 and delta > 0:
+                self.busy_since = now
+            self.stats["requests_inflight"] += delta
+            if self.stats["requests_inflight"] == 0 and delta < 0 and self.busy_since is not None:
+                self.busy_time += now - self.busy_since
+                self.busy_since = None
+
+    async def _group(self, index: int, version: int) -> None:
+        with self.lock:
+            self.inflight[index] = time.monotonic()
+        prompt = self.task.prompt(index)
+        n = self.cfg.rollout.group_size
+        samples = await asyncio.gather(*(self._sample(prompt, index, j) for j in range(n)))
+        rewards = await asyncio.gather(
+            *(asyncio.get_running_loop().run_in_executor(self._rewards, self._score, prompt, s) for s in samples)
+        )
+        for s, (r, err) in zip(samples, rewards):
+            s.reward, s.failed = r, err
+            if err is not None:
+                self.stats["reward_failures"] += 1
+        group = Group(index, list(samples), version)
+        with self.lock:
+            self.inflight.pop(index, None)
+            self.buffer.put(group)
+            self.stats["groups_done"] += 1
+
+    def _score(self, prompt, sample: Sample) -> tuple[float, str | None]:
+        try:
+            return float(self.task.reward(prompt, sample.response_ids)), None
+        except Exception as e:  # a raising reward marks the sample failed; the run goes on
+            log.warning("reward function raised on sample %s: %r", sample.uid, e)
+            return 0.0, f"reward raised {type(e).__name__}: {e}"
+
+    async def _sample(self, prompt, index: int, j: int) -> Sample:
+        cfg = self.cfg.rollout
+        uid = f"p{index}-s{j}" if self.attempt == 0 else f"p{index}-s{j}-a{self.attempt}"
+        max_new = prompt.max_new_tokens or cfg.max_new_tokens
+        out: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        metas: list[dict] = []
+        resumes = 0
+        finish = "length"
+        want_routing = self.replay_log is not None
+        while True:
+            await self._ready.wait()
+            params = {"max_new_tokens": max_new - len(out), "temperature": cfg.temperature, "top_p": cfg.top_p,
+                      "top_k": cfg.top_k, "stop_token_ids": list(self.task.stop_token_ids),
+                      "sampling_seed": _seed(self.cfg.data.seed, index, j, len(out))}
+            self._mark(+1)
+            try:
+                resp = await self.client.generate(
+                    input_ids=list(prompt.input_ids) + out, sampling_params=params, return_logprob=True,
+                    return_routed_experts=want_routing, rid=f"{uid}-r{resumes}",
+                )
+            finally:
+                self._mark(-1)
+            meta = resp["meta_info"]
+            new = list(resp["output_ids"])
+            out += new
+            logps += output_logprobs(meta)
+            tv = token_weight_versions(meta)
+            versions += [int(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))]
+            metas.append(meta)
+            finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
+            if finish == "abort" and len(out) < max_new and not self._stop:
+                resumes += 1
+                self.stats["resumed_requests"] += 1
+                continue
+            break
+        if not (len(logps) == len(versions) == len(out)):
+            raise RuntimeError(f"sample {uid}: engine returned {len(out)} tokens, {len(logps)} log-probs, "
+                               f"{len(versions)} versions")
+        s = Sample(uid, index, list(prompt.input_ids), out, logps, versions, finish_reason=finish, resumes=resumes)
+        if want_routing and out:
+            rec = record_from_responses(metas, self.spec, num_tokens=s.num_tokens)
+            self.replay_log.append(uid, rec, sorted(set(versions)))
+            s.has_routing = True
+        return s
+
+
+def _seed(seed: int, index: int, j: int, offset: int) -> int:
+    """A distinct, reproducible sampling seed per (prompt, sample, resume point)."""
+    return int(np.random.SeedSequence([seed, index, j, offset]).generate_state(1)[0] & 0x7FFFFFFF)

@@ -1,0 +1,100 @@
+"""Checkpoints: HF weights (loadable by transformers) + trainer state for an exact resume.
+
+Layout: ``<output_dir>/checkpoints/step_<N>/{hf/, trainer_rank<r>.pt, rollout.pt}`` and a
+``latest`` file naming the newest complete one, written last (atomically), so a crash while
+saving leaves the previous checkpoint in charge.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.model import hf_param_specs, save_hf
+
+log = logging.getLogger(__name__)
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def gather_hf_state(backend, groups) -> dict[str, torch.Tensor] | None:
+    """The full HF state dict on trainer rank 0 (None elsewhere). Experts held by other EP
+    ranks are broadcast from their owner inside EP block 0, one tensor at a time."""
+    ep_group = groups.ep if groups is not None and backend.ep_size > 1 else None
+    local = dict(backend.hf_tensors())
+    if ep_group is None:
+        return {n: t.detach().cpu().clone() for n, t in local.items()}
+    if groups.dp_rank != 0:
+        return None
+    ep_rank = dist.get_rank(ep_group)
+    out = {}
+    for name, shape in hf_param_specs(backend.arch):
+        if name in local and backend.owner_ep_rank(name) in (None, ep_rank):
+            t = local[name].detach().contiguous()
+        else:
+            t = torch.empty(shape, dtype=next(iter(local.values())).dtype)
+        owner = backend.owner_ep_rank(name)
+        if owner is not None:
+            dist.broadcast(t, group=ep_group, group_src=owner)
+        if ep_rank == 0:
+            out[name] = t.cpu().clone()
+    return out if ep_rank == 0 else None
+
+
+def save_checkpoint(run_dir: Path, step: int, backend, groups, trainer_state: dict, rollout_state: dict | None,
+                    keep: int) -> Path:
+    """Collective over the trainer pool. ``rollout_state`` is given on trainer rank 0."""
+    root = Path(run_dir) / "checkpoints"
+    ckpt = root / f"step_{step}"
+    rank = groups.rank if groups is not None else 0
+    state = gather_hf_state(backend, groups)
+    if rank == 0:
+        ckpt.mkdir(parents=True, exist_ok=True)
+        save_hf(state, ckpt / "hf", arch=backend.arch)
+        _atomic_torch_save(rollout_state, ckpt / "rollout.pt")
+    _barrier(groups)
+    _atomic_torch_save({"backend": backend.state_dict(), **trainer_state}, ckpt / f"trainer_rank{rank}.pt")
+    _barrier(groups)
+    if rank == 0:
+        tmp = root / "latest.tmp"
+        tmp.write_text(ckpt.name)
+        os.replace(tmp, root / "latest")
+        old = sorted((p for p in root.glob("step_*") if p != ckpt), key=lambda p: int(p.name.split("_")[1]))
+        for p in old[: max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+        log.info("checkpoint saved: %s", ckpt)
+    return ckpt
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    ckpt = pointer.parent / pointer.read_text().strip()
+    if not ckpt.exists():
+        raise FileNotFoundError(f"{pointer} names {ckpt.name}, which is missing")
+    return ckpt
+
+
+def load_checkpoint(ckpt: Path, backend, rank: int) -> tuple[dict, dict | None]:
+    """Restores the backend; returns (trainer_state, rollout_state or None off rank 0)."""
+    path = ckpt / f"trainer_rank{rank}.pt"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing (was the checkpoint written with a different pools.trainer?)")
+    state = torch.load(path, weights_only=False)
+    backend.load_state_dict(state.pop("backend"))
+    rollout = torch.load(ckpt / "rollout.pt", weights_only=False) if rank == 0 else None
+    return state, rollout
+
+
+def _barrier(groups) -> None:
+    if groups is not None and len(groups.layout.trainer_ranks) > 1:
+        dist.barrier(group=groups.trainer)

@@ -1,0 +1,339 @@
+"""The trainer: consumes rollout batches, trains with routing replay, syncs weights to engines.
+
+Trainer rank 0 also runs the rollout manager (a thread with its own event loop) and owns the
+buffer; each step's batch is broadcast to the other trainer ranks, which take their shard.
+Per step:
+
+  take B groups (staleness bound eta) -> GRPO advantages -> per rank: packed micro-batches with
+  the engine's routing to replay -> log-probs (fused kernel) -> decoupled-PPO loss -> backward ->
+  optimizer step (version += 1) -> pause engines, bucketed weight sync, continue -> metrics,
+  checkpoint.
+
+With one optimizer update per batch the proximal policy (the trainer before its update) is
+the very forward that is being differentiated, so its log-probs are that forward's, detached.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_rl.algo import grpo_advantages_by_group, mismatch_metrics, policy_loss
+from moe_rl.engine.client import EngineClient
+from moe_rl.engine.host import exchange_urls
+from moe_rl.replay import ReplayLog, RoutingSpec, align_replay, filler_ids, packed_layout
+from moe_rl.replay.match import routing_match
+from moe_rl.rollout.buffer import RolloutBuffer
+from moe_rl.rollout.manager import RolloutManager
+from moe_rl.sync.sender import WeightSender
+from moe_rl.tasks import task_from_config
+
+from .backend import MicroBatch, build_backend
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+# --- batch -> micro-batches ---------------------------------------------------------------
+def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay_log, use_replay: bool):
+    """Packs ``samples`` (this rank's shard) into exactly ``n_micro`` micro-batches; a rank
+    with fewer samples gets dummy ones (expert parallelism needs every rank in every call)."""
+    out = []
+    for m in range(n_micro):
+        chunk = samples[m * mbs : (m + 1) * mbs]
+        if not chunk:
+            out.append((MicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.tensor([0, 2]),
+                                   torch.full((2,), -100, dtype=torch.long)), [], None, None))
+            continue
+        seqs = [s["prompt_ids"] + s["response_ids"] for s in chunk]
+        lengths = [len(x) for x in seqs]
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        ids = torch.tensor([t for x in seqs for t in x], dtype=torch.long)
+        labels = torch.full((int(cu[-1]),), -100, dtype=torch.long)
+        resp_pos = []  # positions whose logits score each response token
+        for s, start in zip(chunk, cu[:-1]):
+            P, R = len(s["prompt_ids"]), len(s["response_ids"])
+            pos = torch.arange(start + P - 1, start + P - 1 + R)
+            labels[pos] = torch.tensor(s["response_ids"], dtype=torch.long)
+            resp_pos.append(pos)
+        engine_routing, has_rec = None, None
+        if replay_log is not None:
+            k, E = arch.num_experts_per_tok, arch.num_experts
+            L = len(arch.moe_layers)
+            records = []
+            has_rec = torch.zeros(int(cu[-1]), dtype=torch.bool)
+            for s, n, start in zip(chunk, lengths, cu[:-1]):
+                if s["has_routing"]:
+                    records.append(replay_log.get(s["uid"]))
+                    has_rec[start : start + n - 1] = True
+                else:
+                    records.append(np.broadcast_to(filler_ids(n - 1, k, E)[:, None, :], (n - 1, L, k)).copy())
+            engine_routing = align_replay(records, packed_layout(lengths), num_experts=E)
+        mb = MicroBatch(ids[None], torch.tensor(cu, dtype=torch.long), labels,
+                        engine_routing if use_replay else None)
+        out.append((mb, chunk, torch.cat(resp_pos), (engine_routing, has_rec)))
+    return out
+
+
+# --- the trainer ----------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, cfg, groups):
+        self.cfg, self.groups = cfg, groups
+        self.rank = groups.rank
+        self.lead = groups.rank == 0
+        self.n_trainers = len(groups.layout.trainer_ranks)
+        torch.manual_seed(cfg.train.seed)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.run_dir = Path(cfg.output_dir)
+        self.backend = build_backend(cfg, groups)
+        self.arch = self.backend.arch
+        self.ref = build_backend(cfg, groups) if cfg.algo.kl_coef > 0 else None  # frozen initial policy
+        self.task = task_from_config(cfg)
+        self.record_routing = cfg.replay.enabled or cfg.engine.kind == "embedded"
+        self.replay_dir = Path(cfg.replay.dir or self.run_dir / "routing")
+        self.step, self.version = 0, 0
+        self.manager: RolloutManager | None = None
+        self.buffer = RolloutBuffer()
+        self.reader: ReplayLog | None = None
+        self.writer: ReplayLog | None = None
+
+    # --- set-up ---------------------------------------------------------------------------
+    def _engine_urls(self) -> list[str]:
+        urls = exchange_urls(None)  # collective with the engine ranks
+        urls = urls + list(self.cfg.engine.urls)
+        if not urls:
+            raise RuntimeError("no rollout engines: pools.rollout=0 and engine.urls is empty")
+        return urls
+
+    def setup(self):
+        cfg = self.cfg
+        self.urls = self._engine_urls()
+        resume_state, rollout_state = {}, None
+        if cfg.resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is None:
+                raise FileNotFoundError(f"resume=true but {self.run_dir}/checkpoints has no checkpoint")
+            resume_state, rollout_state = load_checkpoint(ckpt, self.backend, self.rank)
+            self.step, self.version = resume_state["step"], resume_state["version"]
+            log.info("resumed from %s at step %d", ckpt, self.step)
+        elif self.lead and (self.run_dir / "checkpoints").exists():
+            log.warning("%s already holds checkpoints; starting afresh (resume=true continues)", self.run_dir)
+        self.sender = WeightSender.from_config(self.backend.model, cfg.sync, self.groups, engines=self.urls if self.lead else ())
+        if self.record_routing:
+            if self.lead:
+                if not cfg.resume and self.replay_dir.exists():
+                    import shutil
+
+                    shutil.rmtree(self.replay_dir)
+                self.writer = ReplayLog(self.replay_dir, len(self.arch.moe_layers), self.arch.num_experts_per_tok,
+                                        self.arch.num_experts)
+            self._trainer_barrier()
+            self.reader = ReplayLog(self.replay_dir, mode="r")
+        if self.version > 0:  # a resumed run: engines start from the initial weights
+            self.sender.sync(str(self.version))
+        if self.lead:
+            client = EngineClient.from_config(cfg.engine, self.urls)
+            spec = RoutingSpec(self.arch.num_hidden_layers, self.arch.num_experts_per_tok, self.arch.num_experts,
+                               tuple(self.arch.mlp_only_layers), self.arch.decoder_sparse_step)
+            m = rollout_state or {}
+            if m:
+                self.buffer.load_state_dict(m["buffer"])
+            self.manager = RolloutManager(
+                cfg, self.task, client, self.buffer, self.writer, spec,
+                start_index=m.get("next_index", 0), pending=m.get("pending"), version=self.version,
+                submitted=m.get("submitted", 0), attempt=m.get("attempt", -1) + 1,
+            )
+            self.tracker = Tracker(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                                   total_steps=cfg.train.steps, start_step=self.step)
+
+    def _trainer_barrier(self):
+        if self.n_trainers > 1:
+            dist.barrier(group=self.groups.trainer)
+
+    # --- one step -------------------------------------------------------------------------
+    def _take_batch(self) -> tuple[list[dict], dict]:
+        """Rank 0 takes B groups and computes advantages; every trainer rank gets the batch."""
+        obj = [None]
+        if self.lead:
+            eta = self.cfg.rollout.max_staleness
+            t0 = time.perf_counter()
+            groups = self.buffer.take(self.cfg.rollout.prompts_per_step, self.version - eta, alive=self.manager.check)
+            wait_s = time.perf_counter() - t0
+            samples = [s for g in groups for s in g.samples]
+            ok = [s for s in samples if s.failed is None]
+            adv = grpo_advantages_by_group(
+                torch.tensor([s.reward for s in ok], dtype=torch.float64),
+                torch.tensor([s.group_id for s in ok]), std_normalize=self.cfg.algo.std_normalize,
+            ) if ok else torch.zeros(0)
+            batch = [dict(uid=s.uid, group_id=s.group_id, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                          behaviour_logprobs=s.behaviour_logprobs, versions=s.versions, advantage=float(a),
+                          has_routing=s.has_routing) for s, a in zip(ok, adv.tolist())]
+            info = dict(
+                wait_s=wait_s, groups=[g.group_id for g in groups], rewards=[s.reward for s in samples],
+                failed=len(samples) - len(ok), lengths=[len(s.response_ids) for s in samples],
+                resumes=sum(s.resumes for s in samples),
+                staleness=[self.version - v for s in ok for v in s.versions],
+            )
+            obj = [(batch, info)]
+        if self.n_trainers > 1:
+            dist.broadcast_object_list(obj, group=self.groups.trainer, group_src=0)
+        return obj[0]
+
+    def train_step(self, batch: list[dict]) -> dict:
+        cfg = self.cfg
+        mbs = cfg.train.micro_batch_size
+        T = self.n_trainers
+        shard = batch[self.rank :: T] if T > 1 else batch
+        n_micro = max(1, math.ceil(math.ceil(len(batch) / T) / mbs))
+        if self.reader is not None:
+            self.reader.refresh()
+        mbs_list = make_micro_batches(shard, mbs, n_micro, self.arch, self.reader, cfg.replay.enabled)
+        n_tok = sum(len(s["response_ids"]) for s in batch)
+        n_seq = sum(1 for s in batch if s["response_ids"])
+        temp = cfg.rollout.temperature
+        sums = torch.zeros(8, dtype=torch.float64)  # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n
+        max_ratio = torch.zeros(1, dtype=torch.float64)
+        for mb, chunk, resp_pos, (engine_routing, has_rec) in mbs_list:
+            used = [] if engine_routing is not None else None
+            need_entropy = cfg.algo.entropy_coef > 0
+            logp_all, ent_all = self.backend.logprobs(mb, temp, with_entropy=need_entropy, record=used)
+            if not chunk:
+                (logp_all.sum() * 0.0).backward()
+                continue
+            logp = logp_all[resp_pos]
+            behav = torch.tensor([x for s in chunk for x in s["behaviour_logprobs"]], dtype=torch.float32)
+            adv = torch.tensor([s["advantage"] for s in chunk for _ in s["response_ids"]], dtype=torch.float32)
+            seq_ids = torch.tensor([i for i, s in enumerate(chunk) for _ in s["response_ids"]])
+            mask = torch.ones_like(adv)
+            ref_logp = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_logp = self.ref.logprobs(mb, temp)[0][resp_pos]
+            loss, m = policy_loss(
+                logp, logp.detach(), behav, adv, mask, seq_ids, cfg.algo, ref_logp=ref_logp,
+                entropy=None if ent_all is None else ent_all[resp_pos],
+                num_tokens_global=n_tok, num_seqs_global=n_seq,
+            )
+            loss.backward()
+            mm = mismatch_metrics(logp.detach(), behav, mask)
+            n = mm["num_tokens"]
+            sums[0] += float(loss.detach())
+            sums[1] += mm["mismatch_k3"] * n
+            sums[2] += n
+            max_ratio = torch.maximum(max_ratio, torch.tensor([mm["mismatch_max_ratio"]], dtype=torch.float64))
+            if used is not None:
+                a, b = routing_match(used, engine_routing, has_rec)
+                sums[3] += a
+                sums[4] += b
+            sums[6] += m.get("clip_frac", 0.0) * n
+            sums[7] += m.get("icepop_frac", 0.0) * n
+        stats = self.backend.optimizer_step()
+        if T > 1:
+            dist.all_reduce(sums, group=self.groups.trainer)
+            dist.all_reduce(max_ratio, op=dist.ReduceOp.MAX, group=self.groups.trainer)
+        n = max(float(sums[2]), 1.0)
+        out = {
+            "loss": float(sums[0]),
+            "mismatch_k3": float(sums[1]) / n,
+            "mismatch_max_ratio": float(max_ratio),
+            "clip_frac": float(sums[6]) / n,
+            "icepop_frac": float(sums[7]) / n,
+            "train_tokens": int(sums[2]),
+            **stats,
+        }
+        if sums[4] > 0:
+            out["routing_match"] = float(sums[3] / sums[4])
+        return out
+
+    # --- the run --------------------------------------------------------------------------
+    def run(self):
+        cfg = self.cfg
+        self.setup()
+        if self.lead:
+            self.manager.start()
+        t_start = time.monotonic()
+        busy = 0.0
+        try:
+            while self.step < cfg.train.steps:
+                batch, info = self._take_batch()
+                t0 = time.perf_counter()
+                metrics = self.train_step(batch)
+                train_s = time.perf_counter() - t0
+                self.version += 1
+                if self.lead:
+                    self.manager.begin_update()
+                t1 = time.perf_counter()
+                try:
+                    sync = self.sender.sync(str(self.version))
+                finally:
+                    if self.lead:
+                        self.manager.end_update(self.version)
+                sync_s = time.perf_counter() - t1
+                busy += train_s + sync_s
+                self.step += 1
+                if self.lead:
+                    self._log(info, metrics, train_s, sync_s, sync, busy, t_start)
+                every = cfg.checkpoint.every
+                if (every and self.step % every == 0) or self.step == cfg.train.steps:
+                    self._checkpoint()
+        finally:
+            if self.lead:
+                self.manager.stop()
+                self.tracker.close()
+            self.sender.close()
+
+    def _log(self, info, metrics, train_s, sync_s, sync, busy, t_start):
+        rewards = info["rewards"]
+        wall = time.monotonic() - t_start
+        st = np.asarray(info["staleness"] or [0])
+        row = {
+            "version": self.version,
+            "reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+            "reward_std": float(np.std(rewards)) if rewards else float("nan"),
+            "response_len_mean": float(np.mean(info["lengths"])) if info["lengths"] else 0.0,
+            "response_len_max": int(max(info["lengths"] or [0])),
+            "samples": len(rewards),
+            "failed_samples": info["failed"],
+            "resumed_requests": info["resumes"],
+            "staleness_mean": float(st.mean()),
+            "staleness_max": int(st.max()),
+            **{f"staleness_hist_{k}": int((st == k).sum()) for k in range(int(st.max()) + 1)},
+            **metrics,
+            "tokens_per_s": metrics["train_tokens"] / max(train_s, 1e-9),
+            "train_s": train_s,
+            "wait_s": info["wait_s"],
+            "sync_s": sync_s,
+            "sync_gbps": sync.gbps if sync is not None else 0.0,
+            "busy_trainer": busy / max(wall, 1e-9),
+            "busy_rollout": self.manager.busy_fraction_since(t_start),
+            "dropped_stale_groups": self.buffer.dropped_stale,
+            "groups": info["groups"],
+            "wall_s": wall,
+        }
+        self.tracker.log(self.step, row, histograms={"staleness": st})
+
+    def _checkpoint(self):
+        rollout_state = None
+        if self.lead:
+            rollout_state = self.manager.state_dict()
+            if self.writer is not None:
+                self.writer.flush()
+        save_checkpoint(self.run_dir, self.step, self.backend, self.groups,
+                        {"step": self.step, "version": self.version}, rollout_state, self.cfg.checkpoint.keep)
+
+
+def run_trainer(cfg, groups) -> None:
+    trainer = Trainer(cfg, groups)
+    try:
+        trainer.run()
+    finally:
+        dist.barrier()  # releases the engine ranks (see moe_rl.engine.host)
+    if trainer.lead:
+        log.info("done: %d steps; metrics in %s", trainer.step, Path(cfg.output_dir) / "metrics.jsonl")

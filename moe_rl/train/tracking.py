@@ -1,0 +1,105 @@
+"""What a user watches: metrics.jsonl, TensorBoard, a progress bar, and the reward curve."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class Tracker:
+    """One JSON object per step in ``<run>/metrics.jsonl`` (appended, flushed each step), the
+    same scalars in TensorBoard, and ``reward_curve.png`` at the end."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
+                 total_steps: int = 0, start_step: int = 0):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        if start_step == 0 and self.path.exists():
+            self.path.unlink()  # a fresh run; a resumed one appends
+        elif start_step > 0 and self.path.exists():
+            self._truncate_after(start_step)
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _truncate_after(self, start_step: int) -> None:
+        """On resume, drop lines of steps that the checkpoint does not contain."""
+        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)["step"] < start_step]
+        self.path.write_text("".join(l + "\n" for l in keep))
+
+    def log(self, step: int, metrics: dict, histograms: dict | None = None) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            for k, values in (histograms or {}).items():
+                if len(values):
+                    self._tb.add_histogram(k, values, step)
+            self._tb.flush()
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(
+                reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
+                len=f"{metrics.get('response_len_mean', float('nan')):.1f}",
+                refresh=False,
+            )
+
+    def close(self) -> Path | None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+        return plot_reward_curve(self.path, self.run_dir / "reward_curve.png")
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+
+
+def plot_reward_curve(metrics_path: str | Path, out: str | Path) -> Path | None:
+    rows = [r for r in read_metrics(metrics_path) if r.get("reward_mean") is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    rewards = [r["reward_mean"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, rewards, marker=".", label="reward mean (batch)")
+    k = max(1, len(rewards) // 10)
+    if len(rewards) > k > 1:
+        smooth = [sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1]) for i in range(len(rewards))]
+        ax.plot(steps, smooth, label=f"moving mean ({k} steps)")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return Path(out)
