@@ -27,6 +27,7 @@ class ModelConfig(MoEArch):
 
     path: str | None = None  # HF checkpoint dir; its config.json overrides the fields above
     init_seed: int = 0  # seeded random init when path is unset
+    init_std: float = Field(0.02, gt=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     def arch(self) -> MoEArch:

@@ -39,7 +39,7 @@ def build_model(cfg):
     if cfg.model.path:
         model = load_hf(cfg.model.path)
     else:
-        model = MoEForCausalLM(cfg.model.arch()).init_weights(cfg.model.init_seed)
+        model = MoEForCausalLM(cfg.model.arch()).init_weights(cfg.model.init_seed, std=cfg.model.init_std)
     return model.to(_DTYPES[cfg.engine.dtype])
 
 

@@ -82,7 +82,7 @@ class NativeBackend:
         if cfg.model.path:
             load_hf_weights(self.model, cfg.model.path)
         else:
-            self.model.init_weights(cfg.model.init_seed)
+            self.model.init_weights(cfg.model.init_seed, std=cfg.model.init_std)
         self.device = torch.device(cfg.train.device)
         self.model.to(device=self.device, dtype=DTYPES[cfg.model.dtype])
         self.expert_params = [p for n, p in self.model.named_parameters() if ".experts." in n]
