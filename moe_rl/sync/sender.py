@@ -421,8 +421,21 @@ class WeightSender:
         return obj[0]
 
     def sync(self, version) -> SyncStats | None:
-        """Blocking ``sync_async`` for a trainer loop without an event loop of its own."""
-        return asyncio.run(self.sync_async(version))
+        """Blocking ``sync_async`` for a trainer loop without an event loop of its own (engines
+        given as URLs; pass client handles only to ``sync_async``, inside their event loop)."""
+
+        async def run():
+            try:
+                return await self.sync_async(version)
+            finally:
+                await self._close_clients()  # their sessions belong to this event loop
+
+        return asyncio.run(run())
+
+    async def _close_clients(self) -> None:
+        for e in self.engines:
+            if getattr(e, "owned_client", None) is not None:
+                await e.owned_client.close()
 
     def close(self) -> None:
         self._close_group()
