@@ -270,15 +270,16 @@ def _plan(n: int, h: int, v: int, itemsize: int, impl: str = "triton") -> Plan:
     in the input dtype (itemsize * h) + the d_logits chunk (itemsize * vocab); slabs are
     multiples of 128 rows (GEMM-friendly). Torch path: fp32 copies of the slab (4h), the
     d_hidden accumulator (4h) and about three fp32 ``[rows, vocab]`` temporaries. One slab
-    (no d_weight accumulation across slabs) whenever it fits. Tiny problems exceed the
-    fraction because of the minimum slab height.
+    (no d_weight accumulation across slabs) whenever it fits. Small problems exceed the
+    fraction because of the minimum slab height (128 rows: smaller slabs make the CPU path's
+    many small ops slow, and the GPU's GEMMs inefficient).
     """
-    vocab = max(1, min(v, 4096 if impl == "triton" else 2048))
+    vocab = max(1, min(v, 4096))
     budget = _BWD_BUDGET_FRACTION * n * v * 4
     if impl == "triton":
         per_row, step = 4 * h + itemsize * h + itemsize * vocab, 128
     else:
-        per_row, step = 8 * h + 12 * vocab, 32
+        per_row, step = 8 * h + 12 * vocab, 128
     rows = int(budget // per_row)
     if rows >= n:
         return Plan(rows=max(n, 1), vocab=vocab)
