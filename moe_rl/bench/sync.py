@@ -4,8 +4,8 @@ Two processes on this machine, one weight-sync group over gloo (CPU): this proce
 sender (trainer rank 0), a spawned process is the receiver (an engine's ``WeightReceiver``
 over its own model, driven over a pipe with SGLang's request fields). Parameter set: an
 MoE-shaped model (default 10 MoE layers x 64 experts x 3 projections of 128 x 256 fp32,
-~252 MiB in ~2,000 tensors). Measured, best of ``--reps`` (time until the receiver has
-acknowledged):
+~252 MiB in ~2,000 tensors). Measured in ``--reps`` rounds, each method once per round (best and median
+reported; time until the receiver has acknowledged):
 
   (a) per_tensor: one broadcast per tensor, straight into the receiver's parameters;
   (b) flat: one broadcast of a single pre-packed buffer of all the bytes (the link's bound);
@@ -142,49 +142,62 @@ def run_cpu(args) -> dict:
     engine = LocalEngine(a, name="bench-receiver", timeout_s=600)
     results: dict = {"bytes": total, "tensors": len(tensors), "largest_tensor_bytes": largest}
     try:
-        # (c) first: its group setup also serves (a) and (b)
-        bucketed = {}
-        sender = None
+        # One sender per bucket size, sharing one weight-sync group; the machine may be shared,
+        # so every round measures every method once (a, b, then each bucket size: one warm-up
+        # push that refills the receiver's buffer pool for that plan, then the measured push).
+        senders, first_rss = {}, {}
         for mb in args.buckets:
             s = WeightSender(model, engines=[engine], bucket_mb=mb, timeout_s=300, group_name="bench",
                              use_triton=False)
-            if sender is not None:  # reuse the formed group
-                s.group, s._group_key = sender.group, sender._group_key
-                sender.group = None
-                sender.close()
-            sender = s
-            times, peaks, rss = [], [], []
-            for r in range(args.reps):
-                rss0 = _rss_kib("VmRSS")
-                hwm = _reset_hwm()
-                st = asyncio.run(sender.push(f"{mb}-{r}"))
-                times.append(st.seconds)
-                peaks.append(st.peak_extra_bytes)
-                if hwm:
-                    rss.append(max(0, _rss_kib("VmHWM") - rss0) * 1024)
-            ok = engine.call("crc")["result"] == _crc(tensors)
-            best = min(times)
-            bucketed[mb] = {
-                "buckets": len(sender.plan.buckets), "seconds": best, "median_seconds": statistics.median(times),
-                "gbps": total / best / 1e9, "peak_extra_mib": max(peaks) / 2**20,
-                "bound_mib": (2 * sender.plan.max_bucket_bytes + largest) / 2**20,
-                "rss_hwm_delta_mib": (max(rss) / 2**20) if rss else None, "bit_identical": ok,
-            }
-        group = sender.group
-        # (a) one broadcast per tensor
+            if senders:
+                first = next(iter(senders.values()))
+                s.group, s._group_key = first.group, first._group_key
+            rss0 = _rss_kib("VmRSS")
+            if _reset_hwm():  # the first push allocates the sender's buffers: its RSS high-water delta
+                asyncio.run(s.push("warmup"))
+                first_rss[mb] = max(0, _rss_kib("VmHWM") - rss0) * 1024
+            else:
+                asyncio.run(s.push("warmup"))
+            senders[mb] = s
+        group = next(iter(senders.values())).group
+        flat_buf = torch.cat([t.reshape(-1) for t in tensors])
+
         def per_tensor():
             works = [group.broadcast(t) for t in tensors]
             for w in works:
                 group.wait_work(w)
-        t_a = _timed_collective(a, "per_tensor", {"group_name": "bench", "reps": args.reps}, args.reps, per_tensor)
-        # (b) one broadcast of a pre-packed flat buffer
-        flat_buf = torch.cat([t.reshape(-1) for t in tensors])
-        t_b = _timed_collective(a, "flat", {"group_name": "bench", "numel": flat_buf.numel(), "reps": args.reps},
-                                args.reps, lambda: group.wait_work(group.broadcast(flat_buf)))
-        results["per_tensor"] = {"seconds": min(t_a), "median_seconds": statistics.median(t_a), "gbps": total / min(t_a) / 1e9}
-        results["flat"] = {"seconds": min(t_b), "median_seconds": statistics.median(t_b), "gbps": total / min(t_b) / 1e9}
+
+        t_a, t_b = [], []
+        c = {mb: {"t": [], "peak": []} for mb in args.buckets}
+        for r in range(args.reps):
+            t_a += _timed_collective(a, "per_tensor", {"group_name": "bench", "reps": 1}, 1, per_tensor)
+            t_b += _timed_collective(a, "flat", {"group_name": "bench", "numel": flat_buf.numel(), "reps": 1}, 1,
+                                     lambda: group.wait_work(group.broadcast(flat_buf)))
+            for mb, sender in senders.items():
+                asyncio.run(sender.push(f"{mb}-{r}-warm"))
+                st = asyncio.run(sender.push(f"{mb}-{r}"))
+                c[mb]["t"].append(st.seconds)
+                c[mb]["peak"].append(st.peak_extra_bytes)
+        ok = engine.call("crc")["result"] == _crc(tensors)
+        bucketed = {}
+        for mb, sender in senders.items():
+            times = c[mb]["t"]
+            best = min(times)
+            bucketed[mb] = {
+                "buckets": len(sender.plan.buckets), "seconds": best, "median_seconds": statistics.median(times),
+                "gbps": total / best / 1e9, "median_gbps": total / statistics.median(times) / 1e9,
+                "peak_extra_mib": max(c[mb]["peak"]) / 2**20,
+                "bound_mib": (2 * sender.plan.max_bucket_bytes + largest) / 2**20,
+                "rss_hwm_delta_mib": first_rss[mb] / 2**20 if mb in first_rss else None, "bit_identical": ok,
+            }
+        for key, t in (("per_tensor", t_a), ("flat", t_b)):
+            results[key] = {"seconds": min(t), "median_seconds": statistics.median(t), "gbps": total / min(t) / 1e9,
+                            "median_gbps": total / statistics.median(t) / 1e9}
         results["bucketed"] = bucketed
-        sender.close()
+        for i, sender in enumerate(senders.values()):
+            if i:
+                sender.group = None  # shared: closed once
+            sender.close()
     finally:
         try:
             engine.call("stop")
@@ -254,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="moe-rl bench sync", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--buckets", type=float, nargs="+", default=[16, 64, 256], help="bucket sizes in MiB")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5, help="rounds; each measures every method once")
     ap.add_argument("--scale", type=float, default=1.0, help="scales the number of layers (size)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--gpu", choices=["auto", "on", "off"], default="auto")
@@ -284,14 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mib = cpu["bytes"] / 2**20
     print(f"weight sync over gloo, 2 processes: {mib:.0f} MiB in {cpu['tensors']} tensors (largest "
-          f"{cpu['largest_tensor_bytes'] / 2**20:.1f} MiB), best of {args.reps}")
-    print(f"{'method':<26}{'seconds':>9}{'GB/s':>8}{'peak extra MiB':>16}{'bound':>8}{'RSS dHWM':>10}")
-    print(f"{'(a) per-tensor broadcast':<26}{cpu['per_tensor']['seconds']:>9.3f}{cpu['per_tensor']['gbps']:>8.2f}")
-    print(f"{'(b) one flat broadcast':<26}{cpu['flat']['seconds']:>9.3f}{cpu['flat']['gbps']:>8.2f}")
+          f"{cpu['largest_tensor_bytes'] / 2**20:.1f} MiB), {args.reps} rounds, best (median)")
+    print(f"{'method':<26}{'seconds':>9}{'GB/s':>8}{'(median)':>9}{'peak extra MiB':>16}{'bound':>8}{'RSS dHWM':>10}")
+    for key, label in (("per_tensor", "(a) per-tensor broadcast"), ("flat", "(b) one flat broadcast")):
+        r = cpu[key]
+        print(f"{label:<26}{r['seconds']:>9.3f}{r['gbps']:>8.2f}{r['median_gbps']:>9.2f}")
     for mb, r in cpu["bucketed"].items():
         rss = f"{r['rss_hwm_delta_mib']:.0f}" if r["rss_hwm_delta_mib"] is not None else "-"
         label = f"(c) sender {mb:g} MiB x{r['buckets']}"
-        print(f"{label:<26}{r['seconds']:>9.3f}{r['gbps']:>8.2f}{r['peak_extra_mib']:>16.1f}"
+        print(f"{label:<26}{r['seconds']:>9.3f}{r['gbps']:>8.2f}{r['median_gbps']:>9.2f}{r['peak_extra_mib']:>16.1f}"
               f"{r['bound_mib']:>8.0f}{rss:>10}" + ("" if r["bit_identical"] else "  NOT IDENTICAL"))
     print(f"best bucket {best_mb:g} MiB: {summary['vs_flat']:.2f}x flat, {summary['vs_per_tensor']:.1f}x per-tensor")
     if gpu:
