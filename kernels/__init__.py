@@ -1,4 +1,5 @@
 """Triton kernels (with plain-torch fallbacks), installed as ``moe_rl.kernels``."""
+from .bucket_pack import pack as bucket_pack, unpack as bucket_unpack
 from .fused_logprobs import fused_logprobs
 
 __all__ = ["fused_logprobs"]
