@@ -51,7 +51,6 @@ Why this shape (the task has to be learnable by GRPO from a random init in a few
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from .base import Prompt, cut_at_stop, rng_for
 
@@ -141,6 +140,3 @@ class PatternTask:
         lt = f", long_tail={self.long_tail_args}" if self.long_tail else ""
         return f"PatternTask({self.name!r}, symbols={self.num_symbols}, length={self.length}{lt})"
 
-
-def make_pattern_task(name: str, seed: int, args: dict[str, Any], max_new_tokens: int) -> PatternTask:
-    return PatternTask(name, seed=seed, **{"max_new_tokens": max_new_tokens, **args})
