@@ -1,0 +1,89 @@
+"""megatron-core's GPTModel built on CPU (use_cpu_initialization, gloo): its parameter names and
+shapes equal what the converter produces, at EP=1 and EP=2, and the MegatronBackend's weight
+path (HF -> GPTModel -> hf_tensors) is bit-exact. megatron-core's forward needs CUDA (the router
+moves its weight to the GPU), so forward checks live in test_megatron_gpu.py.
+
+On CPU the MoE layers use the allgather token dispatcher: the alltoall one creates a CUDA
+stream when built. Parameter names do not depend on the dispatcher.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core")
+
+from tests.distributed import free_port, run_distributed
+
+from .workers import _cfg, check_backend
+
+def test_gptmodel_ep1_names_shapes_and_weights(monkeypatch):
+    """In this process (a 1-rank gloo world), torn down afterwards."""
+    from megatron.core import parallel_state as ps
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        check_backend(0, 1, 1, 1)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_gptmodel_ep2_inside_trainer_pool():
+    """2 trainers (EP=2) + 1 engine rank: megatron's parallel_state is built by the trainers alone."""
+    run_distributed(check_backend, 3, 2, 2, timeout=180)
+
+
+def test_router_fusion_refused_with_replay():
+    from moe_rl.train.megatron.model import MegatronOptions
+
+    with pytest.raises(ValueError, match="megatron_router_fusion=true cannot be used with routing replay"):
+        MegatronOptions.from_config(_cfg(megatron_router_fusion=True, megatron_use_te=False))
+    cfg = _cfg(megatron_router_fusion=True, megatron_use_te=False)
+    cfg.replay.enabled = False
+    assert MegatronOptions.from_config(cfg).router_fusion
+
+
+def test_transformer_config_router_flags():
+    """Qwen3-MoE's softmax -> top-k -> renormalise == megatron softmax with pre_softmax=False."""
+    from moe_rl.train.megatron.model import MegatronOptions, transformer_config
+
+    cfg = _cfg(megatron_use_te=False)
+    opts = MegatronOptions.from_config(cfg)
+    tc = transformer_config(cfg.model.arch(), opts)
+    assert (tc.moe_router_score_function, tc.moe_router_pre_softmax, tc.moe_router_topk_scaling_factor) == ("softmax", False, None)
+    assert tc.moe_enable_routing_replay and not tc.moe_router_fusion and tc.qk_layernorm and not tc.add_bias_linear
+    assert tc.moe_layer_freq == [1, 0, 1] and tc.num_query_groups == 2 and tc.kv_channels == 8
+    cfg.model.norm_topk_prob = False
+    assert transformer_config(cfg.model.arch(), opts).moe_router_pre_softmax
+
+
+def test_replay_math_matches_native():
+    """megatron's replay path (topk_routing_with_score_function + RouterReplay, REPLAY_FORWARD)
+    gives the native router's weights for the same replayed ids (R3: softmax over the chosen)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    from moe_rl.model.qwen3_moe import SparseMoE
+
+    arch = _cfg().model.arch()
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, arch.num_experts, generator=g)
+    ids = torch.stack([torch.randperm(arch.num_experts, generator=g)[:2] for _ in range(7)])
+    before = list(RouterReplay.global_router_replay_instances)
+    rr = RouterReplay()
+    try:
+        rr.set_target_indices(ids)
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        probs, routing_map = topk_routing_with_score_function(logits, 2, use_pre_softmax=False, router_replay=rr)
+    finally:
+        RouterReplay.global_router_replay_instances[:] = before
+    moe = SparseMoE(arch, 0)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.eye(arch.num_experts, arch.hidden_size))
+    x = torch.zeros(7, arch.hidden_size)
+    x[:, : arch.num_experts] = logits
+    nids, nweights = moe.route(x, ids)
+    assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, ids, True))
+    torch.testing.assert_close(probs.gather(1, nids), nweights, atol=1e-6, rtol=0)
