@@ -32,5 +32,6 @@ setup(
     packages=packages,
     package_dir=package_dir,
     ext_modules=ext_modules,
+    package_data={"moe_rl.tasks": ["data/*.jsonl"]},
     include_package_data=True,
 )
