@@ -120,3 +120,36 @@ def test_sender_death_keeps_previous_weights():
     assert again["output_ids"] == before["output_ids"]
     assert again["meta_info"]["weight_version"] == "0"
     np.testing.assert_allclose(output_logprobs(again["meta_info"]), output_logprobs(before["meta_info"]), atol=1e-6)
+
+
+def test_weight_sender_drives_the_server_over_http():
+    """moe_rl.sync's WeightSender (issue 6) pushes a whole model in several buckets through
+    EngineClient handles; an in-flight request is aborted by the sender's pause (SGLang's default)."""
+    from moe_rl.sync.sender import WeightSender
+
+    s = ServerProc()
+    new_model = build_model(CFG).init_weights(seed=77)
+    prompt = [2, 4, 6, 8]
+
+    async def main():
+        async with EngineClient(s.url, timeout_s=60) as c:
+            sender = WeightSender(new_model, engines=[c.engine(s.url)], bucket_mb=0.05, timeout_s=30)
+            try:
+                tasks = await start_long(c, [prompt], n=900)
+                stats = await sender.sync_async("3")
+                partial = await tasks[0]
+                after = await c.generate(prompt, {"temperature": 0.0, "max_new_tokens": 10}, return_routed_experts=True)
+                info = await c.get_model_info()
+            finally:
+                sender.close()
+            return stats, partial, after, info
+
+    try:
+        stats, partial, after, info = run(main())
+    finally:
+        s.stop()
+    assert stats.buckets > 1
+    assert partial["meta_info"]["finish_reason"]["type"] == "abort" and partial["meta_info"]["weight_version"] == "0"
+    assert info["weight_version"] == "3" and info["paused"] is None
+    assert after["meta_info"]["weight_version"] == "3"
+    check_against_native(new_model, prompt, after, 0.0)
