@@ -72,9 +72,13 @@ def _receiver_main(conn, scale: float, threads: int):
             conn.send({"success": True, "ack": True})
         return "done"
 
+    cache = {}
+
     def flat(group_name: str, numel: int, reps: int):
         g = rx.groups[group_name]
-        buf = torch.empty(numel, dtype=torch.float32)
+        buf = cache.get(numel)
+        if buf is None:  # allocated and touched once, like the sender's pre-packed buffer
+            buf = cache[numel] = torch.zeros(numel, dtype=torch.float32)
         for _ in range(reps):
             g.wait_work(g.broadcast(buf))
             conn.send({"success": True, "ack": True})

@@ -362,7 +362,10 @@ class WeightSender:
                     self._release(buf)
                 except Exception:
                     pass
-            await loop.run_in_executor(self._ep_exec, self._stop_helpers, end)
+            try:
+                await loop.run_in_executor(self._ep_exec, self._stop_helpers, end)
+            except Exception as e:  # never mask the error that got us here
+                log.error("could not tell the EP helpers to stop: %s", e)
             stats.seconds = time.perf_counter() - t0
             stats.peak_extra_bytes = self._mem.peak
         return stats
