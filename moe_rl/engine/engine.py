@@ -335,9 +335,11 @@ class Engine:
             hidden = self.model.forward_tokens(input_ids, positions, attend, record=record)
             logits = self.model.lm_head(hidden.index_select(0, last)).float()
             version = self.weight_version
-        routing = np.zeros((off, self.num_layers, self.top_k), dtype=np.int32)
-        for layer, ids_l in zip(self.moe_layers, record):
-            routing[:, layer, :] = ids_l.to(torch.int32).cpu().numpy()
+        routing = None
+        if any(r.req.return_routed_experts for r, _, _ in batch):
+            routing = np.zeros((off, self.num_layers, self.top_k), dtype=np.int32)  # dense layers: 0
+            for layer, ids_l in zip(self.moe_layers, record):
+                routing[:, layer, :] = ids_l.to(torch.int32).cpu().numpy()
 
         temps = torch.tensor([r.params.logprob_temperature for r, _, _ in batch], dtype=torch.float32)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)

@@ -202,6 +202,16 @@ class EngineServer:
             return web.json_response({"success": False, "message": "no weight update group: call /init_weights_update_group first"}, status=400)
         if req.abort_all_requests:
             self.engine.abort(abort_all=True, message="Aborted for a weight update")
+        # shielded: a sender that disconnects cannot leave a received update half-handled
+        complete, msg = await asyncio.shield(asyncio.ensure_future(self._receive_and_commit(req)))
+        if msg is not None:
+            return web.json_response({"success": False, "message": msg}, status=400)
+        if complete:
+            return web.json_response({"success": True, "message": f"Succeeded to update parameter online (weight_version {self.engine.weight_version})."})
+        return web.json_response({"success": True, "message": "Bucket received; the update completes with its last bucket."})
+
+    async def _receive_and_commit(self, req: P.UpdateWeightsRequest) -> tuple[bool, str | None]:
+        """Receives one bucket; commits when it completes the update. (complete, error message)."""
         async with self._update_lock:
             try:
                 complete = await asyncio.to_thread(
@@ -210,6 +220,7 @@ class EngineServer:
                 )
                 if complete:
                     await asyncio.to_thread(self.engine.commit_weights, self.receiver.commit, req.weight_version)
+                return complete, None
             except Exception as e:
                 log.exception("update_weights_from_distributed failed")
                 try:
@@ -219,10 +230,7 @@ class EngineServer:
                 msg = (f"Failed to update weights: {type(e).__name__}: {e}; the partial update was discarded "
                        f"and the engine keeps serving weight_version {self.engine.weight_version}")
                 self.engine.last_update_error = msg
-                return web.json_response({"success": False, "message": msg}, status=400)
-        if complete:
-            return web.json_response({"success": True, "message": f"Succeeded to update parameter online (weight_version {self.engine.weight_version})."})
-        return web.json_response({"success": True, "message": "Bucket received; the update completes with its last bucket."})
+                return False, msg
 
     # --- info ------------------------------------------------------------------------------
     async def get_model_info(self, request: web.Request) -> web.Response:
