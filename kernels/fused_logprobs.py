@@ -434,19 +434,24 @@ def _backward(impl, hidden, weight, labels_local, mx, log_s, ent, gl, ge, inv_t,
                                       device=hidden.device, dtype=torch.float32)
                     _dlogits_triton(h_slab, w_chunk, *args, c0, inv_t, dz, err)
                     # one rounding of this chunk's product; the sum over chunks is fp32
-                    acc += (dz @ w_chunk).float()
-                    acc.sub_(err.sum(0)[:, None] * w_means[c0 // plan.vocab][None, :])
+                    acc.add_(dz @ w_chunk)
+                    acc.addr_(err.sum(0), w_means[c0 // plan.vocab], alpha=-1.0)
                     del err
-                dw_c = dz.T @ h_slab
+                dz_w, h_w = dz, h_slab  # GEMM operands for d_weight, in the input dtype
             else:
                 dz = _dlogits_torch(h_slab, w_chunk, *args, c0, inv_t)
                 acc.addmm_(dz, w_chunk.float())
-                dw_c = dz.T @ h_slab.float()
-            if r0 == 0:
-                d_weight[c0:c1].copy_(dw_c)
-            else:  # several slabs only when one would exceed the scratch budget
-                d_weight[c0:c1] += dw_c.to(d_weight.dtype)
-            del dz, dw_c
+                dz_w, h_w = dz, h_slab.float()
+            if d_weight.dtype == dz_w.dtype:  # GEMM straight into the output, no temporary
+                if r0 == 0:
+                    torch.mm(dz_w.T, h_w, out=d_weight[c0:c1])
+                else:  # several slabs only when one would exceed the scratch budget
+                    d_weight[c0:c1].addmm_(dz_w.T, h_w)
+            elif r0 == 0:
+                d_weight[c0:c1].copy_(dz_w.T @ h_w)
+            else:
+                d_weight[c0:c1].add_(dz_w.T @ h_w)
+            del dz, dz_w, h_w
         if tp_group is not None:
             torch.distributed.all_reduce(acc, group=tp_group)
         d_hidden[r0:r1].copy_(acc)
@@ -591,7 +596,7 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
         ok, why = triton_available(hidden.device)
         if not ok:
             raise RuntimeError(f"fused_logprobs(impl='triton'): {why}")
-    return _FusedLogprobs.apply(hidden.contiguous(), weight.contiguous(), labels.long(),
+    return _FusedLogprobs.apply(hidden, weight, labels.long(),
                                 float(temperature), bool(return_entropy), tp_group, impl, plan)
 
 

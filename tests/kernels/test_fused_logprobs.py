@@ -260,3 +260,16 @@ def test_gpu_extreme_logits(shift):
 def test_gpu_several_slabs():
     check("triton", 300, 256, 5000, torch.bfloat16, 1.3, plan=Plan(rows=128, vocab=1024),
           device="cuda")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_inputs(impl):
+    # Views are used as they are (no hidden .contiguous() copy of a 1 GiB LM head).
+    hidden, weight, labels = make_inputs(13, 64, 500, torch.float32)
+    h_view = torch.cat([hidden, hidden], dim=1)[:, ::2]  # column stride 2
+    w_view = weight.T.contiguous().T  # column-major
+    assert not h_view.is_contiguous() and not w_view.is_contiguous()
+    logp, ent = fused_logprobs(h_view, w_view, labels, 0.7, return_entropy=True, impl=impl)
+    ref_logp, ref_ent = reference(h_view, w_view, labels, 0.7)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
