@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 pytest.importorskip("megatron.core")
 
 from tests.distributed import free_port, run_distributed

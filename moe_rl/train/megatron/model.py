@@ -191,9 +191,31 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
     )
 
 
+_TE_NAMES_OF_MOE_UTILS = (
+    "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
+    "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+    "fused_unpermute", "te_general_gemm",
+)
+
+
+def _compat_megatron_without_te() -> None:
+    """megatron-core 0.16.x binds its TE kernels in moe_utils only when TE imports, yet the
+    router's gating reads ``te_general_gemm`` unconditionally (NameError without TE; later
+    releases bind them to None). Bind the missing names to None, as those releases do."""
+    from megatron.core.transformer.moe import moe_utils
+
+    missing = [n for n in _TE_NAMES_OF_MOE_UTILS if not hasattr(moe_utils, n)]
+    if missing:
+        for n in missing:
+            setattr(moe_utils, n, None)
+        log.info("megatron-core without Transformer Engine: bound %d missing TE names in moe_utils to None", len(missing))
+
+
 def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     """GPTModel with Qwen3-MoE layers: TE spec when ``opts.use_te``, the local spec otherwise."""
     from megatron.core.models.gpt import GPTModel
+
+    _compat_megatron_without_te()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=opts.use_te, normalization="RMSNorm")

@@ -1,0 +1,102 @@
+"""Helpers shared by the megatron forward tests (CPU with shims, and GPU)."""
+import contextlib
+
+import torch
+
+from moe_rl.config import ExperimentConfig
+from moe_rl.model import MoEForCausalLM, hf_state_dict, iter_local_hf_tensors
+from moe_rl.train.backend import MicroBatch, NativeBackend
+
+GPU_ARCH = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=16, num_experts_per_tok=4,
+                mlp_only_layers=[1], rope_theta=1_000_000.0, max_position_embeddings=1024)
+CPU_ARCH = dict(vocab_size=96, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8, num_experts_per_tok=2,
+                mlp_only_layers=[1], rope_theta=10_000.0, max_position_embeddings=256)
+
+
+def make_cfg(arch, device, dtype="float32", **train):
+    train.setdefault("megatron_dispatcher", "alltoall" if device == "cuda" else "allgather")
+    return ExperimentConfig.model_validate(dict(
+        model=dict(arch, dtype=dtype), pools=dict(trainer=1, rollout=0),
+        engine=dict(kind="sglang", urls=["http://127.0.0.1:1"]),
+        train=dict(backend="megatron", device=device, lr=3e-3, grad_clip=1.0, **train),
+    ))
+
+
+def build(arch, device, dtype="float32", seed=7, std=0.08, **train):
+    """(megatron backend, native backend) holding identical weights."""
+    from moe_rl.train.megatron import MegatronBackend
+
+    cfg = make_cfg(arch, device, dtype, **train)
+    hf = hf_state_dict(MoEForCausalLM(cfg.model.arch()).init_weights(seed, std=std))
+    meg = MegatronBackend(cfg, None, hf_state=hf)
+    native_cfg = cfg.model_copy(deep=True)
+    native_cfg.train.backend = "native"
+    native = NativeBackend(native_cfg)
+    with torch.no_grad():
+        for name, t in iter_local_hf_tensors(native.model):
+            t.copy_(hf[name])
+    return meg, native
+
+
+def make_mb(vocab, lengths, seed=0, replay=None):
+    """One packed row of sequences; labels are the next token inside each sequence."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    ids = torch.randint(0, vocab, (1, T), generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    labels = torch.full((T,), -100)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        labels[a : b - 1] = ids[0, a + 1 : b]
+    return MicroBatch(ids, cu, labels, replay)
+
+
+def native_record(native, mb):
+    """The experts the native model picks per MoE layer (what an engine would record)."""
+    rec = []
+    with torch.no_grad():
+        native.model.hidden_states(mb.input_ids.to(native.device), cu_seqlens=mb.cu_seqlens.to(native.device), record=rec)
+    return [r.cpu() for r in rec]
+
+
+def native_hidden(native, mb):
+    replay = None if mb.replay is None else [r.to(native.device) for r in mb.replay]
+    return native.model.hidden_states(mb.input_ids.to(native.device), cu_seqlens=mb.cu_seqlens.to(native.device),
+                                      replay=replay)[0]
+
+
+def random_routes(T, num_experts, top_k, layers, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(T, num_experts, generator=g).argsort(1)[:, :top_k] for _ in range(layers)]
+
+
+@contextlib.contextmanager
+def router_calls(meg):
+    """Yields a list receiving (moe layer index, routing_map [tokens, experts]) per router call."""
+    calls, handles = [], []
+    routers = [layer.mlp.router for layer in meg.model.decoder.layers if hasattr(layer.mlp, "router")]
+    for i, router in enumerate(routers):
+        handles.append(router.register_forward_hook(
+            lambda mod, inp, out, i=i: calls.append((i, out[1].detach().cpu().clone()))))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def routing_mask(ids, num_experts):
+    return torch.zeros(ids.shape[0], num_experts, dtype=torch.bool).scatter(1, ids, True)
+
+
+def pg_step(backend, mbs, advantages, n_tokens):
+    """One RL step with a policy-gradient surrogate: micro-batch backward passes in forward order."""
+    total = 0.0
+    for mb, adv in zip(mbs, advantages):
+        lp, _ = backend.logprobs(mb, 1.0)
+        loss = -(adv.to(lp.device) * lp).sum() / n_tokens
+        loss.backward()
+        total += float(loss.detach())
+    backend.optimizer_step()
+    return total

@@ -1,0 +1,149 @@
+"""megatron-core's forward and backward on CPU, against the native model (fp32).
+
+megatron-core runs on CUDA only because of a few device moves and its CUDA RNG tracker: it
+moves the RoPE frequencies and the router weight to ``torch.cuda.current_device()`` on first
+use, and dropout regions / activation recompute fork and restore CUDA RNG states. The
+``cpu_megatron`` fixture shims exactly those (current device -> "cpu", RNG tracker and CUDA RNG
+state calls -> no-ops; dropout is 0) for this module, so everything else -- the GPTModel's
+attention, MoE routing and RouterReplay, token dispatch, experts, recompute -- runs unchanged.
+The same checks on a GPU, without shims and also in bf16, are in test_megatron_gpu.py.
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+pytest.importorskip("megatron.core")
+
+from tests.distributed import free_port
+
+from .common import (
+    CPU_ARCH,
+    build,
+    make_mb,
+    native_hidden,
+    native_record,
+    pg_step,
+    random_routes,
+    router_calls,
+    routing_mask,
+)
+
+LENGTHS = (11, 20, 9)
+
+
+@pytest.fixture(scope="module")
+def cpu_megatron():
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MASTER_ADDR", "127.0.0.1")
+        mp.setenv("MASTER_PORT", str(free_port()))
+        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        mp.setattr(tracker, "fork", lambda *a, **k: contextlib.nullcontext())
+        mp.setattr(tracker, "get_states", lambda: {})
+        mp.setattr(tracker, "set_states", lambda states: None)
+        mp.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+        mp.setattr(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def test_hidden_and_logprobs_equal_native(cpu_megatron):
+    meg, native = build(CPU_ARCH, "cpu")
+    mb = make_mb(CPU_ARCH["vocab_size"], LENGTHS)
+    rec_native = native_record(native, mb)
+    rec_meg = []
+    with torch.no_grad():
+        got = meg.hidden_states(mb, record=rec_meg)  # no replay: megatron's router chooses
+        ref = native_hidden(native, mb)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert len(rec_meg) == len(rec_native) == len(meg.arch.moe_layers)
+    for a, b in zip(rec_meg, rec_native):  # same experts, same top-k order
+        assert torch.equal(a, b)
+    mb.replay = rec_native
+    with torch.no_grad():
+        lp, ent = meg.logprobs(mb, 0.7, with_entropy=True)
+        lp_ref, ent_ref = native.logprobs(mb, 0.7, with_entropy=True)
+    torch.testing.assert_close(lp, lp_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent, ent_ref, atol=1e-4, rtol=1e-4)
+    assert (lp[mb.labels == -100] == 0).all()
+    assert meg.replay.pending_backward() == 0  # no-grad forwards leave megatron's FIFO empty
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_replay_selects_recorded_experts(cpu_megatron, recompute):
+    """Routes the router would not choose are followed exactly, in the forward and in the
+    recomputed forward of the backward pass (REPLAY_BACKWARD); the router still gets grads."""
+    meg, native = build(CPU_ARCH, "cpu", megatron_recompute=recompute)
+    mb = make_mb(CPU_ARCH["vocab_size"], LENGTHS)
+    E, k = CPU_ARCH["num_experts"], CPU_ARCH["num_experts_per_tok"]
+    mb.replay = random_routes(mb.num_tokens, E, k, len(meg.arch.moe_layers))
+    with router_calls(meg) as calls:
+        lp, _ = meg.logprobs(mb, 1.0)
+        assert meg.replay.pending_backward() == (1 if recompute else 0)
+        (-lp.sum()).backward()
+    assert len(calls) == (2 if recompute else 1) * len(meg.arch.moe_layers)
+    for i, routing_map in calls:
+        assert torch.equal(routing_map, routing_mask(mb.replay[i], E)), f"MoE layer {i}"
+    # the same gradients as the native model under the same replay (R3 gate weights)
+    (-native.logprobs(mb, 1.0)[0].sum()).backward()
+    meg_grads = {n: p.grad for n, p in meg.model.named_parameters()}
+    for layer, moe_i in zip(meg.arch.moe_layers, range(len(meg.arch.moe_layers))):
+        g_meg = meg_grads[f"decoder.layers.{layer}.mlp.router.weight"]
+        g_nat = native.model.model.layers[layer].mlp.gate.weight.grad
+        assert g_meg.abs().sum() > 0
+        torch.testing.assert_close(g_meg, g_nat, atol=1e-4, rtol=1e-3)
+    meg.optimizer_step()
+    assert meg.replay.pending_backward() == 0
+
+
+def test_replay_checks_records(cpu_megatron):
+    from moe_rl.model import RoutingError
+
+    meg, _ = build(CPU_ARCH, "cpu")
+    mb = make_mb(CPU_ARCH["vocab_size"], LENGTHS)
+    T, n = mb.num_tokens, len(meg.arch.moe_layers)
+    good = random_routes(T, CPU_ARCH["num_experts"], CPU_ARCH["num_experts_per_tok"], n)
+    for bad, match in [
+        (good[:-1], "MoE layers"),
+        ([g[:-1] for g in good], "shape"),
+        ([g.clone().fill_(CPU_ARCH["num_experts"]) for g in good], "out of range"),
+        ([torch.zeros_like(g) for g in good], "duplicate"),
+    ]:
+        mb.replay = bad
+        with pytest.raises(RoutingError, match=match):
+            meg.logprobs(mb, 1.0)
+        assert meg.replay.pending_backward() == 0
+
+
+def test_rl_steps_decrease_loss(cpu_megatron):
+    """Full steps on a fixed batch of two micro-batches with replayed routing; the first loss
+    equals the native backend's, and the loss goes down."""
+    meg, native = build(CPU_ARCH, "cpu", megatron_recompute=True)
+    mbs = [make_mb(CPU_ARCH["vocab_size"], LENGTHS, seed=s) for s in (0, 1)]
+    for mb in mbs:
+        mb.replay = native_record(native, mb)
+    g = torch.Generator().manual_seed(3)
+    adv = [torch.where(torch.rand(mb.num_tokens, generator=g) < 0.5, -1.0, 1.0) for mb in mbs]
+    n_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
+    losses = [pg_step(meg, mbs, adv, n_tokens) for _ in range(4)]
+    first_native = pg_step(native, mbs, adv, n_tokens)
+    assert abs(losses[0] - first_native) < 1e-4, (losses[0], first_native)
+    assert losses[-1] < losses[0] - 1e-3, losses
+    # after the steps both backends hold the same weights (same grads, same AdamW)
+    for _ in range(3):
+        pg_step(native, mbs, adv, n_tokens)
+    sent = dict(meg.hf_tensors())
+    from moe_rl.model import iter_local_hf_tensors
+
+    for name, t in iter_local_hf_tensors(native.model):
+        torch.testing.assert_close(sent[name], t, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
