@@ -137,6 +137,7 @@ class RolloutManager:
                         break  # a finite dataset is exhausted
                 else:
                     self.submitted += 1
+                    self.buffer.expect(index, self.version)
                     t = asyncio.create_task(self._group(index, self.version))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
@@ -209,6 +210,7 @@ class RolloutManager:
         logps: list[float] = []
         versions: list[int] = []
         metas: list[dict] = []
+        starts: list[int] = []  # first routing row each response covers
         resumes = 0
         finish = "length"
         want_routing = self.replay_log is not None
@@ -217,11 +219,13 @@ class RolloutManager:
             params = {"max_new_tokens": max_new - len(out), "temperature": cfg.temperature, "top_p": cfg.top_p,
                       "top_k": cfg.top_k, "stop_token_ids": list(self.task.stop_token_ids),
                       "sampling_seed": _seed(self.cfg.data.seed, index, j, len(out))}
+            # a resumed request only needs the routing rows of tokens not covered yet
+            start = len(prompt.input_ids) + len(out) - 1 if out else 0
             self._mark(+1)
             try:
                 resp = await self.client.generate(
                     input_ids=list(prompt.input_ids) + out, sampling_params=params, return_logprob=True,
-                    return_routed_experts=want_routing, rid=f"{uid}-r{resumes}",
+                    return_routed_experts=want_routing, rid=f"{uid}-r{resumes}", routed_experts_start_len=start,
                 )
             finally:
                 self._mark(-1)
@@ -232,6 +236,7 @@ class RolloutManager:
             tv = token_weight_versions(meta)
             versions += [int(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))]
             metas.append(meta)
+            starts.append(start)
             finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
             if finish == "abort" and len(out) < max_new and not self._stop:
                 resumes += 1
@@ -243,7 +248,7 @@ class RolloutManager:
                                f"{len(versions)} versions")
         s = Sample(uid, index, list(prompt.input_ids), out, logps, versions, finish_reason=finish, resumes=resumes)
         if want_routing and out:
-            rec = record_from_responses(metas, self.spec, num_tokens=s.num_tokens)
+            rec = record_from_responses(metas, self.spec, num_tokens=s.num_tokens, starts=starts)
             self.replay_log.append(uid, rec, sorted(set(versions)))
             s.has_routing = True
         return s

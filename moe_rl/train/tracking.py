@@ -27,7 +27,7 @@ class Tracker:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         self._bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -35,8 +35,9 @@ class Tracker:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def _truncate_after(self, start_step: int) -> None:
-        """On resume, drop lines of steps that the checkpoint does not contain."""
-        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)["step"] < start_step]
+        """On resume, drop lines of steps that the checkpoint does not contain (steps are
+        1-based: a checkpoint taken after step N resumes with N steps done)."""
+        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start_step]
         self.path.write_text("".join(l + "\n" for l in keep))
 
     def log(self, step: int, metrics: dict, histograms: dict | None = None) -> None:

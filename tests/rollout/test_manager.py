@@ -1,0 +1,138 @@
+"""Rollout manager and buffer: the staleness bound, partial rollouts, failing rewards."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+from moe_rl.config import load_config
+from moe_rl.rollout.buffer import RolloutBuffer
+from moe_rl.rollout.manager import RolloutManager
+from moe_rl.rollout.sample import Group, Sample
+from moe_rl.tasks.base import Prompt
+
+
+class CountingTask:
+    name, vocab_size_needed, stop_token_ids, num_prompts = "counting", 16, [], None
+
+    def __init__(self, fail_every: int = 0):
+        self.fail_every = fail_every
+
+    def prompt(self, index):
+        return Prompt(index, [1, 2, 3 + index % 5], max_new_tokens=4 + index % 3)
+
+    def reward(self, prompt, response_ids):
+        if self.fail_every and prompt.index % self.fail_every == 0:
+            raise ZeroDivisionError("bad reward")
+        return float(len(response_ids))
+
+
+class StubEngines:
+    """Answers /generate after a random short delay with the engines' current version; a pause
+    (abort) ends every in-flight request early with the tokens made so far."""
+
+    def __init__(self):
+        self.version = 0
+        self.aborting = False
+        self.calls = 0
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True, return_routed_experts=False, rid=None,
+                       routed_experts_start_len=0):
+        self.calls += 1
+        n = sampling_params["max_new_tokens"]
+        out, versions = [], []
+        for _ in range(n):
+            await asyncio.sleep(0.002)
+            if self.aborting:
+                break
+            out.append(5)
+            versions.append(str(self.version))
+        reason = {"type": "abort"} if len(out) < n else {"type": "length"}
+        return {"output_ids": out, "meta_info": {"finish_reason": reason, "weight_version": str(self.version),
+                                                 "output_token_weight_versions": versions,
+                                                 "output_token_logprobs": [[-1.0, 5, None]] * len(out)}}
+
+    async def close(self):
+        pass
+
+
+def make(eta, task=None, B=3, n=2):
+    cfg = load_config("configs/tiny.yaml", [f"rollout.max_staleness={eta}", f"rollout.prompts_per_step={B}",
+                                             f"rollout.group_size={n}"])
+    engines, buffer = StubEngines(), RolloutBuffer()
+    m = RolloutManager(cfg, task or CountingTask(), engines, buffer)
+    return cfg, engines, buffer, m
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_staleness_bound_holds_and_nothing_is_lost(eta):
+    cfg, engines, buffer, m = make(eta)
+    m.start()
+    seen = []
+    try:
+        for v in range(6):  # the "trainer": take a batch at version v, then update
+            groups = buffer.take(3, v - eta, timeout=30, alive=m.check)
+            for g in groups:
+                assert g.min_version >= v - eta
+                assert all(len(s.versions) == len(s.response_ids) for s in g.samples)
+            seen += [g.group_id for g in groups]
+            m.begin_update()
+            engines.aborting = True
+            time.sleep(0.01)
+            engines.version = v + 1
+            engines.aborting = False
+            m.end_update(v + 1)
+    finally:
+        m.stop()
+    assert len(seen) == len(set(seen)), "a group was trained on twice"
+    assert buffer.dropped_stale == 0, "the gate should keep the bound without discarding work"
+    # the gate: never more than (v + eta + 1) * B groups submitted
+    assert m.submitted <= (6 + eta + 1) * 3
+
+
+def test_partial_rollouts_keep_each_tokens_version():
+    cfg, engines, buffer, m = make(eta=1, B=2, n=2)
+    m.start()
+    try:
+        buffer.take(2, 0, timeout=30, alive=m.check)
+        m.begin_update()
+        engines.aborting = True
+        time.sleep(0.02)
+        engines.version = 1
+        engines.aborting = False
+        m.end_update(1)
+        groups = buffer.take(2, 0, timeout=30, alive=m.check)
+    finally:
+        m.stop()
+    resumed = [s for g in groups for s in g.samples if s.resumes]
+    for s in resumed:
+        assert s.versions == sorted(s.versions) and len(s.versions) == len(s.response_ids)
+        assert len(s.response_ids) == CountingTask().prompt(s.group_id).max_new_tokens
+    assert m.stats["resumed_requests"] == sum(s.resumes for g in groups for s in g.samples)
+
+
+def test_raising_reward_marks_sample_failed_and_run_goes_on():
+    cfg, engines, buffer, m = make(eta=2, task=CountingTask(fail_every=2))
+    m.start()
+    try:
+        groups = buffer.take(3, 0, timeout=30, alive=m.check)
+    finally:
+        m.stop()
+    for g in groups:
+        if g.group_id % 2 == 0:
+            assert all(s.failed and "ZeroDivisionError" in s.failed for s in g.samples)
+            assert g.trainable == []
+        else:
+            assert all(s.failed is None and s.reward == len(s.response_ids) for s in g.samples)
+    assert m.stats["reward_failures"] >= 2
+
+
+def test_buffer_drops_and_counts_stale_groups():
+    b = RolloutBuffer()
+    for gid, v in [(0, 0), (1, 3), (2, 1), (3, 4)]:
+        b.put(Group(gid, [Sample(f"u{gid}", gid, [1], [2], [0.0], [v])]))
+    got = b.take(2, min_version=3, timeout=1)
+    assert [g.group_id for g in got] == [1, 3]
+    assert b.dropped_ids == [0, 2] and b.dropped_stale == 2
+    with pytest.raises(TimeoutError):
+        b.take(1, 0, timeout=0.1)
