@@ -147,3 +147,31 @@ def test_rl_steps_decrease_loss(cpu_megatron):
 
     for name, t in iter_local_hf_tensors(native.model):
         torch.testing.assert_close(sent[name], t, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+def test_from_transformers_checkpoint_matches_transformers(cpu_megatron, tmp_path):
+    """model.path: a checkpoint written by transformers' save_pretrained, read lazily tensor by
+    tensor; megatron's logits equal transformers' own Qwen3MoeForCausalLM."""
+    transformers = pytest.importorskip("transformers")
+    from moe_rl.train.megatron import MegatronBackend
+
+    from .common import make_cfg
+
+    hf_cfg = transformers.Qwen3MoeConfig(
+        **{k: v for k, v in CPU_ARCH.items() if k != "max_position_embeddings"}, max_position_embeddings=256,
+        norm_topk_prob=True, decoder_sparse_step=1,
+    )
+    torch.manual_seed(0)
+    ref = transformers.Qwen3MoeForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.1)
+    ref.save_pretrained(tmp_path / "hf")
+    cfg = make_cfg(CPU_ARCH, "cpu")
+    cfg.model.path = str(tmp_path / "hf")
+    meg = MegatronBackend(cfg)
+    mb = make_mb(CPU_ARCH["vocab_size"], (17,))
+    with torch.no_grad():
+        expected = ref(mb.input_ids).logits[0]
+        got = meg.hidden_states(mb) @ meg.model.output_layer.weight.t()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

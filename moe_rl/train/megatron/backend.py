@@ -91,8 +91,8 @@ class MegatronBackend:
         self.device = torch.device(cfg.train.device)
         self.dtype = DTYPES[cfg.model.dtype]
         if self.device.type != "cuda":
-            log.warning("megatron backend on %s: megatron-core's forward needs CUDA; only building and "
-                        "weight conversion work here", self.device)
+            log.warning("megatron backend on %s: megatron-core's forward moves tensors to CUDA; on CPU only "
+                        "building and weight conversion work (tests/megatron shims the CUDA calls)", self.device)
 
         trainer_ranks = groups.layout.trainer_ranks if groups is not None else None
         init_parallel_state(self.tp_size, self.ep_size, trainer_ranks, seed=cfg.train.seed)

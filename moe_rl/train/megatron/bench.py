@@ -32,13 +32,14 @@ PRESETS = {
 }
 
 
-def _cfg(preset: dict, backend: str, dtype: str, recompute: bool):
+def _cfg(preset: dict, backend: str, dtype: str, recompute: bool, device: str = "cuda"):
     from moe_rl.config import ExperimentConfig
 
     return ExperimentConfig.model_validate(dict(
         model=dict(preset["arch"], dtype=dtype, max_position_embeddings=4096, rope_theta=1_000_000.0),
         pools=dict(trainer=1, rollout=0), engine=dict(kind="sglang", urls=["http://127.0.0.1:1"]),
-        train=dict(backend=backend, device="cuda", lr=1e-5, megatron_recompute=recompute),
+        train=dict(backend=backend, device=device, lr=1e-5, megatron_recompute=recompute,
+                   megatron_dispatcher="alltoall" if device == "cuda" else "allgather"),
     ))
 
 
@@ -65,7 +66,9 @@ def _batch(preset: dict):
 def _measure(backend, mbs, steps: int, warmup: int) -> dict:
     n_loss = sum(int((mb.labels != -100).sum()) for mb in mbs)
     tokens = sum(mb.num_tokens for mb in mbs)
-    adv = [torch.ones(mb.num_tokens, device="cuda") for mb in mbs]
+    cuda = backend.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    adv = [torch.ones(mb.num_tokens, device=backend.device) for mb in mbs]
 
     def step():
         for mb, a in zip(mbs, adv):
@@ -75,17 +78,18 @@ def _measure(backend, mbs, steps: int, warmup: int) -> dict:
 
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     mean = sum(times) / len(times)
     return dict(tokens_per_step=tokens, step_s=mean, step_s_min=min(times), tokens_per_s=tokens / mean,
-                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30)
+                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
 
 
 def main(argv=None) -> int:
