@@ -95,7 +95,8 @@ class MegatronBackend:
                         "building and weight conversion work (tests/megatron shims the CUDA calls)", self.device)
 
         trainer_ranks = groups.layout.trainer_ranks if groups is not None else None
-        init_parallel_state(self.tp_size, self.ep_size, trainer_ranks, seed=cfg.train.seed)
+        init_parallel_state(self.tp_size, self.ep_size, trainer_ranks, seed=cfg.train.seed,
+                            cuda=self.device.type == "cuda")
         from megatron.core import parallel_state as ps
 
         self.ps = ps

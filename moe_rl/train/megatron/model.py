@@ -97,8 +97,10 @@ def _world_is_first(n: int):
         dist.get_world_size, dist.new_group = real_size, real_new_group
 
 
-def init_parallel_state(tp_size: int, ep_size: int, trainer_ranks: list[int] | None = None, seed: int = 0) -> None:
-    """Initialises megatron's parallel_state over the trainer pool (ranks [0, len(trainers)))."""
+def init_parallel_state(tp_size: int, ep_size: int, trainer_ranks: list[int] | None = None, seed: int = 0,
+                        cuda: bool = True) -> None:
+    """Initialises megatron's parallel_state over the trainer pool (ranks [0, len(trainers)));
+    with ``cuda``, also megatron's CUDA RNG tracker (dropout regions, activation recompute)."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -120,7 +122,7 @@ def init_parallel_state(tp_size: int, ep_size: int, trainer_ranks: list[int] | N
         log.info("megatron parallel_state: built over the trainer pool, ranks [0, %d) of %d", n, dist.get_world_size())
         with _world_is_first(n):
             ps.initialize_model_parallel(**kwargs)
-    if torch.cuda.is_available():
+    if cuda:
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
