@@ -32,10 +32,13 @@ Implementations (``impl``):
   Backward: per (row slab, vocab chunk) a Triton kernel recomputes the logits tile by tile and
   writes ``d_logits`` for the chunk in the input dtype; two GEMMs turn it into ``d_weight``
   (written per chunk, accumulated over row slabs) and ``d_hidden`` (accumulated over vocab
-  chunks in fp32). Slab and chunk sizes are chosen so the backward's scratch stays under
-  ~0.8% of the materialised fp32 logits (see :func:`_plan`). Also runs on CPU tensors under
-  Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported), which is
-  how CI exercises the kernels.
+  chunks in fp32, with the bf16 rounding of ``d_logits`` compensated along the chunk's mean
+  weight row, see :func:`_backward`). Slab and chunk sizes are chosen so the backward's
+  scratch stays under ~0.8% of the materialised fp32 logits (see :func:`_plan`). Work:
+  2NHV forward, 6NHV backward (the logits are recomputed), against 6NHV for the three bare
+  GEMMs of an unfused LM head. Also runs on CPU tensors under Triton's interpreter
+  (``TRITON_INTERPRET=1`` set before this module is imported), which is how CI exercises the
+  kernels.
 * ``"torch"`` (the default for CPU tensors): the same algorithm in plain torch, chunked over
   rows and vocabulary, with the logits chunk computed in fp32.
 
@@ -43,9 +46,10 @@ Asking for ``impl="triton"`` where Triton cannot run raises; nothing falls back 
 
 Vocab-parallel (``tp_group``): ``weight`` holds this rank's contiguous slice of the vocabulary
 (rank order = vocabulary order; shard sizes may differ), ``hidden`` and ``labels`` are the same
-on every rank and ``labels`` are global ids. Each rank computes its partial ``(M, S, U, z_y)``;
-one MAX all-reduce and one SUM all-reduce over ``[S; U; z_y]`` give every rank the
-full-vocabulary log-probs and entropy. In backward each rank produces ``d_weight`` for its own
+on every rank and ``labels`` are global ids. A small all-reduce of the shard sizes gives each
+rank its vocabulary offset. Each rank computes its partial ``(M, S, U, z_y)``; one MAX
+all-reduce and one SUM all-reduce over ``[S; U; z_y]`` give every rank the full-vocabulary
+log-probs and entropy. In backward each rank produces ``d_weight`` for its own
 rows and ``d_hidden`` is SUM all-reduced (in fp32) inside the op, so every rank gets the full
 gradient of its (replicated) ``hidden``: do not reduce it again.
 """
