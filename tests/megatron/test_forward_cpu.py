@@ -175,3 +175,20 @@ def test_from_transformers_checkpoint_matches_transformers(cpu_megatron, tmp_pat
         expected = ref(mb.input_ids).logits[0]
         got = meg.hidden_states(mb) @ meg.model.output_layer.weight.t()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_state_dict_round_trip_and_record_without_replay_config(cpu_megatron):
+    meg, native = build(CPU_ARCH, "cpu")
+    meg.cfg.replay.enabled = False  # recording still goes through RouterReplay (RECORD)
+    mb = make_mb(CPU_ARCH["vocab_size"], LENGTHS)
+    rec = []
+    lp, _ = meg.logprobs(mb, 1.0, record=rec)
+    assert [r.shape for r in rec] == [(mb.num_tokens, CPU_ARCH["num_experts_per_tok"])] * len(meg.arch.moe_layers)
+    (-lp.sum()).backward()
+    meg.optimizer_step()
+    state = meg.state_dict()
+    other, _ = build(CPU_ARCH, "cpu", seed=99)
+    other.load_state_dict(state)
+    for (n1, t1), (n2, t2) in zip(meg.hf_tensors(), other.hf_tensors()):
+        assert n1 == n2 and torch.equal(t1, t2), n1
+    assert other.optimizer.state_dict()["state"].keys() == meg.optimizer.state_dict()["state"].keys()

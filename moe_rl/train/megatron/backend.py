@@ -117,7 +117,7 @@ class MegatronBackend:
         self.replay = (
             RouterReplayControl(len(self.arch.moe_layers), self.arch.num_experts_per_tok, self.arch.num_experts,
                                 self.opts.recompute)
-            if self.opts.replay else None
+            if not self.opts.router_fusion else None
         )
         self.load_hf_state(hf_state if hf_state is not None else initial_hf_state(cfg, self.arch))
         self.model.to(self.device)
@@ -241,19 +241,20 @@ class MegatronBackend:
         return {"model": model, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"], strict=False)
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"megatron state does not fit this model: missing {missing[:4]}, unexpected {unexpected[:4]}")
         self.optimizer.load_state_dict(state["optimizer"])
 
 
 class _no_replay:
-    """Context used when replay is disabled: ``record`` is not available without RouterReplay."""
+    """Context used with the fused router, which has no RouterReplay: no replay, no recording."""
 
     def __init__(self, mb, record):
-        if mb.replay is not None:
-            raise ValueError("micro-batch carries routing replay but replay.enabled=false")
-        if record is not None:
-            raise ValueError("recording routes with the megatron backend needs replay.enabled=true "
-                             "(it uses megatron's RouterReplay RECORD action)")
+        if mb.replay is not None or record is not None:
+            raise ValueError("routing replay and recording need megatron's RouterReplay, which the fused router "
+                             "(train.megatron_router_fusion=true) bypasses; set megatron_router_fusion=false")
 
     def __enter__(self):
         return self

@@ -176,7 +176,8 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_fusion=opts.router_fusion,
-        moe_enable_routing_replay=opts.replay,
+        # RouterReplay serves replay and recording; only the fused router (which bypasses it) goes without
+        moe_enable_routing_replay=not opts.router_fusion,
         moe_grouped_gemm=opts.grouped_gemm,
         moe_token_dispatcher_type=opts.dispatcher,
         # parallelism and precision
