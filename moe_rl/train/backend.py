@@ -109,9 +109,9 @@ class NativeBackend:
             return
         trainer_size = len(self.groups.layout.trainer_ranks)
         if trainer_size > 1:
-            _all_reduce_sum([p.grad for p in self.dense_params], self.groups.trainer)
+            all_reduce_sum([p.grad for p in self.dense_params], self.groups.trainer)
         if self.groups.dp_size > 1:
-            _all_reduce_sum([p.grad for p in self.expert_params], self.groups.expert_dp)
+            all_reduce_sum([p.grad for p in self.expert_params], self.groups.expert_dp)
 
     def optimizer_step(self) -> dict[str, float]:
         for p in self.model.parameters():
@@ -152,7 +152,7 @@ class NativeBackend:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def _all_reduce_sum(tensors: list[torch.Tensor], group) -> None:
+def all_reduce_sum(tensors: list[torch.Tensor], group) -> None:
     """One all-reduce over a flat copy instead of one per tensor (latency-bound on gloo)."""
     if not tensors:
         return

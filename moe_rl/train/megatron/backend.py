@@ -21,6 +21,7 @@ import torch.distributed as dist
 from moe_rl.kernels import fused_logprobs
 from moe_rl.model import MoEForCausalLM, PackedCausal, hf_state_dict, packed_positions, parse_expert_name
 from moe_rl.model.hf_io import _checkpoint_files
+from moe_rl.train.backend import all_reduce_sum
 
 from .convert import MegatronLayout, hf_to_megatron, megatron_expert_owner, megatron_to_hf
 from .model import (
@@ -202,9 +203,9 @@ class MegatronBackend:
         pool at TP=1), expert ones over its expert-data-parallel group."""
         ps = self.ps
         if ps.get_data_parallel_world_size() > 1:
-            _all_reduce_sum([p.grad for p in self.dense_params], ps.get_data_parallel_group())
+            all_reduce_sum([p.grad for p in self.dense_params], ps.get_data_parallel_group())
         if ps.get_expert_data_parallel_world_size() > 1:
-            _all_reduce_sum([p.grad for p in self.expert_params], ps.get_expert_data_parallel_group())
+            all_reduce_sum([p.grad for p in self.expert_params], ps.get_expert_data_parallel_group())
 
     def optimizer_step(self) -> dict[str, float]:
         for p in self.model.parameters():
@@ -261,15 +262,3 @@ class _no_replay:
 
     def __exit__(self, *exc):
         return False
-
-
-def _all_reduce_sum(tensors: list[torch.Tensor], group) -> None:
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
