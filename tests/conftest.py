@@ -16,3 +16,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_is_restored():
+    """A test that leaves autograd off would silently break the tests after it."""
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left autograd disabled")

@@ -151,8 +151,9 @@ class MegatronBackend:
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            yield from megatron_to_hf(lambda n: params[n].detach(), self.arch, self.layout)
+        # inputs are detached, so no autograd graph is built; no `with no_grad()` around the
+        # yield, which would leave autograd off in the caller while the generator is suspended
+        yield from megatron_to_hf(lambda n: params[n].detach(), self.arch, self.layout)
 
     def owner_ep_rank(self, name: str) -> int | None:
         return megatron_expert_owner(name, self.arch, self.ep_size)
