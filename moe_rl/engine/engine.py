@@ -343,7 +343,7 @@ class Engine:
 
         temps = torch.tensor([r.params.logprob_temperature for r, _, _ in batch], dtype=torch.float32)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-        tokens = [self._sample(r.params, logits[i], logp[i], r.generator) for i, (r, _, _) in enumerate(batch)]
+        tokens = self._sample_batch([r for r, _, _ in batch], logits, logp)
         lps = logp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None]).squeeze(1).tolist()
 
         with self.cond:
@@ -378,6 +378,30 @@ class Engine:
                     self._finish_locked(r, P.finish_length(len(r.output_ids)))
                 elif r.on_update is not None:
                     r.on_update(self._response(r, None))
+
+    @classmethod
+    def _sample_batch(cls, reqs: list[_Req], logits: torch.Tensor, logp: torch.Tensor) -> list[int]:
+        """One token per row. Plain temperature sampling (no top-k/top-p, the RL case) is done
+        for all such rows at once by inverse CDF, with one uniform draw from each request's own
+        generator, so a request's tokens depend on its seed and not on its batch-mates."""
+        tokens = [0] * len(reqs)
+        plain = []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if not p.greedy and p.top_k <= 0 and p.top_p >= 1.0:
+                plain.append(i)
+            else:
+                tokens[i] = cls._sample(p, logits[i], logp[i], r.generator)
+        if plain:
+            rows = torch.tensor(plain, dtype=torch.long)
+            u = torch.stack([torch.rand((), generator=reqs[i].generator) for i in plain])
+            cdf = logp.index_select(0, rows).exp().cumsum(dim=-1)
+            # first index whose cdf exceeds u * total: token i with probability p_i exactly
+            picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+            picked = picked.clamp_(max=logits.shape[1] - 1).tolist()
+            for i, t in zip(plain, picked):
+                tokens[i] = t
+        return tokens
 
     @staticmethod
     def _sample(p: P.SamplingParams, logits: torch.Tensor, logp: torch.Tensor, gen: torch.Generator) -> int:
