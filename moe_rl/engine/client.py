@@ -160,15 +160,43 @@ class EngineClient:
                 payload["routed_experts_start_len"] = routed_experts_start_len
         if rid is not None:
             payload["rid"] = rid
+        return await self._post_generate(payload, [rid] if rid is not None else [], 1, url)
+
+    async def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: list[dict],
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        rids: list[str] | None = None,
+        url: str | None = None,
+    ) -> list[dict]:
+        """POST /generate with SGLang's batch form (a list of prompts, one sampling-params
+        dict each): one HTTP round trip for many prompts; returns one response per prompt."""
+        if len(sampling_params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
+            raise ValueError("generate_batch: one sampling_params (and rid) per prompt")
+        payload = {"input_ids": [list(p) for p in input_ids], "sampling_params": [dict(sp) for sp in sampling_params],
+                   "return_logprob": return_logprob}
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
+        if rids is not None:
+            payload["rid"] = list(rids)
+        out = await self._post_generate(payload, list(rids or []), len(input_ids), url)
+        if not isinstance(out, list) or len(out) != len(input_ids):
+            raise EngineError(url or "?", "/generate", f"expected {len(input_ids)} responses to a batch")
+        return out
+
+    async def _post_generate(self, payload: dict, rids: list[str], n: int, url: str | None) -> Any:
         url = (url or self.pick()).rstrip("/")
-        self.outstanding[url] = self.outstanding.get(url, 0) + 1
-        if rid is not None:
+        self.outstanding[url] = self.outstanding.get(url, 0) + n
+        for rid in rids:
             self._rid_url[rid] = url
         try:
             return await self.request("POST", "/generate", url, payload)
         finally:
-            self.outstanding[url] -= 1
-            if rid is not None:
+            self.outstanding[url] -= n
+            for rid in rids:
                 self._rid_url.pop(rid, None)
 
     async def pause_generation(self, mode: str = "abort", urls: Iterable[str] | None = None) -> list:

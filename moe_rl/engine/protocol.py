@@ -40,7 +40,7 @@ class RequestError(ValueError):
 
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+        self.field, self.message = field_name, message
 
 
 # --- small typed readers that name the field on error ---------------------------------------
@@ -185,7 +185,7 @@ class GenerateRequest:
             raise RequestError("input_ids", "required")
         ids = body["input_ids"]
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
-            raise RequestError("input_ids", "batched prompts are not supported; send one prompt per request")
+            raise RequestError("input_ids", "a batch of prompts: use GenerateRequest.parse_batch")
         ids = _int_list(ids, "input_ids")
         if not ids:
             raise RequestError("input_ids", "empty prompt")
@@ -214,6 +214,39 @@ class GenerateRequest:
             routed_experts_start_len=start,
             stream=_bool(body, "stream"),
         )
+
+
+def is_batch(body: Any) -> bool:
+    """SGLang's batched /generate: ``input_ids`` is a list of prompts."""
+    if not isinstance(body, dict):
+        return False
+    ids = body.get("input_ids")
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
+
+def parse_batch(body: dict, *, vocab_size: int, max_context: int) -> list[GenerateRequest]:
+    """A batched /generate body -> one request per prompt. As in SGLang, ``sampling_params``
+    and ``rid`` are either one value for all prompts or a list with one per prompt; other
+    fields apply to all. Errors name the field and the prompt's index."""
+    n = len(body["input_ids"])
+    per_item = {"input_ids": body["input_ids"]}
+    for key in ("sampling_params", "rid", "routed_experts_start_len"):
+        v = body.get(key)
+        if isinstance(v, list):
+            if len(v) != n:
+                raise RequestError(key, f"has {len(v)} entries for {n} prompts")
+            per_item[key] = v
+    if body.get("stream"):
+        raise RequestError("stream", "streaming a batch of prompts is not supported")
+    out = []
+    for i in range(n):
+        item = {k: v for k, v in body.items() if k not in per_item}
+        item.update({k: v[i] for k, v in per_item.items()})
+        try:
+            out.append(GenerateRequest.parse(item, vocab_size=vocab_size, max_context=max_context))
+        except RequestError as e:
+            raise RequestError(f"prompt {i}: {e.field}", e.message) from None
+    return out
 
 
 def finish_length(n: int) -> dict:

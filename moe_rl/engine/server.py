@@ -111,7 +111,14 @@ class EngineServer:
     # --- generation ------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
-        req = P.GenerateRequest.parse(body, vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context)
+        limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context)
+        if P.is_batch(body):  # SGLang's batch form: a list in, a list out
+            reqs = P.parse_batch(body, **limits)
+            if not self.engine.alive:
+                return _error(503, f"engine is not running: {self.engine.error}")
+            outs = await asyncio.gather(*(self.engine.generate(r) for r in reqs))
+            return web.json_response(outs)
+        req = P.GenerateRequest.parse(body, **limits)
         if not self.engine.alive:
             return _error(503, f"engine is not running: {self.engine.error}")
         if req.stream:

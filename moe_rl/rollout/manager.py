@@ -181,7 +181,20 @@ class RolloutManager:
             self.inflight[index] = time.monotonic()
         prompt = self.task.prompt(index)
         n = self.cfg.rollout.group_size
-        samples = await asyncio.gather(*(self._sample(prompt, index, j) for j in range(n)))
+        # the group's first requests go in one batched /generate (one HTTP round trip);
+        # a sample cut short by a weight update continues on its own
+        await self._ready.wait()
+        first = [self._request(prompt, index, j, [], 0) for j in range(n)]
+        self._mark(+n)
+        try:
+            resps = await self.client.generate_batch(
+                [f["input_ids"] for f in first], [f["sampling_params"] for f in first],
+                return_logprob=True, return_routed_experts=self.replay_log is not None,
+                rids=[f["rid"] for f in first],
+            )
+        finally:
+            self._mark(-n)
+        samples = await asyncio.gather(*(self._sample(prompt, index, j, resps[j]) for j in range(n)))
         rewards = await asyncio.gather(
             *(asyncio.get_running_loop().run_in_executor(self._rewards, self._score, prompt, s) for s in samples)
         )
@@ -202,33 +215,37 @@ class RolloutManager:
             log.warning("reward function raised on sample %s: %r", sample.uid, e)
             return 0.0, f"reward raised {type(e).__name__}: {e}"
 
-    async def _sample(self, prompt, index: int, j: int) -> Sample:
+    def _uid(self, index: int, j: int) -> str:
+        return f"p{index}-s{j}" if self.attempt == 0 else f"p{index}-s{j}-a{self.attempt}"
+
+    def _request(self, prompt, index: int, j: int, out: list[int], resumes: int) -> dict:
+        """The /generate fields of sample j of a prompt, continuing after ``out``."""
         cfg = self.cfg.rollout
-        uid = f"p{index}-s{j}" if self.attempt == 0 else f"p{index}-s{j}-a{self.attempt}"
         max_new = prompt.max_new_tokens or cfg.max_new_tokens
+        return {
+            "input_ids": list(prompt.input_ids) + out,
+            "sampling_params": {"max_new_tokens": max_new - len(out), "temperature": cfg.temperature,
+                                "top_p": cfg.top_p, "top_k": cfg.top_k,
+                                "stop_token_ids": list(self.task.stop_token_ids),
+                                "sampling_seed": _seed(self.cfg.data.seed, index, j, len(out))},
+            "rid": f"{self._uid(index, j)}-r{resumes}",
+            # a resumed request only needs the routing rows of tokens not covered yet
+            "routed_experts_start_len": len(prompt.input_ids) + len(out) - 1 if out else 0,
+        }
+
+    async def _sample(self, prompt, index: int, j: int, resp: dict) -> Sample:
+        """Collects sample j from its first response, resubmitting with the prefix while a
+        weight update cuts it short (partial rollout)."""
+        uid = self._uid(index, j)
+        max_new = prompt.max_new_tokens or self.cfg.rollout.max_new_tokens
         out: list[int] = []
         logps: list[float] = []
         versions: list[int] = []
         metas: list[dict] = []
-        starts: list[int] = []  # first routing row each response covers
+        starts: list[int] = [0]  # first routing row each response covers
         resumes = 0
-        finish = "length"
         want_routing = self.replay_log is not None
         while True:
-            await self._ready.wait()
-            params = {"max_new_tokens": max_new - len(out), "temperature": cfg.temperature, "top_p": cfg.top_p,
-                      "top_k": cfg.top_k, "stop_token_ids": list(self.task.stop_token_ids),
-                      "sampling_seed": _seed(self.cfg.data.seed, index, j, len(out))}
-            # a resumed request only needs the routing rows of tokens not covered yet
-            start = len(prompt.input_ids) + len(out) - 1 if out else 0
-            self._mark(+1)
-            try:
-                resp = await self.client.generate(
-                    input_ids=list(prompt.input_ids) + out, sampling_params=params, return_logprob=True,
-                    return_routed_experts=want_routing, rid=f"{uid}-r{resumes}", routed_experts_start_len=start,
-                )
-            finally:
-                self._mark(-1)
             meta = resp["meta_info"]
             new = list(resp["output_ids"])
             out += new
@@ -236,13 +253,21 @@ class RolloutManager:
             tv = token_weight_versions(meta)
             versions += [int(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))]
             metas.append(meta)
-            starts.append(start)
             finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
-            if finish == "abort" and len(out) < max_new and not self._stop:
-                resumes += 1
-                self.stats["resumed_requests"] += 1
-                continue
-            break
+            if not (finish == "abort" and len(out) < max_new and not self._stop):
+                break
+            resumes += 1
+            self.stats["resumed_requests"] += 1
+            await self._ready.wait()
+            req = self._request(prompt, index, j, out, resumes)
+            starts.append(req["routed_experts_start_len"])
+            self._mark(+1)
+            try:
+                resp = await self.client.generate(req["input_ids"], req["sampling_params"], return_logprob=True,
+                                                  return_routed_experts=want_routing, rid=req["rid"],
+                                                  routed_experts_start_len=req["routed_experts_start_len"])
+            finally:
+                self._mark(-1)
         if not (len(logps) == len(versions) == len(out)):
             raise RuntimeError(f"sample {uid}: engine returned {len(out)} tokens, {len(logps)} log-probs, "
                                f"{len(versions)} versions")

@@ -266,3 +266,32 @@ def test_stream_and_client_disconnect(server):
             assert info["running_requests"] == 0 and info["stats"]["finished_abort"] == before + 1
 
     run(main())
+
+
+def test_batched_generate_equals_single_requests(server, model):
+    """SGLang's batch form: a list of prompts in, one response each out, the same as sending
+    them one by one (each request samples from its own seeded generator)."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    sps = [{"temperature": 1.0, "max_new_tokens": 6 + i, "sampling_seed": 40 + i} for i in range(3)]
+
+    async def main():
+        async with EngineClient(server.url) as c:
+            batch = await c.generate_batch(prompts, sps, return_routed_experts=True, rids=["b0", "b1", "b2"])
+            single = [await c.generate(p, sp, return_routed_experts=True) for p, sp in zip(prompts, sps)]
+            return batch, single
+
+    batch, single = run(main())
+    for p, b, s in zip(prompts, batch, single):
+        assert b["output_ids"] == s["output_ids"]
+        assert b["meta_info"]["routed_experts"] == s["meta_info"]["routed_experts"]
+        check_against_native(model, p, b, 1.0)
+
+
+def test_batched_generate_errors_name_the_prompt(server):
+    body = {"input_ids": [[1, 2], [1, 10**6]], "sampling_params": {"max_new_tokens": 2}}
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+    assert "prompt 1: input_ids" in e.value.read().decode()

@@ -52,6 +52,10 @@ class StubEngines:
                                                  "output_token_weight_versions": versions,
                                                  "output_token_logprobs": [[-1.0, 5, None]] * len(out)}}
 
+    async def generate_batch(self, input_ids, sampling_params, return_logprob=True, return_routed_experts=False,
+                             rids=None):
+        return await asyncio.gather(*(self.generate(p, sp) for p, sp in zip(input_ids, sampling_params)))
+
     async def close(self):
         pass
 
