@@ -11,6 +11,7 @@ per-expert names.
 """
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -32,16 +33,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # HF's order: normalise in fp32, cast back, then scale (one fused op for the first part)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin tables [N, head_dim] for the given positions (HF's default RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[:, None] * _inv_freq(head_dim, theta, positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
