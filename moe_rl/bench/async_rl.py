@@ -56,7 +56,7 @@ def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[s
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="moe-rl bench async", description=__doc__)
     ap.add_argument("--config", default="configs/tiny.yaml")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--eta", type=int, default=2, help="staleness bound of the asynchronous run")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("overrides", nargs="*", help="config overrides for both runs")
