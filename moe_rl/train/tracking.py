@@ -95,7 +95,7 @@ def plot_reward_curve(metrics_path: str | Path, out: str | Path) -> Path | None:
     k = max(1, len(rewards) // 10)
     if len(rewards) > k > 1:
         smooth = [sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1]) for i in range(len(rewards))]
-        ax.plot(steps, smooth, label=f"moving mean ({k} steps)")
+        ax.plot(steps, smooth, label=f"trailing mean ({k} steps)")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
