@@ -64,7 +64,50 @@ class TrainBackend(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class NativeBackend:
+class DataParallelStep:
+    """The optimizer step both backends share: gradients summed over the data-parallel groups
+    (``_reduce_grads``), clipped by their global norm, AdamW step. Subclasses set ``model``,
+    ``optimizer``, ``dense_params``, ``expert_params``, ``cfg``, ``ep_size`` and ``_ep_group()``."""
+
+    def _setup_optimizer(self) -> None:
+        """Splits expert from dense parameters (they reduce over different groups); AdamW."""
+        cfg = self.cfg
+        self.expert_params = [p for n, p in self.model.named_parameters() if ".experts." in n]
+        expert_ids = {id(p) for p in self.expert_params}
+        self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+            weight_decay=cfg.train.weight_decay,
+        )
+
+    def optimizer_step(self) -> dict[str, float]:
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._reduce_grads()
+        stats = {}
+        if self.cfg.train.grad_clip:
+            stats["grad_norm"] = float(self._clip(self.cfg.train.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """Global grad norm: expert grads are disjoint over the EP group, so their squares are
+        summed there; dense grads are identical on every rank after the reduction."""
+        dev = self.dense_params[0].device
+        dense_sq = sum((p.grad.float().pow(2).sum() for p in self.dense_params), torch.zeros((), device=dev))
+        expert_sq = sum((p.grad.float().pow(2).sum() for p in self.expert_params), torch.zeros((), device=dev))
+        if self.ep_size > 1:
+            dist.all_reduce(expert_sq, group=self._ep_group())
+        norm = (dense_sq + expert_sq).sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.model.parameters():
+            p.grad.mul_(scale)
+        return norm
+
+
+class NativeBackend(DataParallelStep):
     """The torch-native model: data parallel over the trainer pool, experts over the EP group.
 
     Losses are normalised by the global token count, so gradients are *summed*: dense ones over
@@ -85,13 +128,7 @@ class NativeBackend:
             self.model.init_weights(cfg.model.init_seed, std=cfg.model.init_std)
         self.device = torch.device(cfg.train.device)
         self.model.to(device=self.device, dtype=DTYPES[cfg.model.dtype])
-        self.expert_params = [p for n, p in self.model.named_parameters() if ".experts." in n]
-        expert_ids = {id(p) for p in self.expert_params}
-        self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-            weight_decay=cfg.train.weight_decay,
-        )
+        self._setup_optimizer()
 
     def logprobs(self, mb, temperature, with_entropy=False, record=None):
         hidden = self.model.hidden_states(
@@ -113,30 +150,8 @@ class NativeBackend:
         if self.groups.dp_size > 1:
             all_reduce_sum([p.grad for p in self.expert_params], self.groups.expert_dp)
 
-    def optimizer_step(self) -> dict[str, float]:
-        for p in self.model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self._reduce_grads()
-        stats = {}
-        if self.cfg.train.grad_clip:
-            stats["grad_norm"] = float(self._clip(self.cfg.train.grad_clip))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return stats
-
-    def _clip(self, max_norm: float) -> torch.Tensor:
-        """Global grad norm: expert grads are disjoint over the EP group, so their squares are
-        summed there; dense grads are identical on every rank after the reduction."""
-        dense_sq = sum((p.grad.float().pow(2).sum() for p in self.dense_params), torch.zeros(()))
-        expert_sq = sum((p.grad.float().pow(2).sum() for p in self.expert_params), torch.zeros(()))
-        if self.ep_size > 1:
-            dist.all_reduce(expert_sq, group=self.groups.ep)
-        norm = (dense_sq + expert_sq).sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.model.parameters():
-            p.grad.mul_(scale)
-        return norm
+    def _ep_group(self):
+        return self.groups.ep
 
     def hf_tensors(self):
         return iter_local_hf_tensors(self.model)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from moe_rl.kernels import fused_logprobs
 from moe_rl.model import MoEForCausalLM, PackedCausal, hf_state_dict, packed_positions, parse_expert_name
 from moe_rl.model.hf_io import _checkpoint_files
-from moe_rl.train.backend import all_reduce_sum
+from moe_rl.train.backend import DataParallelStep, all_reduce_sum
 
 from .convert import MegatronLayout, hf_to_megatron, megatron_expert_owner, megatron_to_hf
 from .model import (
@@ -71,7 +71,7 @@ def _checkpoint_getter(path: Path):
     return get
 
 
-class MegatronBackend:
+class MegatronBackend(DataParallelStep):
     """megatron-core GPTModel with MoE layers, expert parallelism over the trainer pool."""
 
     def __init__(self, cfg, groups=None, hf_state=None):
@@ -123,13 +123,7 @@ class MegatronBackend:
         self.load_hf_state(hf_state if hf_state is not None else initial_hf_state(cfg, self.arch))
         self.model.to(self.device)
 
-        self.expert_params = [p for n, p in self.model.named_parameters() if ".experts." in n]
-        expert_ids = {id(p) for p in self.expert_params}
-        self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-            weight_decay=cfg.train.weight_decay,
-        )
+        self._setup_optimizer()
 
     # --- weights ------------------------------------------------------------------------
     def load_hf_state(self, hf) -> None:
@@ -209,15 +203,7 @@ class MegatronBackend:
             all_reduce_sum([p.grad for p in self.expert_params], ps.get_expert_data_parallel_group())
 
     def optimizer_step(self) -> dict[str, float]:
-        for p in self.model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self._reduce_grads()
-        stats = {}
-        if self.cfg.train.grad_clip:
-            stats["grad_norm"] = float(self._clip(self.cfg.train.grad_clip))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stats = super().optimizer_step()
         if self.replay is not None:
             pending = self.replay.pending_backward()
             self.replay.end_step()
@@ -225,17 +211,8 @@ class MegatronBackend:
                 log.warning("routing replay: %d recomputed forwards were never run by a backward this step", pending)
         return stats
 
-    def _clip(self, max_norm: float) -> torch.Tensor:
-        dev = self.dense_params[0].device
-        dense_sq = sum((p.grad.float().pow(2).sum() for p in self.dense_params), torch.zeros((), device=dev))
-        expert_sq = sum((p.grad.float().pow(2).sum() for p in self.expert_params), torch.zeros((), device=dev))
-        if self.ep_size > 1:
-            dist.all_reduce(expert_sq, group=self.ps.get_expert_model_parallel_group())
-        norm = (dense_sq + expert_sq).sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.model.parameters():
-            p.grad.mul_(scale)
-        return norm
+    def _ep_group(self):
+        return self.ps.get_expert_model_parallel_group()
 
     # --- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
