@@ -37,7 +37,14 @@ def cmd_validate(argv: list[str]) -> int:
 
 
 def cmd_train(argv: list[str]) -> int:
-    cfg = _load(argv)  # fail here, before any process starts, on a bad config
+    cfg = _load(argv)  # fail here, before any process starts, on a bad config ...
+    from .tasks import DatasetError, task_from_config
+
+    try:
+        task_from_config(cfg)  # ... or a bad dataset (reported with its file and line)
+    except (DatasetError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from torch.distributed.run import main as torchrun
 
     nproc = cfg.pools.nproc_per_node or cfg.world_size

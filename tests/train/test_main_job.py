@@ -67,3 +67,11 @@ def test_bad_config_fails_before_launch(tmp_path):
     _, r = train(tmp_path, "rollout.max_stalenes=2", check=False)
     assert r.returncode == 2
     assert "rollout.max_stalenes: unknown key (did you mean 'rollout.max_staleness'?)" in r.stderr
+
+
+def test_bad_dataset_line_fails_before_launch_naming_the_line(tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answr": "4"}\n')
+    _, r = train(tmp_path, "data.task=jsonl", f"data.path={data}", check=False)
+    assert r.returncode == 2
+    assert f"{data}:2:" in r.stderr and "answer" in r.stderr
