@@ -53,7 +53,19 @@ def cmd_train(argv: list[str]) -> int:
             f"pools.nnodes={cfg.pools.nnodes}: run `torchrun --nnodes {cfg.pools.nnodes} "
             f"--nproc-per-node {nproc} ... -m moe_rl.launch CONFIG` on every node"
         )
-    torchrun(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "-m", "moe_rl.launch", *argv])
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .dist import Layout
+
+    try:
+        torchrun(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "-m", "moe_rl.launch", *argv])
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        role = "trainer" if Layout.from_config(cfg).role(rank) == "trainer" else "engine host"
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        print(f"error: the run failed: rank {rank} ({role}) ended first, with {how}; the other ranks were "
+              f"stopped. Its log is above.", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -75,3 +75,46 @@ def test_bad_dataset_line_fails_before_launch_naming_the_line(tmp_path):
     _, r = train(tmp_path, "data.task=jsonl", f"data.path={data}", check=False)
     assert r.returncode == 2
     assert f"{data}:2:" in r.stderr and "answer" in r.stderr
+
+
+def test_a_dead_engine_ends_the_run_with_a_clear_error(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_rl.cli", "train", "configs/tiny.yaml", f"output_dir={out}",
+         "logging.progress=false", "train.steps=100000"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.2)
+        engine = [p for p in _children(proc.pid) if "moe_rl.launch" in _cmdline(p) and _env(p).get("RANK") == "1"][0]
+        os.kill(engine, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "error: the run failed: rank 1 (engine host) ended first, with signal SIGKILL" in err
+
+
+def _children(pid):
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for c in f.read().split():
+                out += [int(c)] + _children(int(c))
+    return out
+
+
+def _env(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+
+
+def _cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
