@@ -30,10 +30,11 @@ import torch.distributed as dist
 
 from moe_rl.kernels.bucket_pack import pack
 
-from ..model.hf_io import expert_owner, local_hf_tensor
+from ..model.hf_io import expert_owner
 from .engines import EngineCallError, as_engine
 from .group import DEFAULT_TIMEOUT_S, SyncGroup, free_port
-from .plan import Bucket, Plan, checksum, model_specs, plan_buckets
+from .plan import Bucket, Plan, checksum, plan_buckets
+from .source import ModelSource
 from .receiver import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,9 @@ class WeightSender:
         use_triton: bool | None = None,
         keep_buffers: bool | None = None,
     ):
-        self.model = model
-        self.arch = model.arch
+        # ``model``: the native model, or a weights source (moe_rl.sync.source) of any backend
+        self.source = model if hasattr(model, "cache_key") else ModelSource(model)
+        self.arch = self.source.arch
         self.ep_group, self.trainer_group = ep_group, trainer_group
         self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
@@ -109,7 +111,7 @@ class WeightSender:
         self.engines = [as_engine(e, timeout_s=timeout_s + 60) for e in engines]
         self.verify, self.group_name = verify, group_name
         self.master_address, self.port = master_address, port
-        self.device = next(model.parameters()).device
+        self.device = self.source.device
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.timeout_s, self.pause_mode = timeout_s, pause_mode
         self.use_triton = use_triton
@@ -119,7 +121,7 @@ class WeightSender:
         self._pool: list[torch.Tensor] = []
         self._views: dict[int, list[torch.Tensor]] = {}
         self._views_key = None
-        self.plan: Plan = plan_buckets(model_specs(model, wire_dtype), int(bucket_mb * 2**20))
+        self.plan: Plan = plan_buckets(self.source.specs(wire_dtype), int(bucket_mb * 2**20))
         self.group: SyncGroup | None = None
         self._group_key = None
         self.stats = SyncStats()
@@ -161,8 +163,7 @@ class WeightSender:
                 runs.append((o, b.offsets[j], numels[j]))
         return mine, runs
 
-    def _local(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        t = local_hf_tensor(self.model, name)
+    def _cast(self, t: torch.Tensor | None, name: str, dtype: torch.dtype) -> torch.Tensor:
         if t is None:
             raise RuntimeError(f"{name} is not held by EP rank {self.ep_rank}")
         t = t.detach()
@@ -194,14 +195,15 @@ class WeightSender:
 
     def _local_tensors(self, i: int, slots: list[int]) -> list[torch.Tensor]:
         """This rank's tensors of bucket i, as views (cached; rebuilt if a parameter moved)."""
-        key = tuple(p.data_ptr() for p in self.model.parameters())
-        if key != self._views_key:
+        key = self.source.cache_key()
+        if key is None or key != self._views_key:
             self._views, self._views_key = {}, key
         views = self._views.get(i)
         if views is None:
             b = self.plan.buckets[i]
-            views = [self._local(b.names[j], b.dtype) for j in slots]
-            if all(v.dtype == local_hf_tensor(self.model, b.names[j]).dtype for v, j in zip(views, slots)):
+            originals = [self.source.tensor(b.names[j]) for j in slots]
+            views = [self._cast(t, b.names[j], b.dtype) for t, j in zip(originals, slots)]
+            if key is not None and all(v.data_ptr() == t.data_ptr() for v, t in zip(views, originals)):
                 self._views[i] = views  # plain views of the parameters (no cast copies): reusable
         return views
 
@@ -238,6 +240,7 @@ class WeightSender:
 
     def _helper_loop(self) -> bool:
         """Helper: serve buckets until the source says stop (True) or abort (False)."""
+        self.source.begin()
         while True:
             i = self._ctl(0)
             if i < 0:
@@ -309,6 +312,7 @@ class WeightSender:
         if not self.engines:
             raise WeightSyncError("no engines to sync to")
         version = None if version is None else str(version)
+        self.source.begin()
         await self._ensure_group()
         loop = asyncio.get_running_loop()
         stats = SyncStats(version=version)

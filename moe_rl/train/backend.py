@@ -59,6 +59,9 @@ class TrainBackend(Protocol):
         """(HF name, tensor) for every tensor this rank holds: all dense tensors, and the
         experts of this EP rank under their global HF names."""
 
+    def hf_source(self):
+        """The same for the weight-sync sender (a ``moe_rl.sync.source`` object)."""
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
@@ -155,6 +158,12 @@ class NativeBackend(DataParallelStep):
 
     def hf_tensors(self):
         return iter_local_hf_tensors(self.model)
+
+    def hf_source(self):
+        """This rank's weights for the weight-sync sender (views of the parameters)."""
+        from moe_rl.sync.source import ModelSource
+
+        return ModelSource(self.model)
 
     def owner_ep_rank(self, name: str) -> int | None:
         return expert_owner(name, self.arch, self.ep_size)

@@ -125,7 +125,8 @@ class Trainer:
             log.info("resumed from %s at step %d", ckpt, self.step)
         elif self.lead and (self.run_dir / "checkpoints").exists():
             log.warning("%s already holds checkpoints; starting afresh (resume=true continues)", self.run_dir)
-        self.sender = WeightSender.from_config(self.backend.model, cfg.sync, self.groups, engines=self.urls if self.lead else ())
+        self.sender = WeightSender.from_config(self.backend.hf_source(), cfg.sync, self.groups,
+                                              engines=self.urls if self.lead else ())
         if self.record_routing:
             if self.lead:
                 if not cfg.resume and self.replay_dir.exists():

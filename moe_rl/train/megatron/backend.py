@@ -149,6 +149,13 @@ class MegatronBackend(DataParallelStep):
         # yield, which would leave autograd off in the caller while the generator is suspended
         yield from megatron_to_hf(lambda n: params[n].detach(), self.arch, self.layout)
 
+    def hf_source(self):
+        """Megatron -> HF conversion streamed to the weight-sync sender, one tensor at a time."""
+        from moe_rl.sync.source import StreamSource
+
+        dtype = next(self.model.parameters()).dtype
+        return StreamSource(self.arch, self.device, dtype, self.hf_tensors)
+
     def owner_ep_rank(self, name: str) -> int | None:
         return megatron_expert_owner(name, self.arch, self.ep_size)
 
