@@ -1,0 +1,33 @@
+"""Every `moe-rl bench NAME --json` runs (at small sizes) and prints the summary keys its issue
+asks for. Figures are not checked here: they belong to docs/benchmarks.md, not to unit tests."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+CASES = {
+    "replay": (["--tokens", "512", "--reps", "1", "--records", "4"],
+               ["bytes_per_token", "int32_bytes_per_token", "encode_gbps", "decode_gbps", "numpy_encode_gbps",
+                "numpy_decode_gbps"]),
+    "engine": (["--max-new-tokens", "4", "--concurrency", "4", "--sequential-requests", "2", "--repeats", "1",
+                "--ttft-samples", "2"],
+               ["tokens_per_s_1", "tokens_per_s_32", "ttft_ms"]),
+    "sync": (["--reps", "1", "--buckets", "1", "--scale", "0.1"],
+             ["per_tensor_gbps", "flat_gbps", "bucketed_gbps", "best_bucket_mb", "peak_extra_mib", "device"]),
+    "routing": (["--samples", "4", "--max-new-tokens", "4", "--preset", "config"],
+                ["kl_replay", "kl_no_replay", "routing_match_replay", "routing_match_no_replay"]),
+    "async": (["--steps", "3"],
+              ["samples_per_s_async", "samples_per_s_sync", "busy_trainer_async", "busy_rollout_async",
+               "final_reward_async", "final_reward_sync"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bench_prints_its_summary(name):
+    args, keys = CASES[name]
+    r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "bench", name, "--json", *args],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert set(keys) <= set(out["summary"]), set(keys) - set(out["summary"])
