@@ -87,6 +87,7 @@ class SyncConfig(Strict):
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     group_name: str = "moe_rl_weight_sync"
     port: int = Field(0, ge=0, le=65535)  # rendezvous port of the weight-sync group; 0 = free port
+    bind_params: bool = True  # EP=1: the trainer's parameters live in the bucket buffers (no pack per sync)
     master_address: str = "127.0.0.1"  # address of trainer rank 0 as the engines reach it
     timeout_s: float = Field(120.0, gt=0, description="weight-sync group and broadcast timeout")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import multiprocessing as mp
 import os
@@ -33,16 +34,27 @@ import zlib
 
 import torch
 
-from moe_rl.model import MoEArch, MoEForCausalLM, iter_local_hf_tensors
+from moe_rl.model import MoEArch, MoEForCausalLM, bind_hf_views, iter_local_hf_tensors
 
-ARCH = dict(vocab_size=4096, hidden_size=256, moe_intermediate_size=128, intermediate_size=512,
-            num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            num_experts=64, num_experts_per_tok=4, tie_word_embeddings=True)
+# --shape qwen3-30b-a3b (default): Qwen3-30B-A3B's tensor count (48 layers x 128 experts x 3 =
+# 18,432 expert tensors) shrunk to ~270 MB, so each expert tensor is 14 KiB: the many-small-
+# tensors regime that makes one broadcast per tensor latency-bound.
+# --shape wide: fewer, larger tensors (10 layers x 64 experts of 128 KiB; 2,012 tensors).
+SHAPES = {
+    "qwen3-30b-a3b": dict(vocab_size=4096, hidden_size=64, moe_intermediate_size=56, intermediate_size=256,
+                          num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_experts=128, num_experts_per_tok=8, tie_word_embeddings=True),
+    "wide": dict(vocab_size=4096, hidden_size=256, moe_intermediate_size=128, intermediate_size=512,
+                 num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 num_experts=64, num_experts_per_tok=4, tie_word_embeddings=True),
+}
+ARCH = SHAPES["qwen3-30b-a3b"]
 
 
-def _arch(scale: float) -> MoEArch:
-    layers = max(1, round(ARCH["num_hidden_layers"] * scale))
-    return MoEArch(**{**ARCH, "num_hidden_layers": layers})
+def _arch(scale: float, shape: str = "qwen3-30b-a3b") -> MoEArch:
+    base = SHAPES[shape]
+    layers = max(1, round(base["num_hidden_layers"] * scale))
+    return MoEArch(**{**base, "num_hidden_layers": layers})
 
 
 def _crc(tensors) -> int:
@@ -53,14 +65,15 @@ def _crc(tensors) -> int:
 
 
 # --- receiver process ----------------------------------------------------------------------
-def _receiver_main(conn, scale: float, threads: int):
+def _receiver_main(conn, scale: float, threads: int, bind: bool, shape: str):
     torch.set_num_threads(threads)
     from moe_rl.sync import WeightReceiver
     from moe_rl.sync.local import serve_receiver
 
-    model = MoEForCausalLM(_arch(scale))
+    model = MoEForCausalLM(_arch(scale, shape))
     named = dict(iter_local_hf_tensors(model))
-    rx = WeightReceiver(named, timeout_s=300)
+    rx = WeightReceiver(named, timeout_s=300,
+                        rebind=(lambda staged: bind_hf_views(model, staged)) if bind else None)
     tensors = list(named.values())
 
     def per_tensor(group_name: str, reps: int):
@@ -84,7 +97,7 @@ def _receiver_main(conn, scale: float, threads: int):
             conn.send({"success": True, "ack": True})
         return "done"
 
-    serve_receiver(conn, rx, {"per_tensor": per_tensor, "flat": flat, "crc": lambda: _crc(tensors),
+    serve_receiver(conn, rx, {"per_tensor": per_tensor, "flat": flat, "crc": lambda: _crc(rx.params.values()),
                               "version": lambda: rx.weight_version})
 
 
@@ -128,7 +141,7 @@ def run_cpu(args) -> dict:
     from moe_rl.sync.local import LocalEngine
 
     torch.set_num_threads(args.threads)
-    arch = _arch(args.scale)
+    arch = _arch(args.scale, args.shape)
     model = MoEForCausalLM(arch)
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
@@ -140,7 +153,7 @@ def run_cpu(args) -> dict:
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(b, args.scale, args.threads), daemon=True)
+    proc = ctx.Process(target=_receiver_main, args=(b, args.scale, args.threads, args.bind == "on", args.shape), daemon=True)
     proc.start()
     b.close()
     engine = LocalEngine(a, name="bench-receiver", timeout_s=600)
@@ -151,8 +164,10 @@ def run_cpu(args) -> dict:
         # push that refills the receiver's buffer pool for that plan, then the measured push).
         senders, first_rss = {}, {}
         for mb in args.buckets:
-            s = WeightSender(model, engines=[engine], bucket_mb=mb, timeout_s=300, group_name="bench",
-                             use_triton=False)
+            # with binding each sender moves its own copy of the weights into its buckets
+            own = copy.deepcopy(model) if args.bind == "on" else model
+            s = WeightSender(own, engines=[engine], bucket_mb=mb, timeout_s=300, group_name="bench",
+                             use_triton=False, bind_params=args.bind == "on")
             if senders:
                 first = next(iter(senders.values()))
                 s.group, s._group_key = first.group, first._group_key
@@ -178,7 +193,11 @@ def run_cpu(args) -> dict:
             t_b += _timed_collective(a, "flat", {"group_name": "bench", "numel": flat_buf.numel(), "reps": 1}, 1,
                                      lambda: group.wait_work(group.broadcast(flat_buf)))
             for mb, sender in senders.items():
-                asyncio.run(sender.push(f"{mb}-{r}-warm"))
+                # the receiver alternates two sets of buckets of the plan in use (with binding, the
+                # last update's buckets are the live weights); the senders here take turns on one
+                # receiver, so two warm-up pushes bring back the steady state of this plan
+                for w in range(2 if args.bind == "on" else 1):
+                    asyncio.run(sender.push(f"{mb}-{r}-warm{w}"))
                 st = asyncio.run(sender.push(f"{mb}-{r}"))
                 c[mb]["t"].append(st.seconds)
                 c[mb]["peak"].append(st.peak_extra_bytes)
@@ -217,7 +236,7 @@ def run_gpu(args) -> dict:
     """Triton pack/unpack vs a device-to-device copy of the same bytes vs a per-tensor loop."""
     from moe_rl.kernels.bucket_pack import pack, unpack
 
-    arch = _arch(args.scale)
+    arch = _arch(args.scale, args.shape)
     model = MoEForCausalLM(arch).to("cuda", torch.bfloat16)
     tensors = [t.detach() for _, t in iter_local_hf_tensors(model)]
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -275,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="scales the number of layers (size)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--gpu", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                    help="parameter set (see SHAPES): many 14 KiB experts, or fewer 128 KiB ones")
+    ap.add_argument("--bind", choices=["on", "off"], default="on",
+                    help="(c) with parameters living in the buckets on both sides (sync.bind_params; the engine "
+                         "commits by swapping storage), or packed and copied every sync")
     args = ap.parse_args(argv)
 
     cpu = run_cpu(args)

@@ -182,10 +182,12 @@ class EngineServer:
     # --- weights ---------------------------------------------------------------------------
     def _weight_receiver(self):
         if self.receiver is None:
-            from ..model import iter_local_hf_tensors
+            from ..model import bind_hf_views, iter_local_hf_tensors
             from ..sync.receiver import WeightReceiver
 
-            self.receiver = WeightReceiver(dict(iter_local_hf_tensors(self.engine.model)))
+            model = self.engine.model
+            self.receiver = WeightReceiver(dict(iter_local_hf_tensors(model)),
+                                           rebind=lambda staged: bind_hf_views(model, staged))
         return self.receiver
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:

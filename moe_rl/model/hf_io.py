@@ -103,6 +103,73 @@ def iter_local_hf_tensors(model: MoEForCausalLM) -> Iterator[tuple[str, torch.Te
             yield name, t
 
 
+def _binding_anchors(model: MoEForCausalLM) -> list[str]:
+    """Per parameter, the HF names that pin where its views lie (first and last expert)."""
+    names = []
+    for pname, _ in model.named_parameters():
+        if ".experts." in pname:
+            layer, proj = int(pname.split(".")[2]), pname.rsplit(".", 1)[1]
+            moe = model.model.layers[layer].mlp
+            lo = moe.ep_rank * moe.num_local
+            names += [expert_name(layer, lo, proj), expert_name(layer, lo + moe.num_local - 1, proj)]
+        else:
+            names.append(pname)
+    return names
+
+
+def bind_hf_views(model: MoEForCausalLM, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Re-points every parameter of ``model`` at the memory of ``views`` (HF name -> tensor,
+    e.g. views into weight-sync buckets), so those buffers become the model's storage without a
+    copy. A stacked expert parameter becomes a strided view over its experts' HF tensors, which
+    needs them in one buffer at a uniform stride (one layer's experts in one bucket, in HF
+    order). All or nothing: returns None, changing nothing, if any parameter cannot be bound;
+    else the new (HF name -> live tensor) map, which is ``views`` itself.
+
+    The binding of a given set of buffers is remembered (a few sets: weight sync alternates
+    two), so binding thousands of small experts again costs one look-up per parameter."""
+    cache = model.__dict__.setdefault("_hf_bind_cache", {})
+    anchors = model.__dict__.get("_hf_bind_anchors")
+    if anchors is None:
+        anchors = model.__dict__["_hf_bind_anchors"] = _binding_anchors(model)
+    if all(n in views for n in anchors):
+        key = tuple(views[n].data_ptr() for n in anchors)
+        plan = cache.get(key)
+        if plan is not None:
+            for p, new in plan:
+                p.data = new
+            return views
+    else:
+        return None
+    plan = []
+    for pname, p in model.named_parameters():
+        if ".experts." in pname:
+            layer, proj = int(pname.split(".")[2]), pname.rsplit(".", 1)[1]
+            moe = model.model.layers[layer].mlp
+            lo = moe.ep_rank * moe.num_local
+            vs = [views.get(expert_name(layer, lo + e, proj)) for e in range(moe.num_local)]
+            if any(v is None or v.dtype != p.dtype or tuple(v.shape) != tuple(p.shape[1:]) or not v.is_contiguous()
+                   for v in vs):
+                return None
+            storage = vs[0].untyped_storage().data_ptr()
+            step = vs[1].storage_offset() - vs[0].storage_offset() if len(vs) > 1 else vs[0].numel()
+            if any(v.untyped_storage().data_ptr() != storage or v.storage_offset() != vs[0].storage_offset() + e * step
+                   for e, v in enumerate(vs)) or step < vs[0].numel():
+                return None
+            new = vs[0].as_strided(tuple(p.shape), (step,) + tuple(vs[0].stride()), vs[0].storage_offset())
+        else:
+            new = views.get(pname)
+            if new is None or new.dtype != p.dtype or tuple(new.shape) != tuple(p.shape):
+                return None
+        plan.append((p, new))
+    for p, new in plan:
+        p.data = new
+    if len(cache) >= 4:
+        cache.clear()
+    cache[key] = plan
+    # each given view now is the live tensor of its name (an expert's is row e of its stack)
+    return views
+
+
 # --- reading ----------------------------------------------------------------------------
 def _checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"

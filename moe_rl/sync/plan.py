@@ -61,13 +61,18 @@ class Bucket:
         return [_prod(s) for s in self.shapes]
 
     def request_fields(self) -> dict:
-        """The bucket's part of SGLang's ``/update_weights_from_distributed`` body."""
-        return {
-            "names": list(self.names),
-            "dtypes": [dtype_name(self.dtype)] * len(self.names),
-            "shapes": [list(s) for s in self.shapes],
-            "load_format": "flattened_bucket",
-        }
+        """The bucket's part of SGLang's ``/update_weights_from_distributed`` body (built once;
+        callers get a fresh dict around the same lists, which nobody mutates)."""
+        fields = self.__dict__.get("_fields")
+        if fields is None:
+            fields = {
+                "names": list(self.names),
+                "dtypes": [dtype_name(self.dtype)] * len(self.names),
+                "shapes": [list(s) for s in self.shapes],
+                "load_format": "flattened_bucket",
+            }
+            object.__setattr__(self, "_fields", fields)
+        return dict(fields)
 
 
 @dataclass
@@ -89,6 +94,21 @@ def _prod(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def _units(items):
+    """Runs of consecutive expert tensors of one layer form a unit; other tensors are units alone."""
+    unit, key = [], None
+    for name, shape in items:
+        parsed = parse_expert_name(name)
+        k = parsed[0] if parsed is not None else None
+        if unit and (k is None or k != key):
+            yield unit
+            unit = []
+        unit.append((name, shape))
+        key = k
+    if unit:
+        yield unit
 
 
 def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> Plan:
@@ -122,16 +142,22 @@ def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_b
                 buckets.append(Bucket(len(buckets), dtype, tuple(n for n, _ in cur), tuple(s for _, s in cur), tuple(offs), pos))
             cur, cur_bytes = [], 0
 
-        for name, shape in items:
-            nbytes = _prod(shape) * es
-            total += nbytes
-            largest = max(largest, nbytes)
-            if cur and cur_bytes + nbytes > bucket_bytes:
+        for unit in _units(items):
+            unit_bytes = sum(_prod(s) for _, s in unit) * es
+            # a layer's experts stay in one bucket when they fit in one: the receiver (and a
+            # bound trainer) can then use the bucket as the stacked expert storage itself
+            if cur and unit_bytes <= bucket_bytes and cur_bytes + unit_bytes > bucket_bytes:
                 close()
-            cur.append((name, shape))
-            cur_bytes += nbytes
-            if cur_bytes >= bucket_bytes:
-                close()
+            for name, shape in unit:
+                nbytes = _prod(shape) * es
+                total += nbytes
+                largest = max(largest, nbytes)
+                if cur and cur_bytes + nbytes > bucket_bytes:
+                    close()
+                cur.append((name, shape))
+                cur_bytes += nbytes
+                if cur_bytes >= bucket_bytes:
+                    close()
         close()
     plan = Plan(buckets, bucket_bytes, total, largest, len(seen))
     for b in buckets:

@@ -35,10 +35,20 @@ class WeightSyncError(RuntimeError):
 
 class WeightReceiver:
     def __init__(self, named_params: dict[str, torch.Tensor], timeout_s: float = DEFAULT_TIMEOUT_S,
-                 keep_buffers: bool | None = None):
+                 keep_buffers: bool | None = None, rebind=None):
         """``keep_buffers``: reuse the staging buffers across updates (default on CPU, where
-        fresh pages cost more than the copy; on CUDA torch's caching allocator does it)."""
+        fresh pages cost more than the copy; on CUDA torch's caching allocator does it).
+        ``rebind(staged)``: optional; re-points the model's parameters at the staged views
+        (e.g. ``moe_rl.model.bind_hf_views``) and returns the new name -> live tensor map, or
+        None if it cannot; then commit swaps storage instead of copying (the received buckets
+        become the live weights, and the previous ones are reused for the next update)."""
         self.params = dict(named_params)
+        self.rebind = rebind
+        self._live_buffers: list[torch.Tensor] = []  # received buckets the parameters now live in
+        self.zero_copy_commits = 0
+        self._views_cache: dict = {}  # (buffer, bucket layout) -> staging views
+        self._numels_cache: dict = {}  # bucket layout -> element counts (checked once)
+        self._bind_cache: dict = {}  # for ``rebind``: its plan per set of buffers
         if not self.params:
             raise ValueError("WeightReceiver needs at least one named parameter")
         self.device = next(iter(self.params.values())).device
@@ -78,6 +88,10 @@ class WeightReceiver:
     def _reset(self) -> None:
         if self.keep_buffers and getattr(self, "_buffers", None):
             self._pool = self._buffers  # the same plan next time: same sizes, in order
+        if getattr(self, "_views_cache", None):  # forget views of buffers no longer held
+            held = {b.data_ptr() for b in self._pool + self._live_buffers}
+            for key in [k for k in self._views_cache if k[0] not in held]:
+                del self._views_cache[key]
         self._staged: dict[str, torch.Tensor] = {}
         self._buffers: list[torch.Tensor] = []
         self._pending_version: str | None = None
@@ -122,9 +136,14 @@ class WeightReceiver:
         if len(wire) != 1:
             raise WeightSyncError(f"a flattened bucket has one dtype, got {sorted(map(str, wire))}")
         dtype = wire.pop()
-        numels = [_prod(s) for s in shapes]
-        if any(int(d) < 0 for s in shapes for d in s):
-            raise WeightSyncError(f"negative dimension in the shapes of {names[0]}...")
+        layout = (dtype, tuple(names), tuple(map(tuple, shapes)))
+        numels = self._numels_cache.get(layout)
+        if numels is None:
+            if any(int(d) < 0 for s in shapes for d in s):
+                raise WeightSyncError(f"negative dimension in the shapes of {names[0]}...")
+            numels = [_prod(s) for s in shapes]
+            if self.keep_buffers:
+                self._numels_cache[layout] = numels
         if self._pending_version != weight_version and self._received_buckets:
             log.warning("weight update %s was incomplete (%d buckets) when %s started; dropped",
                         self._pending_version, self._received_buckets, weight_version)
@@ -143,19 +162,31 @@ class WeightReceiver:
         if checksum is not None and not verify_checksum(buf, checksum):
             raise WeightSyncError(f"checksum mismatch on the bucket starting with {names[0]}")
 
-        pos = 0
-        for name, shape, n in zip(names, shapes, numels):
-            live = self.params.get(name)
-            if live is None:
-                raise WeightSyncError(f"unknown tensor {name!r}: the engine's model has no such parameter")
-            if tuple(live.shape) != tuple(shape):
-                raise WeightSyncError(f"shape mismatch for {name}: sent {tuple(shape)}, the model has {tuple(live.shape)}")
-            if live.dtype != dtype:
-                raise WeightSyncError(f"dtype mismatch for {name}: sent {dtype}, the model has {live.dtype}")
-            if name in self._staged:
-                raise WeightSyncError(f"tensor {name} sent twice in update {weight_version}")
-            self._staged[name] = buf[pos : pos + n].view(live.shape)
-            pos += n
+        # the same bucket layout into the same buffer (every update after the first two): the
+        # checks passed and the views exist already; thousands of small experts make this count
+        key = (buf.data_ptr(), layout)
+        views = self._views_cache.get(key) if self.keep_buffers else None
+        if views is None:
+            views, pos = [], 0
+            for name, shape, n in zip(names, shapes, numels):
+                live = self.params.get(name)
+                if live is None:
+                    raise WeightSyncError(f"unknown tensor {name!r}: the engine's model has no such parameter")
+                if tuple(live.shape) != tuple(shape):
+                    raise WeightSyncError(f"shape mismatch for {name}: sent {tuple(shape)}, the model has {tuple(live.shape)}")
+                if live.dtype != dtype:
+                    raise WeightSyncError(f"dtype mismatch for {name}: sent {dtype}, the model has {live.dtype}")
+                views.append(buf[pos : pos + n].view(live.shape))
+                pos += n
+            if len(set(names)) != len(names):
+                dup = next(n for n in names if names.count(n) > 1)
+                raise WeightSyncError(f"tensor {dup} sent twice in update {weight_version}")
+            if self.keep_buffers:
+                self._views_cache[key] = views
+        if not self._staged.keys().isdisjoint(names):
+            dup = next(n for n in names if n in self._staged)
+            raise WeightSyncError(f"tensor {dup} sent twice in update {weight_version}")
+        self._staged.update(zip(names, views))
         self._buffers.append(buf)
         self._received_buckets += 1
         return len(self._staged) == len(self.params)
@@ -184,6 +215,17 @@ class WeightReceiver:
                 self._reset()
                 raise WeightSyncError(f"commit of an incomplete update: {n} tensors missing, e.g. {missing[0]}; "
                                       f"parameters unchanged")
+            if self.rebind is not None:
+                live = self.rebind(self._staged)
+                if live is not None:  # zero-copy commit: the buckets are the weights now
+                    self.params = live
+                    previous, self._live_buffers = self._live_buffers, self._buffers
+                    # the buckets the weights lived in so far take the next update (_reset pools them)
+                    self._buffers = previous if self.keep_buffers else []
+                    self.zero_copy_commits += 1
+                    self.weight_version = self._pending_version
+                    self._reset()
+                    return
             with torch.no_grad():
                 # group by source buffer: one unpack (one launch on CUDA) per bucket
                 by_buf: dict[int, tuple[torch.Tensor, list, list]] = {}

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from moe_rl.kernels.bucket_pack import pack
 
-from ..model.hf_io import expert_owner
+from ..model.hf_io import bind_hf_views, expert_owner
 from .engines import EngineCallError, as_engine
 from .group import DEFAULT_TIMEOUT_S, SyncGroup, free_port
 from .plan import Bucket, Plan, checksum, plan_buckets
@@ -98,6 +98,7 @@ class WeightSender:
         wire_dtype: torch.dtype | None = None,
         use_triton: bool | None = None,
         keep_buffers: bool | None = None,
+        bind_params: bool = False,
     ):
         # ``model``: the native model, or a weights source (moe_rl.sync.source) of any backend
         self.source = model if hasattr(model, "cache_key") else ModelSource(model)
@@ -129,6 +130,37 @@ class WeightSender:
         self._ep_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sync-pack")
         self._bc_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sync-bcast")
         self._layout = [self._bucket_layout(b) for b in self.plan.buckets]
+        self._bound: list[torch.Tensor] | None = None
+        if bind_params:
+            self._bind_params()
+
+    def _bind_params(self) -> None:
+        """EP=1 native model, no dtype cast on the wire: moves the parameters into the bucket
+        buffers (one copy, now), so every later sync broadcasts them as they are, with no pack.
+        Needs each layer's experts inside one bucket (see plan_buckets); otherwise says so and
+        packs each sync."""
+        if self.ep_size != 1 or not isinstance(self.source, ModelSource) or not self.is_source:
+            return
+        model = self.source.model
+        bufs, views = [], {}
+        for b in self.plan.buckets:
+            buf = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+            for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                t = self.source.tensor(name)
+                if t.dtype != b.dtype:
+                    log.info("weight sync: parameters stay where they are (wire dtype %s differs from %s)", b.dtype, t.dtype)
+                    return
+                v = buf[off : off + t.numel()].view(shape)
+                v.copy_(t.detach())
+                views[name] = v
+            bufs.append(buf)
+        with torch.no_grad():
+            if bind_hf_views(model, views) is None:
+                log.info("weight sync: a layer's experts span buckets (sync.bucket_mb=%.0f), so the parameters "
+                         "cannot live in the buckets; packing every sync", self.plan.bucket_bytes / 2**20)
+                return
+        self._bound = bufs
+        log.info("weight sync: parameters live in %d bucket buffers; syncs send them without packing", len(bufs))
 
     @classmethod
     def from_config(cls, model, sync_cfg, groups=None, engines=(), wire_dtype=None, **kw) -> "WeightSender":
@@ -141,7 +173,8 @@ class WeightSender:
         return cls(
             model, engines=engines, bucket_mb=sync_cfg.bucket_mb, verify=sync_cfg.verify,
             group_name=sync_cfg.group_name, master_address=sync_cfg.master_address, port=sync_cfg.port,
-            timeout_s=sync_cfg.timeout_s, pause_mode=sync_cfg.pause_mode, wire_dtype=wire_dtype, **g, **kw,
+            timeout_s=sync_cfg.timeout_s, pause_mode=sync_cfg.pause_mode, wire_dtype=wire_dtype,
+            bind_params=sync_cfg.bind_params, **g, **kw,
         )
 
     # --- who packs what ---------------------------------------------------------------------
@@ -185,7 +218,7 @@ class WeightSender:
         return buf
 
     def _release(self, buf: torch.Tensor | None) -> None:
-        if buf is None:
+        if buf is None or (self._bound is not None and any(buf is b for b in self._bound)):
             return
         if self.keep_buffers:
             base = buf if buf._base is None else buf._base
@@ -217,6 +250,9 @@ class WeightSender:
         """Source: gather + pack bucket i into a fresh buffer (runs in the pack thread)."""
         t0 = time.perf_counter()
         b = self.plan.buckets[i]
+        if self._bound is not None:  # the parameters are the bucket: nothing to gather or pack
+            buf = self._bound[i]
+            return buf, (checksum(buf) if self.verify else None)
         mine, runs = self._layout[i]
         if self.ep_size > 1:
             self._ctl(i)

@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from moe_rl.model import MoEArch, MoEForCausalLM, iter_local_hf_tensors
+from moe_rl.model import MoEArch, MoEForCausalLM, bind_hf_views, iter_local_hf_tensors
 from moe_rl.sync import WeightReceiver, WeightSender
 from moe_rl.sync.local import LocalEngine, serve_receiver
 
@@ -41,14 +41,17 @@ class RecordingReceiver(WeightReceiver):
             raise
 
 
-def receiver_main(conns, seed: int, arch_kw: dict):
-    """Engine stand-in: an EP=1 model (init seed ``seed``) served on each pipe in turn."""
+def receiver_main(conns, seed: int, arch_kw: dict, rebind: bool = False):
+    """Engine stand-in: an EP=1 model (init seed ``seed``) served on each pipe in turn; with
+    ``rebind`` its commits swap storage (moe_rl.model.bind_hf_views) when buckets allow."""
     torch.set_num_threads(1)
     model = MoEForCausalLM(arch(**arch_kw)).init_weights(seed)
-    rx = RecordingReceiver(dict(iter_local_hf_tensors(model)), timeout_s=30)
+    rx = RecordingReceiver(dict(iter_local_hf_tensors(model)), timeout_s=30,
+                           rebind=(lambda staged: bind_hf_views(model, staged)) if rebind else None)
     extra = {
         "hashes": lambda: model_hashes(model),
-        "state": lambda: {"version": rx.weight_version, "last_error": rx.last_error},
+        "state": lambda: {"version": rx.weight_version, "last_error": rx.last_error,
+                          "zero_copy_commits": rx.zero_copy_commits},
     }
     serve_receiver(conns, rx, extra)
 

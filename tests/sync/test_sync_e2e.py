@@ -87,3 +87,42 @@ def test_engine_rejection_reaches_every_trainer_rank(receiver):
     msg = str(ei.value)
     assert "shape mismatch for model.layers.0.mlp.experts.0.gate_proj.weight" in msg, msg
     assert ctl.call("hashes")["result"] == before
+
+
+@pytest.fixture
+def rebinding_receiver():
+    """A receiver whose commits swap storage (the received buckets become its weights)."""
+    ctx = mp.get_context("spawn")
+    a_tr, b_tr = ctx.Pipe()
+    a_ctl, b_ctl = ctx.Pipe()
+    p = ctx.Process(target=H.receiver_main, args=([b_tr, b_ctl], 0, {}, True), daemon=True)
+    p.start()
+    b_tr.close(), b_ctl.close()
+    yield a_tr, LocalEngine(a_ctl, name="control", timeout_s=60), p
+    try:
+        a_tr.close()
+        LocalEngine(a_ctl, timeout_s=5).call("stop")
+    except Exception:
+        pass
+    p.join(10)
+    if p.is_alive():
+        p.kill()
+
+
+def test_zero_copy_commits_stay_identical_and_atomic(rebinding_receiver):
+    """Buckets large enough to hold each layer's experts: the engine commits by re-pointing its
+    parameters at the received buckets. Three updates in a row (the buckets of one update take
+    the next) end bit-identical, and a sender killed mid-update still leaves the last one."""
+    tr, ctl, _ = rebinding_receiver
+    for i, seed in enumerate((1, 2, 3), start=1):
+        sender = WeightSender(MoEForCausalLM(H.arch()).init_weights(seed), engines=[ctl], bucket_mb=1, timeout_s=30)
+        sender.sync(f"z{seed}")
+        sender.close()
+        assert ctl.call("hashes")["result"] == expected_hashes(seed)
+        state = ctl.call("state")["result"]
+        assert state["version"] == f"z{seed}" and state["zero_copy_commits"] == i
+    with pytest.raises(AssertionError, match="exit"):  # a trainer process dies after 3 buckets
+        run_distributed(H.trainer_sync, 1, tr, 9, "dead", False, 3, timeout=60)
+    assert ctl.call("hashes")["result"] == expected_hashes(3)
+    state = ctl.call("state")["result"]
+    assert state["version"] == "z3" and "parameters unchanged (still version z3)" in state["last_error"]
