@@ -136,7 +136,6 @@ class RolloutManager:
                     if not tasks:
                         break  # a finite dataset is exhausted
                 else:
-                    self.submitted += 1
                     self.buffer.expect(index, self.version)
                     t = asyncio.create_task(self._group(index, self.version))
                     tasks.add(t)
@@ -155,14 +154,19 @@ class RolloutManager:
         await self.client.close()
 
     def _next_prompt_index(self) -> int | None:
+        """Draws the next prompt and marks it in flight in the same step, so a checkpoint taken
+        at any moment finds every drawn prompt in flight, in the buffer, or consumed."""
         with self.lock:
             if self.redo:
-                return self.redo.pop(0)
-            n = self.task.num_prompts
-            if n is not None and self.next_index >= n and not getattr(self.task, "cycles", False):
-                return None
-            i = self.next_index
-            self.next_index += 1
+                i = self.redo.pop(0)
+            else:
+                n = self.task.num_prompts
+                if n is not None and self.next_index >= n and not getattr(self.task, "cycles", False):
+                    return None
+                i = self.next_index
+                self.next_index += 1
+            self.inflight[i] = time.monotonic()
+            self.submitted += 1
             return i
 
     def _mark(self, delta: int) -> None:
@@ -177,8 +181,6 @@ class RolloutManager:
                 self.busy_since = None
 
     async def _group(self, index: int, version: int) -> None:
-        with self.lock:
-            self.inflight[index] = time.monotonic()
         prompt = self.task.prompt(index)
         n = self.cfg.rollout.group_size
         # the group's first requests go in one batched /generate (one HTTP round trip);
