@@ -103,15 +103,21 @@ def iter_local_hf_tensors(model: MoEForCausalLM) -> Iterator[tuple[str, torch.Te
             yield name, t
 
 
+def _stacked_expert_names(model: MoEForCausalLM, pname: str) -> list[str]:
+    """HF names of the experts a stacked parameter (``...mlp.experts.<proj>``) holds, in order."""
+    layer, proj = int(pname.split(".")[2]), pname.rsplit(".", 1)[1]
+    moe = model.model.layers[layer].mlp
+    lo = moe.ep_rank * moe.num_local
+    return [expert_name(layer, lo + e, proj) for e in range(moe.num_local)]
+
+
 def _binding_anchors(model: MoEForCausalLM) -> list[str]:
     """Per parameter, the HF names that pin where its views lie (first and last expert)."""
     names = []
     for pname, _ in model.named_parameters():
         if ".experts." in pname:
-            layer, proj = int(pname.split(".")[2]), pname.rsplit(".", 1)[1]
-            moe = model.model.layers[layer].mlp
-            lo = moe.ep_rank * moe.num_local
-            names += [expert_name(layer, lo, proj), expert_name(layer, lo + moe.num_local - 1, proj)]
+            experts = _stacked_expert_names(model, pname)
+            names += [experts[0], experts[-1]]
         else:
             names.append(pname)
     return names
@@ -143,10 +149,7 @@ def bind_hf_views(model: MoEForCausalLM, views: dict[str, torch.Tensor]) -> dict
     plan = []
     for pname, p in model.named_parameters():
         if ".experts." in pname:
-            layer, proj = int(pname.split(".")[2]), pname.rsplit(".", 1)[1]
-            moe = model.model.layers[layer].mlp
-            lo = moe.ep_rank * moe.num_local
-            vs = [views.get(expert_name(layer, lo + e, proj)) for e in range(moe.num_local)]
+            vs = [views.get(n) for n in _stacked_expert_names(model, pname)]
             if any(v is None or v.dtype != p.dtype or tuple(v.shape) != tuple(p.shape[1:]) or not v.is_contiguous()
                    for v in vs):
                 return None

@@ -198,36 +198,18 @@ def test_weight_sync_from_megatron_equals_the_native_weights(cpu_megatron):
     """The weight-sync sender takes the megatron backend as it takes the native one: it streams
     Megatron -> HF conversion bucket by bucket, and the engine ends bit-identical to the native
     model holding the same weights."""
-    import multiprocessing as mp
-
     from moe_rl.sync import WeightSender
     from moe_rl.sync.local import LocalEngine
     from tests.sync import helpers as H
 
     meg, native = build(CPU_ARCH, "cpu")
-    ctx = mp.get_context("spawn")
-    a_tr, b_tr = ctx.Pipe()
-    a_ctl, b_ctl = ctx.Pipe()
-    p = ctx.Process(target=H.receiver_main, args=([b_tr, b_ctl], 0, CPU_ARCH), daemon=True)
-    p.start()
-    b_tr.close(), b_ctl.close()
-    try:
-        ctl = LocalEngine(a_ctl, name="control", timeout_s=60)
+    with H.spawn_receiver(0, CPU_ARCH) as (tr, ctl, _):
         want = H.model_hashes(native.model)
         assert ctl.call("hashes")["result"] != want
-        sender = WeightSender(meg.hf_source(), engines=[LocalEngine(a_tr, timeout_s=60)], bucket_mb=0.005,
+        sender = WeightSender(meg.hf_source(), engines=[LocalEngine(tr, timeout_s=60)], bucket_mb=0.005,
                               timeout_s=30, port=free_port())
         stats = sender.sync("3")
         assert stats.buckets == len(sender.plan.buckets) > 4
         sender.close()
         assert ctl.call("hashes")["result"] == want
         assert ctl.call("state")["result"]["version"] == "3"
-    finally:
-        a_tr.close()
-        try:
-            LocalEngine(a_ctl, timeout_s=5).call("stop")
-        except Exception:
-            pass
-        p.join(10)
-        if p.is_alive():
-            p.kill()

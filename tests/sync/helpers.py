@@ -1,7 +1,9 @@
 """Processes for the weight-sync tests (module level: spawned processes import them)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import multiprocessing as mp
 import os
 
 import torch
@@ -105,3 +107,25 @@ def trainer_mismatch(rank, world, conn):
     finally:
         sender.close()
     raise RuntimeError("the sync should have failed")
+
+
+@contextlib.contextmanager
+def spawn_receiver(seed: int = 0, arch_kw: dict | None = None, rebind: bool = False):
+    """A receiver process (``receiver_main``): yields (trainer pipe, control engine, process)."""
+    ctx = mp.get_context("spawn")
+    a_tr, b_tr = ctx.Pipe()
+    a_ctl, b_ctl = ctx.Pipe()
+    p = ctx.Process(target=receiver_main, args=([b_tr, b_ctl], seed, arch_kw or {}, rebind), daemon=True)
+    p.start()
+    b_tr.close(), b_ctl.close()
+    try:
+        yield a_tr, LocalEngine(a_ctl, name="control", timeout_s=60), p
+    finally:
+        try:
+            a_tr.close()
+            LocalEngine(a_ctl, timeout_s=5).call("stop")
+        except Exception:
+            pass
+        p.join(10)
+        if p.is_alive():
+            p.kill()

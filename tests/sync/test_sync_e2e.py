@@ -6,13 +6,11 @@ WeightReceiver over an EP=1 model, driven over a pipe with SGLang's request fiel
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import pytest
 
 from moe_rl.model import MoEForCausalLM
 from moe_rl.sync import WeightSender
-from moe_rl.sync.local import LocalEngine
 from tests.distributed import run_distributed
 from tests.sync import helpers as H
 
@@ -20,21 +18,8 @@ from tests.sync import helpers as H
 @pytest.fixture
 def receiver():
     """(trainer pipe, control pipe, process) of a receiver whose model has init seed 0."""
-    ctx = mp.get_context("spawn")
-    a_tr, b_tr = ctx.Pipe()
-    a_ctl, b_ctl = ctx.Pipe()
-    p = ctx.Process(target=H.receiver_main, args=([b_tr, b_ctl], 0, {}), daemon=True)
-    p.start()
-    b_tr.close(), b_ctl.close()
-    yield a_tr, LocalEngine(a_ctl, name="control", timeout_s=60), p
-    try:
-        a_tr.close()
-        LocalEngine(a_ctl, timeout_s=5).call("stop")
-    except Exception:
-        pass
-    p.join(10)
-    if p.is_alive():
-        p.kill()
+    with H.spawn_receiver(0) as r:
+        yield r
 
 
 def expected_hashes(seed: int) -> dict[str, str]:
@@ -92,21 +77,8 @@ def test_engine_rejection_reaches_every_trainer_rank(receiver):
 @pytest.fixture
 def rebinding_receiver():
     """A receiver whose commits swap storage (the received buckets become its weights)."""
-    ctx = mp.get_context("spawn")
-    a_tr, b_tr = ctx.Pipe()
-    a_ctl, b_ctl = ctx.Pipe()
-    p = ctx.Process(target=H.receiver_main, args=([b_tr, b_ctl], 0, {}, True), daemon=True)
-    p.start()
-    b_tr.close(), b_ctl.close()
-    yield a_tr, LocalEngine(a_ctl, name="control", timeout_s=60), p
-    try:
-        a_tr.close()
-        LocalEngine(a_ctl, timeout_s=5).call("stop")
-    except Exception:
-        pass
-    p.join(10)
-    if p.is_alive():
-        p.kill()
+    with H.spawn_receiver(0, rebind=True) as r:
+        yield r
 
 
 def test_zero_copy_commits_stay_identical_and_atomic(rebinding_receiver):
