@@ -7,9 +7,8 @@ import torch
 def routing_match(used: list[torch.Tensor], engine: list[torch.Tensor], has_rec: torch.Tensor) -> tuple[int, int]:
     """(matching, total) (token, MoE layer) pairs whose expert *sets* agree, over the tokens
     where ``has_rec`` is set. ``used`` and ``engine`` hold one [tokens, top_k] tensor per layer."""
-    match = total = 0
+    match = 0
     for u, e in zip(used, engine):
         u, e = u[has_rec].sort(dim=1).values, e[has_rec].sort(dim=1).values
         match += int((u == e).all(dim=1).sum())
-        total += int(has_rec.sum())
-    return match, total
+    return match, int(has_rec.sum()) * len(used)

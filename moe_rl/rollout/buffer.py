@@ -53,9 +53,8 @@ class RolloutBuffer:
                 due = any(v <= min_version for v in self._inflight.values())
                 if len(self._groups) >= n and not due:
                     order = sorted(self._groups, key=lambda g: g.submitted_version)
-                    batch, rest = order[:n], order[n:]
-                    self._groups = deque(g for g in self._groups if any(g is r for r in rest))
-                    return batch
+                    self._groups = deque(order[n:])
+                    return order[:n]
                 if self.closed:
                     raise RuntimeError("rollout buffer closed while the trainer waits for data")
                 if alive is not None:

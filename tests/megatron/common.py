@@ -100,3 +100,15 @@ def pg_step(backend, mbs, advantages, n_tokens):
         total += float(loss.detach())
     backend.optimizer_step()
     return total
+
+
+def replayed_batch(native, vocab, lengths):
+    """Two micro-batches replaying the native model's routing, per-token advantages of +-1 and
+    the token count: the fixed batch of the RL-step tests."""
+    mbs = [make_mb(vocab, lengths, seed=s) for s in (0, 1)]
+    for mb in mbs:
+        mb.replay = native_record(native, mb)
+    g = torch.Generator().manual_seed(3)
+    adv = [torch.where(torch.rand(mb.num_tokens, generator=g) < 0.5, -1.0, 1.0) for mb in mbs]
+    n_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
+    return mbs, adv, n_tokens

@@ -27,6 +27,7 @@ from .common import (
     native_record,
     pg_step,
     random_routes,
+    replayed_batch,
     router_calls,
     routing_mask,
 )
@@ -129,12 +130,7 @@ def test_rl_steps_decrease_loss(cpu_megatron):
     """Full steps on a fixed batch of two micro-batches with replayed routing; the first loss
     equals the native backend's, and the loss goes down."""
     meg, native = build(CPU_ARCH, "cpu", megatron_recompute=True)
-    mbs = [make_mb(CPU_ARCH["vocab_size"], LENGTHS, seed=s) for s in (0, 1)]
-    for mb in mbs:
-        mb.replay = native_record(native, mb)
-    g = torch.Generator().manual_seed(3)
-    adv = [torch.where(torch.rand(mb.num_tokens, generator=g) < 0.5, -1.0, 1.0) for mb in mbs]
-    n_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
+    mbs, adv, n_tokens = replayed_batch(native, CPU_ARCH["vocab_size"], LENGTHS)
     losses = [pg_step(meg, mbs, adv, n_tokens) for _ in range(4)]
     first_native = pg_step(native, mbs, adv, n_tokens)
     assert abs(losses[0] - first_native) < 1e-4, (losses[0], first_native)

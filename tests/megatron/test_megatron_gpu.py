@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core")
 
 from moe_rl.model import iter_local_hf_tensors
 
-from .common import GPU_ARCH, build, make_mb, native_hidden, native_record, pg_step, random_routes, router_calls, routing_mask
+from .common import GPU_ARCH, build, make_mb, native_hidden, native_record, pg_step, random_routes, replayed_batch, router_calls, routing_mask
 
 LENGTHS = (37, 64, 27)
 VOCAB = GPU_ARCH["vocab_size"]
@@ -107,12 +107,7 @@ def test_replay_selects_recorded_experts(world, recompute, source):
 def test_rl_step_loss_decreases(world, recompute):
     """Policy-gradient surrogate on a fixed batch of two micro-batches with replayed routing."""
     meg, native = build(GPU_ARCH, "cuda", "float32", megatron_recompute=recompute)
-    mbs = [make_mb(VOCAB, LENGTHS, seed=s) for s in (0, 1)]
-    for mb in mbs:
-        mb.replay = native_record(native, mb)
-    g = torch.Generator().manual_seed(3)
-    adv = [torch.where(torch.rand(mb.num_tokens, generator=g) < 0.5, -1.0, 1.0) for mb in mbs]
-    n_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
+    mbs, adv, n_tokens = replayed_batch(native, VOCAB, LENGTHS)
     losses = [pg_step(meg, mbs, adv, n_tokens) for _ in range(5)]
     first_native = pg_step(native, mbs, adv, n_tokens)
     assert abs(losses[0] - first_native) <= 1e-3 * max(1.0, abs(first_native)), (losses[0], first_native)

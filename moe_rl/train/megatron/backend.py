@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from moe_rl.kernels import fused_logprobs
 from moe_rl.model import MoEForCausalLM, PackedCausal, hf_state_dict, packed_positions, parse_expert_name
