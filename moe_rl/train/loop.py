@@ -201,9 +201,9 @@ class Trainer:
         temp = cfg.rollout.temperature
         sums = torch.zeros(8, dtype=torch.float64)  # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n
         max_ratio = torch.zeros(1, dtype=torch.float64)
+        need_entropy = cfg.algo.entropy_coef > 0
         for mb, chunk, resp_pos, (engine_routing, has_rec) in mbs_list:
             used = [] if engine_routing is not None else None
-            need_entropy = cfg.algo.entropy_coef > 0
             logp_all, ent_all = self.backend.logprobs(mb, temp, with_entropy=need_entropy, record=used)
             if not chunk:
                 (logp_all.sum() * 0.0).backward()
@@ -233,8 +233,10 @@ class Trainer:
                 a, b = routing_match(used, engine_routing, has_rec)
                 sums[3] += a
                 sums[4] += b
-            sums[6] += m.get("clip_frac", 0.0) * n
-            sums[7] += m.get("icepop_frac", 0.0) * n
+            if need_entropy:
+                sums[5] += m["entropy"] * n
+            sums[6] += m["clip_frac"] * n
+            sums[7] += m["icepop_frac"] * n
         stats = self.backend.optimizer_step()
         if T > 1:
             dist.all_reduce(sums, group=self.groups.trainer)
@@ -247,6 +249,7 @@ class Trainer:
             "clip_frac": float(sums[6]) / n,
             "icepop_frac": float(sums[7]) / n,
             "train_tokens": int(sums[2]),
+            **({"entropy": float(sums[5]) / n} if need_entropy else {}),
             **stats,
         }
         if sums[4] > 0:
