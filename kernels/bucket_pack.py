@@ -4,9 +4,11 @@ Weight sync moves thousands of small tensors per bucket; a per-tensor copy loop 
 kernel launch (or one Python-level op) per tensor. Here a bucket is described by element
 offsets into a flat 1-D buffer of the bucket's dtype, and:
 
-- on CUDA one Triton launch copies every tensor: the host builds a table of fixed-size
-  chunks (source address, destination offset, length), one program per chunk. Copies are
-  bitwise (elements are moved as same-width integers), so any dtype works, bf16 included.
+- on CUDA one Triton launch copies every tensor: a ``BucketCopy`` plan holds a device table
+  of fixed-size chunks (tensor offset, flat offset, length), one program per chunk, built
+  once per layout, so a sync after the first costs one launch. Copies are bitwise (moved as
+  integers of the widest width the alignment allows, 16 bytes per access where it can), so
+  any dtype works, bf16 included.
 - on CPU torch does it (``torch.cat(out=)`` when the tensors fill the buffer in order,
   otherwise one ``copy_`` per tensor).
 
@@ -15,6 +17,7 @@ against. The Triton path also runs under ``TRITON_INTERPRET=1`` on CPU tensors (
 """
 from __future__ import annotations
 
+import collections
 import os
 from typing import Sequence
 
@@ -35,10 +38,10 @@ __all__ = [
     "unpack_reference",
     "contiguous_offsets",
     "triton_available",
+    "BucketCopy",
 ]
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-CHUNK = 4096  # elements per program
 
 
 def contiguous_offsets(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -70,39 +73,109 @@ def triton_available() -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _gather_scatter_kernel(src_addr_ptr, dst_addr_ptr, n_ptr, anchor_ptr, CHUNK_SIZE: tl.constexpr):
-        # One program copies one chunk: n elements from address src to address dst. The
-        # element type is the anchor tensor's (an integer type of the right width).
+    def _bucket_copy_kernel(flat_ptr, anchor_ptr, t_off_ptr, f_off_ptr, n_ptr, TO_FLAT: tl.constexpr,
+                            CHUNK: tl.constexpr, VEC: tl.constexpr):
+        # One program copies one chunk of n elements between the flat buffer (element offset
+        # f_off) and a tensor (element offset t_off from the anchor, the first tensor: the
+        # tensors are separate allocations, so the offset may be negative). Elements are
+        # integers of the widest width dividing every address and size, and VEC of them at a
+        # time: the hints let Triton issue 16-byte loads and stores.
         pid = tl.program_id(0)
-        ptr_ty = tl.pointer_type(anchor_ptr.dtype.element_ty)
-        src = tl.load(src_addr_ptr + pid).to(ptr_ty)
-        dst = tl.load(dst_addr_ptr + pid).to(ptr_ty)
-        n = tl.load(n_ptr + pid)
-        r = tl.arange(0, CHUNK_SIZE)
+        t_off = tl.multiple_of(tl.load(t_off_ptr + pid), VEC)
+        f_off = tl.multiple_of(tl.load(f_off_ptr + pid), VEC)
+        n = tl.multiple_of(tl.load(n_ptr + pid), VEC)
+        r = tl.arange(0, CHUNK)
         m = r < n
-        tl.store(dst + r, tl.load(src + r, mask=m), mask=m)
+        if TO_FLAT:
+            tl.store(flat_ptr + f_off + r, tl.load(anchor_ptr + t_off + r, mask=m), mask=m)
+        else:
+            tl.store(anchor_ptr + t_off + r, tl.load(flat_ptr + f_off + r, mask=m), mask=m)
 
 
-def _chunk_table(tensors, flat, offsets, chunk, to_flat: bool, device):
-    """Per-chunk (src address, dst address, length), built vectorised on the host."""
-    es = flat.element_size()
-    base = flat.data_ptr()
-    addrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-    numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
-    offs = torch.as_tensor(list(offsets), dtype=torch.int64)
-    nchunks = (numels + chunk - 1) // chunk
-    tid = torch.repeat_interleave(torch.arange(len(tensors)), nchunks)
-    first = torch.cumsum(nchunks, 0) - nchunks
-    k = torch.arange(int(nchunks.sum())) - first[tid]  # chunk index within its tensor
-    start = k * chunk
-    length = torch.clamp(numels[tid] - start, max=chunk).to(torch.int32)
-    t_addr = addrs[tid] + start * es
-    f_addr = base + (offs[tid] + start) * es
-    src, dst = (t_addr, f_addr) if to_flat else (f_addr, t_addr)
-    return src.to(device), dst.to(device), length.to(device)
+CHUNK_BYTES = 16384  # bytes per program
+_CACHE_SIZE = 64
 
 
-def _launch(tensors, flat, offsets, to_flat: bool, chunk: int = CHUNK) -> None:
+def _alignment(x: int) -> int:
+    """The largest power of two up to 16 dividing x (bytes)."""
+    return 16 if x % 16 == 0 else (x & -x)
+
+
+class BucketCopy:
+    """The copy table between ``tensors`` and a flat buffer layout (element ``offsets`` in a
+    buffer of ``dtype``), built once on the host and kept on the device: each ``pack`` or
+    ``unpack`` is then one kernel launch with O(1) host work, whatever the tensor count.
+
+    The table holds addresses, so the plan is valid while the tensors keep their storage; it
+    holds references to them, which keeps that storage alive. ``flat_align`` is the byte
+    alignment every flat buffer given later has (at least)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], dtype: torch.dtype,
+                 flat_align: int = 16, chunk_bytes: int = CHUNK_BYTES, keep_refs: bool = True):
+        if not tensors:
+            raise ValueError("a bucket copy of no tensors")
+        es = torch.empty((), dtype=dtype).element_size()
+        for t in tensors:
+            if not t.is_contiguous():
+                raise ValueError("the Triton bucket copy needs contiguous tensors")
+            if t.dtype != dtype:
+                raise TypeError(f"tensor of dtype {t.dtype} in a bucket of dtype {dtype}")
+        self.tensors = list(tensors) if keep_refs else None
+        self.numel = max(o + t.numel() for t, o in zip(tensors, offsets))
+        self.dtype = dtype
+        self.device = tensors[0].device
+        addrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+        numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+        offs = torch.as_tensor(list(offsets), dtype=torch.int64)
+        # element width and vector: the largest power of two (<= 16 bytes) dividing every
+        # address, offset and size; int32 lanes from 4 bytes up, VEC of them per access
+        g = min(_alignment(flat_align), _alignment(int(addrs[0])))
+        for v in (addrs - addrs[0], offs * es, numels * es):
+            nz = v[v != 0]
+            if nz.numel():
+                g = min(g, _alignment(int(torch.gcd(nz.abs(), torch.tensor(16)).min())))
+        self.align = g
+        width = 4 if g >= 4 else g
+        self.vec = g // width
+        self.int_dtype = _INT_OF_WIDTH[width]
+        chunk = max(self.vec, chunk_bytes // width)
+        self.chunk = 1 << (chunk - 1).bit_length()  # a power of two (tl.arange)
+        lens = numels * es // width  # in copy elements (exact: width divides every size)
+        nchunks = (lens + self.chunk - 1) // self.chunk
+        tid = torch.repeat_interleave(torch.arange(len(tensors)), nchunks)
+        first = torch.cumsum(nchunks, 0) - nchunks
+        start = (torch.arange(int(nchunks.sum())) - first[tid]) * self.chunk
+        self.t_off = (((addrs - addrs[0]) // width)[tid] + start).to(self.device)
+        self.f_off = (offs[tid] * es // width + start).to(self.device)
+        self.n = torch.clamp(lens[tid] - start, max=self.chunk).to(torch.int32).to(self.device)
+        self._anchor = tensors[0] if keep_refs else None
+
+    def _launch(self, flat: torch.Tensor, to_flat: bool, anchor: torch.Tensor | None = None) -> None:
+        anchor = self._anchor if anchor is None else anchor
+        if flat.dtype != self.dtype or flat.numel() < self.numel or flat.device != self.device:
+            raise ValueError(f"flat buffer ({flat.dtype}, {flat.numel()} on {flat.device}) does not fit this plan "
+                             f"({self.dtype}, {self.numel} on {self.device})")
+        if _alignment(flat.data_ptr()) < self.align:
+            raise ValueError(f"flat buffer aligned to {_alignment(flat.data_ptr())} bytes, plan needs {self.align}")
+        _bucket_copy_kernel[(self.n.numel(),)](
+            flat.view(self.int_dtype), anchor.view(-1).view(self.int_dtype), self.t_off, self.f_off, self.n,
+            TO_FLAT=to_flat, CHUNK=self.chunk, VEC=self.vec)
+
+    def pack(self, flat: torch.Tensor) -> torch.Tensor:
+        self._launch(flat, True)
+        return flat
+
+    def unpack(self, flat: torch.Tensor) -> None:
+        self._launch(flat, False)
+
+
+# Plans by exact copy layout (addresses, sizes, offsets): a sync after the first finds its
+# bucket's plan here. Entries hold no tensors, so gathered buffers are not kept alive; a
+# launch passes the caller's current first tensor as the anchor (its address is in the key).
+_plans: "collections.OrderedDict[tuple, BucketCopy]" = collections.OrderedDict()
+
+
+def _launch(tensors, flat, offsets, to_flat: bool) -> None:
     if not tensors:
         return
     for t in tensors:
@@ -110,9 +183,18 @@ def _launch(tensors, flat, offsets, to_flat: bool, chunk: int = CHUNK) -> None:
             raise ValueError("the Triton bucket copy needs contiguous tensors")
         if t.dtype != flat.dtype:
             raise TypeError(f"tensor of dtype {t.dtype} in a bucket of dtype {flat.dtype}")
-    anchor = flat.view(_INT_OF_WIDTH[flat.element_size()])
-    src, dst, n = _chunk_table(tensors, flat, offsets, chunk, to_flat, flat.device)
-    _gather_scatter_kernel[(n.numel(),)](src, dst, n, anchor, CHUNK_SIZE=chunk)
+    align = _alignment(flat.data_ptr())
+    key = (flat.dtype, flat.device, align, tuple(t.data_ptr() for t in tensors),
+           tuple(t.numel() for t in tensors), tuple(offsets))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = BucketCopy(tensors, offsets, flat.dtype, flat_align=align, keep_refs=False)
+        _plans[key] = plan
+        if len(_plans) > _CACHE_SIZE:
+            _plans.popitem(last=False)
+    else:
+        _plans.move_to_end(key)
+    plan._launch(flat, to_flat, anchor=tensors[0])
 
 
 def _use_triton(flat: torch.Tensor, use_triton: bool | None) -> bool:

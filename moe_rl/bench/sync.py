@@ -234,7 +234,7 @@ def run_cpu(args) -> dict:
 
 def run_gpu(args) -> dict:
     """Triton pack/unpack vs a device-to-device copy of the same bytes vs a per-tensor loop."""
-    from moe_rl.kernels.bucket_pack import pack, unpack
+    from moe_rl.kernels.bucket_pack import BucketCopy, contiguous_offsets, pack, unpack
 
     arch = _arch(args.scale, args.shape)
     model = MoEForCausalLM(arch).to("cuda", torch.bfloat16)
@@ -243,19 +243,23 @@ def run_gpu(args) -> dict:
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.bfloat16, device="cuda")
     other = torch.empty_like(flat)
     outs = [torch.empty_like(t) for t in tensors]
+    offsets = contiguous_offsets(tensors)
 
-    def timeit(fn, reps=args.reps * 5):
+    def timeit(fn, inner=5):
+        """Median over rounds of the mean of `inner` back-to-back calls (CUDA events: host
+        work between launches counts, as it does in a sync)."""
         fn()
         torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(reps):
+        times = []
+        for _ in range(max(5, args.reps * 4)):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            fn()
+            for _ in range(inner):
+                fn()
             e.record()
             torch.cuda.synchronize()
-            best = min(best, s.elapsed_time(e) / 1e3)
-        return best
+            times.append(s.elapsed_time(e) / 1e3 / inner)
+        return statistics.median(times)
 
     def loop_pack():
         pos = 0
@@ -269,17 +273,37 @@ def run_gpu(args) -> dict:
             t.copy_(flat[pos : pos + t.numel()].view(t.shape))
             pos += t.numel()
 
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pack_plan = BucketCopy(tensors, offsets, torch.bfloat16)
+    torch.cuda.synchronize()
+    plan_s = time.perf_counter() - t0
+    unpack_plan = BucketCopy(outs, offsets, torch.bfloat16)
     res = {
         "d2d_copy": timeit(lambda: other.copy_(flat)),
-        "triton_pack": timeit(lambda: pack(tensors, flat, use_triton=True)),
-        "triton_unpack": timeit(lambda: unpack(flat, outs, use_triton=True)),
-        "loop_pack": timeit(loop_pack),
-        "loop_unpack": timeit(loop_unpack),
+        "triton_pack": timeit(lambda: pack_plan.pack(flat)),
+        "triton_unpack": timeit(lambda: unpack_plan.unpack(flat)),
+        # the functional API a sync calls: per-tensor key of the plan cache on the host
+        "pack_call": timeit(lambda: pack(tensors, flat, offsets, use_triton=True), inner=1),
+        "unpack_call": timeit(lambda: unpack(flat, outs, offsets, use_triton=True), inner=1),
+        "loop_pack": timeit(loop_pack, inner=1),
+        "loop_unpack": timeit(loop_unpack, inner=1),
     }
+    unpack_plan.unpack(flat.copy_(other))
+    identical = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(outs, tensors))
+    # chunk size per program: the default against smaller and larger ones
+    chunks = {}
+    for cb in (4096, 16384, 65536):
+        p = BucketCopy(tensors, offsets, torch.bfloat16, chunk_bytes=cb)
+        chunks[cb] = total / timeit(lambda: p.pack(flat)) / 1e9
     # d2d copy reads and writes the bytes once, like pack or unpack: compare bandwidths directly
     out = {k + "_gbps": total / v / 1e9 for k, v in res.items()}
+    out["chunk_bytes_pack_gbps"] = chunks
+    out["plan_build_s"] = plan_s
+    out["vec_bytes"] = pack_plan.align
     out["bytes"] = total
     out["tensors"] = len(tensors)
+    out["bit_identical"] = identical
     out["pack_vs_d2d"] = res["d2d_copy"] / res["triton_pack"]
     out["unpack_vs_d2d"] = res["d2d_copy"] / res["triton_unpack"]
     out["gpu"] = torch.cuda.get_device_name()
@@ -293,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="rounds; each measures every method once")
     ap.add_argument("--scale", type=float, default=1.0, help="scales the number of layers (size)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--gpu", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--gpu", choices=["auto", "on", "off", "only"], default="auto",
+                    help="the Triton pack/unpack figures on CUDA ('only': without the gloo part)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
                     help="parameter set (see SHAPES): many 14 KiB experts, or fewer 128 KiB ones")
     ap.add_argument("--bind", choices=["on", "off"], default="on",
@@ -301,10 +326,13 @@ def main(argv: list[str] | None = None) -> int:
                          "commits by swapping storage), or packed and copied every sync")
     args = ap.parse_args(argv)
 
-    cpu = run_cpu(args)
     gpu = None
-    if args.gpu == "on" or (args.gpu == "auto" and torch.cuda.is_available()):
+    if args.gpu in ("on", "only") or (args.gpu == "auto" and torch.cuda.is_available()):
         gpu = run_gpu(args)
+    if args.gpu == "only":  # the kernel figures alone (the gloo part is a CPU benchmark)
+        print(json.dumps({"gpu": gpu}, default=str) if args.json else json.dumps(gpu, indent=1, default=str))
+        return 0
+    cpu = run_cpu(args)
     best_mb = max(cpu["bucketed"], key=lambda mb: cpu["bucketed"][mb]["gbps"])
     best = cpu["bucketed"][best_mb]
     summary = {
@@ -338,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"best bucket {best_mb:g} MiB: {summary['vs_flat']:.2f}x flat, {summary['vs_per_tensor']:.1f}x per-tensor")
     if gpu:
         print(f"GPU {gpu['gpu']}: {gpu['bytes'] / 2**20:.0f} MiB bf16 in {gpu['tensors']} tensors")
-        for k in ("d2d_copy", "triton_pack", "triton_unpack", "loop_pack", "loop_unpack"):
+        for k in ("d2d_copy", "triton_pack", "triton_unpack", "pack_call", "unpack_call", "loop_pack", "loop_unpack"):
             print(f"  {k:<14}{gpu[k + '_gbps']:>8.1f} GB/s")
+        print(f"  pack {gpu['pack_vs_d2d']:.2f}x, unpack {gpu['unpack_vs_d2d']:.2f}x the d2d copy; "
+              f"{gpu['vec_bytes']}-byte accesses; plan built in {gpu['plan_build_s'] * 1e3:.0f} ms; "
+              f"bit-identical: {gpu['bit_identical']}")
+        print("  pack GB/s by chunk bytes: " + ", ".join(f"{k}: {v:.0f}" for k, v in gpu["chunk_bytes_pack_gbps"].items()))
     return 0
