@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from moe_rl.gc_freeze import freeze_gc
+
 from . import protocol as P
 from .engine import Engine
 from .protocol import RequestError
@@ -278,6 +280,7 @@ async def start_server(engine: Engine, host: str, port: int, api_key: str | None
 
 async def _serve(cfg, host: str, port: int, api_key: str | None) -> None:
     engine = build_engine(cfg)
+    freeze_gc()  # weight updates decode thousands of small lists: see moe_rl.gc_freeze
     runner, url = await start_server(engine, host, port, api_key)
     print(f"moe-rl engine listening on {url}", flush=True)
     stop = asyncio.Event()

@@ -11,6 +11,8 @@ import threading
 import traceback
 from typing import Callable
 
+from moe_rl.gc_freeze import freeze_gc
+
 from .engines import EngineCallError
 
 
@@ -55,6 +57,7 @@ def serve_receiver(conns, receiver, extra: dict[str, Callable] | None = None) ->
     from multiprocessing.connection import wait
 
     extra = extra or {}
+    freeze_gc()  # the receiver's model is built: an engine process does the same (see gc_freeze)
     live = list(conns) if isinstance(conns, (list, tuple)) else [conns]
     while live:
         for conn in wait(live):

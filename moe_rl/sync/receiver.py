@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +34,19 @@ class WeightSyncError(RuntimeError):
     """A weight update that did not complete; the message says which version is live."""
 
 
+@dataclass(eq=False)
+class _Layout:
+    """One bucket layout (names and shapes in order) as sent, with what is derived from it."""
+
+    names: list[str]
+    shapes: list[list[int]]  # as sent, to compare the next request against
+    dims: list[tuple[int, ...]]
+    numels: list[int]
+    numel: int
+    checked: bool = False  # names, shapes and dtype found in the model
+    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # buffer address -> views
+
+
 class WeightReceiver:
     def __init__(self, named_params: dict[str, torch.Tensor], timeout_s: float = DEFAULT_TIMEOUT_S,
                  keep_buffers: bool | None = None, rebind=None):
@@ -46,8 +60,7 @@ class WeightReceiver:
         self.rebind = rebind
         self._live_buffers: list[torch.Tensor] = []  # received buckets the parameters now live in
         self.zero_copy_commits = 0
-        self._views_cache: dict = {}  # (buffer, bucket layout) -> staging views
-        self._numels_cache: dict = {}  # bucket layout -> element counts (checked once)
+        self._layouts: dict[tuple, _Layout] = {}  # bucket layouts seen, by a cheap key
         self._bind_cache: dict = {}  # for ``rebind``: its plan per set of buffers
         if not self.params:
             raise ValueError("WeightReceiver needs at least one named parameter")
@@ -88,10 +101,11 @@ class WeightReceiver:
     def _reset(self) -> None:
         if self.keep_buffers and getattr(self, "_buffers", None):
             self._pool = self._buffers  # the same plan next time: same sizes, in order
-        if getattr(self, "_views_cache", None):  # forget views of buffers no longer held
+        if getattr(self, "_layouts", None):  # forget views of buffers no longer held
             held = {b.data_ptr() for b in self._pool + self._live_buffers}
-            for key in [k for k in self._views_cache if k[0] not in held]:
-                del self._views_cache[key]
+            for lay in self._layouts.values():
+                for ptr in [p for p in lay.views if p not in held]:
+                    del lay.views[ptr]
         self._staged: dict[str, torch.Tensor] = {}
         self._buffers: list[torch.Tensor] = []
         self._pending_version: str | None = None
@@ -132,18 +146,11 @@ class WeightReceiver:
         group = self.groups.get(group_name)
         if group is None:
             raise WeightSyncError(f"no weight-sync group {group_name!r}; call init_weights_update_group first")
-        wire = {parse_dtype(d) for d in dtypes}
+        wire = {parse_dtype(d) for d in set(dtypes)}
         if len(wire) != 1:
             raise WeightSyncError(f"a flattened bucket has one dtype, got {sorted(map(str, wire))}")
         dtype = wire.pop()
-        layout = (dtype, tuple(names), tuple(map(tuple, shapes)))
-        numels = self._numels_cache.get(layout)
-        if numels is None:
-            if any(int(d) < 0 for s in shapes for d in s):
-                raise WeightSyncError(f"negative dimension in the shapes of {names[0]}...")
-            numels = [_prod(s) for s in shapes]
-            if self.keep_buffers:
-                self._numels_cache[layout] = numels
+        lay = self._layout(dtype, names, shapes)
         if self._pending_version != weight_version and self._received_buckets:
             log.warning("weight update %s was incomplete (%d buckets) when %s started; dropped",
                         self._pending_version, self._received_buckets, weight_version)
@@ -151,7 +158,7 @@ class WeightReceiver:
         self._pending_version = weight_version
 
         # Receive first, so the collective completes on every rank even if the metadata is bad.
-        buf = self._buffer(sum(numels), dtype)
+        buf = self._buffer(lay.numel, dtype)
         work = group.broadcast(buf, src=0)
         try:
             group.wait_work(work)
@@ -162,13 +169,8 @@ class WeightReceiver:
         if checksum is not None and not verify_checksum(buf, checksum):
             raise WeightSyncError(f"checksum mismatch on the bucket starting with {names[0]}")
 
-        # the same bucket layout into the same buffer (every update after the first two): the
-        # checks passed and the views exist already; thousands of small experts make this count
-        key = (buf.data_ptr(), layout)
-        views = self._views_cache.get(key) if self.keep_buffers else None
-        if views is None:
-            views, pos = [], 0
-            for name, shape, n in zip(names, shapes, numels):
+        if not lay.checked:  # against the model, once per layout (after the receive, see above)
+            for name, shape in zip(names, shapes):
                 live = self.params.get(name)
                 if live is None:
                     raise WeightSyncError(f"unknown tensor {name!r}: the engine's model has no such parameter")
@@ -176,13 +178,20 @@ class WeightReceiver:
                     raise WeightSyncError(f"shape mismatch for {name}: sent {tuple(shape)}, the model has {tuple(live.shape)}")
                 if live.dtype != dtype:
                     raise WeightSyncError(f"dtype mismatch for {name}: sent {dtype}, the model has {live.dtype}")
-                views.append(buf[pos : pos + n].view(live.shape))
-                pos += n
             if len(set(names)) != len(names):
                 dup = next(n for n in names if names.count(n) > 1)
                 raise WeightSyncError(f"tensor {dup} sent twice in update {weight_version}")
+            lay.checked = True
+        # the same layout into the same buffer (every update after the first two on CPU): the
+        # views exist already; thousands of small experts make this count
+        views = lay.views.get(buf.data_ptr()) if self.keep_buffers else None
+        if views is None:
+            views, pos = [], 0
+            for shape, n in zip(lay.dims, lay.numels):
+                views.append(buf[pos : pos + n].view(shape))
+                pos += n
             if self.keep_buffers:
-                self._views_cache[key] = views
+                lay.views[buf.data_ptr()] = views
         if not self._staged.keys().isdisjoint(names):
             dup = next(n for n in names if n in self._staged)
             raise WeightSyncError(f"tensor {dup} sent twice in update {weight_version}")
@@ -190,6 +199,23 @@ class WeightReceiver:
         self._buffers.append(buf)
         self._received_buckets += 1
         return len(self._staged) == len(self.params)
+
+    def _layout(self, dtype: torch.dtype, names: list[str], shapes: list[list[int]]) -> "_Layout":
+        """The bucket layout of this request: found by a cheap key and confirmed by comparing
+        the lists (hashing 18,000 freshly decoded names would cost more), else made."""
+        key = (dtype, len(names), names[0], names[-1])
+        lay = self._layouts.get(key)
+        if lay is not None and lay.names == names and lay.shapes == shapes:
+            return lay
+        if any(int(d) < 0 for s in shapes for d in s):
+            raise WeightSyncError(f"negative dimension in the shapes of {names[0]}...")
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        numels = [_prod(s) for s in shapes]
+        lay = _Layout(list(names), [list(s) for s in shapes], shapes, numels, sum(numels))
+        if len(self._layouts) >= 256:  # a sender with a new plan: the old layouts go
+            self._layouts.clear()
+        self._layouts[key] = lay
+        return lay
 
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         for i, b in enumerate(self._pool):
