@@ -11,7 +11,7 @@ import threading
 
 import torch.distributed as dist
 
-from moe_rl.gc_freeze import freeze_gc
+from moe_rl.gc_control import freeze_gc
 
 from .server import build_engine, start_server
 
@@ -31,7 +31,7 @@ def run_engine_host(cfg, groups) -> None:
     port = 0 if e.port == 0 else e.port + index
     loop = asyncio.new_event_loop()
     engine = build_engine(cfg)
-    freeze_gc()  # weight updates decode thousands of small lists: see moe_rl.gc_freeze
+    freeze_gc()  # weight updates decode thousands of small lists: see moe_rl.gc_control
     runner, url = loop.run_until_complete(start_server(engine, e.host, port, e.api_key))
     thread = threading.Thread(target=loop.run_forever, name="engine-http", daemon=True)
     thread.start()

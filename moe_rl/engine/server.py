@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from moe_rl.gc_freeze import freeze_gc
+from moe_rl.gc_control import freeze_gc, paused_gc
 
 from . import protocol as P
 from .engine import Engine
@@ -208,6 +208,10 @@ class EngineServer:
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        with paused_gc():  # the request's thousands of lists are freed before it ends: see moe_rl.gc_control
+            return await self._update_weights(request)
+
+    async def _update_weights(self, request: web.Request) -> web.Response:
         req = P.UpdateWeightsRequest.parse(await _json(request))
         if self.receiver is None:
             return web.json_response({"success": False, "message": "no weight update group: call /init_weights_update_group first"}, status=400)
@@ -280,7 +284,7 @@ async def start_server(engine: Engine, host: str, port: int, api_key: str | None
 
 async def _serve(cfg, host: str, port: int, api_key: str | None) -> None:
     engine = build_engine(cfg)
-    freeze_gc()  # weight updates decode thousands of small lists: see moe_rl.gc_freeze
+    freeze_gc()  # weight updates decode thousands of small lists: see moe_rl.gc_control
     runner, url = await start_server(engine, host, port, api_key)
     print(f"moe-rl engine listening on {url}", flush=True)
     stop = asyncio.Event()

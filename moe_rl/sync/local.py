@@ -11,7 +11,7 @@ import threading
 import traceback
 from typing import Callable
 
-from moe_rl.gc_freeze import freeze_gc
+from moe_rl.gc_control import freeze_gc, paused_gc
 
 from .engines import EngineCallError
 
@@ -57,19 +57,21 @@ def serve_receiver(conns, receiver, extra: dict[str, Callable] | None = None) ->
     from multiprocessing.connection import wait
 
     extra = extra or {}
-    freeze_gc()  # the receiver's model is built: an engine process does the same (see gc_freeze)
+    freeze_gc()  # the receiver's model is built: an engine process does the same (see gc_control)
     live = list(conns) if isinstance(conns, (list, tuple)) else [conns]
     while live:
         for conn in wait(live):
-            try:
-                cmd, kw = conn.recv()
-            except (EOFError, OSError):
-                live.remove(conn)
-                continue
-            if cmd == "stop":
-                conn.send({"success": True})
-                return
-            reply = _handle(receiver, extra, cmd, kw)
+            with paused_gc():  # a bucket's request: thousands of small lists, freed in the block
+                try:
+                    cmd, kw = conn.recv()
+                except (EOFError, OSError):
+                    live.remove(conn)
+                    continue
+                if cmd == "stop":
+                    conn.send({"success": True})
+                    return
+                reply = _handle(receiver, extra, cmd, kw)
+                del kw
             try:
                 conn.send(reply)
             except (EOFError, OSError, BrokenPipeError):
