@@ -74,6 +74,8 @@ class RolloutConfig(Strict):
     partial_rollout: Literal["abort", "in_place"] = "abort"
     reward_workers: int = Field(2, ge=1)
     max_inflight_groups: int | None = Field(None, ge=1)
+    engine_retry_s: float = Field(300.0, ge=0, description="how long a generate request whose engine failed "
+                                  "(refused, dropped, no answer, HTTP 5xx) is resubmitted to live engines; 0 = never")
 
 
 class ReplayConfig(Strict):

@@ -8,7 +8,9 @@ stack talks to rollout engines.
   an HTTP answer, even 4xx/5xx, is never retried, and neither is a connection lost
   mid-request (the engine may have run part of it);
 * ``generate`` spreads requests over the URLs: the one with the fewest outstanding requests,
-  ties broken round-robin; control calls (pause, continue, abort, flush) go to every URL;
+  ties broken round-robin, skipping engines marked down (``mark_down``, after a failure; they
+  are tried again after a backoff, and an answer clears the mark); control calls (pause,
+  continue, abort, flush) go to every URL;
 * every failure raises ``EngineError`` naming the URL and endpoint (``EngineHTTPError`` for an
   HTTP error answer, with its status and body), never hangs past the timeout.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from typing import Any, Iterable
 
 import aiohttp
@@ -70,6 +73,8 @@ class EngineClient:
         self._rr = itertools.count()
         self._rid_url: dict[str, str] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._down_until: dict[str, float] = {}  # url -> monotonic time it may be tried again
+        self._failures: dict[str, int] = {}  # url -> failures in a row
 
     @classmethod
     def from_config(cls, engine_cfg, urls: Iterable[str] | None = None, **kw) -> "EngineClient":
@@ -103,10 +108,30 @@ class EngineClient:
         return self._session
 
     def pick(self) -> str:
-        """The URL with the fewest outstanding requests (round-robin among ties)."""
-        low = min(self.outstanding.values())
-        ties = [u for u in self.urls if self.outstanding[u] == low]
+        """The URL with the fewest outstanding requests (round-robin among ties) among those not
+        marked down; if every one is, the one due back first."""
+        now = time.monotonic()
+        live = [u for u in self.urls if self._down_until.get(u, 0.0) <= now]
+        if not live:
+            return min(self.urls, key=lambda u: self._down_until[u])
+        low = min(self.outstanding[u] for u in live)
+        ties = [u for u in live if self.outstanding[u] == low]
         return ties[next(self._rr) % len(ties)]
+
+    def mark_down(self, url: str) -> float:
+        """Keeps ``generate`` off an engine that failed (refused, dropped or did not answer a
+        request) for a backoff that doubles with each failure in a row, 1 s up to 60 s; then
+        the next request tries it again. Returns the backoff in seconds."""
+        url = url.rstrip("/")
+        n = self._failures.get(url, 0) + 1
+        self._failures[url] = n
+        backoff = min(60.0, 2.0 ** (n - 1))
+        self._down_until[url] = time.monotonic() + backoff
+        return backoff
+
+    def live_urls(self) -> list[str]:
+        now = time.monotonic()
+        return [u for u in self.urls if self._down_until.get(u, 0.0) <= now]
 
     async def request(self, method: str, endpoint: str, url: str | None = None, payload: Any = None,
                       timeout_s: float | None = None) -> Any:
@@ -121,6 +146,9 @@ class EngineClient:
                     body = _parse(raw, resp.content_type)
                     if resp.status >= 400:
                         raise EngineHTTPError(url, endpoint, resp.status, body)
+                    if url in self._failures:  # it answers again
+                        del self._failures[url]
+                        self._down_until.pop(url, None)
                     return body
             except aiohttp.ClientConnectorError as e:  # never connected: safe to retry
                 if attempt >= self.connect_retries:

@@ -13,11 +13,18 @@ partial output of every in-flight request, and the manager resubmits prompt + pa
 once the engines continue; each token keeps the version that produced it, and the routing
 segments are merged so the record covers the whole sequence exactly once. In ``in_place`` mode
 requests simply continue after the update with the new version.
+
+Engine failures: a generate call whose engine cannot be reached, drops the connection, does
+not answer in time or answers HTTP 5xx is resubmitted, under a new rid, to a live engine (the
+client keeps off the failed one for a backoff and tries it again later, so a restarted engine
+at the same URL is used again), for up to ``rollout.engine_retry_s``. Tokens only ever come
+from complete answers, so no prompt is lost and none is counted twice.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -25,6 +32,7 @@ from collections import Counter
 
 import numpy as np
 
+from moe_rl.engine.client import EngineError, EngineHTTPError
 from moe_rl.engine.protocol import output_logprobs, token_weight_versions
 from moe_rl.replay import RoutingSpec, record_from_responses
 
@@ -189,11 +197,11 @@ class RolloutManager:
         first = [self._request(prompt, index, j, [], 0) for j in range(n)]
         self._mark(+n)
         try:
-            resps = await self.client.generate_batch(
+            resps = await self._resubmitting(lambda k: self.client.generate_batch(
                 [f["input_ids"] for f in first], [f["sampling_params"] for f in first],
                 return_logprob=True, return_routed_experts=self.replay_log is not None,
-                rids=[f["rid"] for f in first],
-            )
+                rids=[_attempt_rid(f["rid"], k) for f in first],
+            ), f"group of prompt {index}")
         finally:
             self._mark(-n)
         samples = await asyncio.gather(*(self._sample(prompt, index, j, resps[j]) for j in range(n)))
@@ -209,6 +217,24 @@ class RolloutManager:
             self.inflight.pop(index, None)
             self.buffer.put(group)
             self.stats["groups_done"] += 1
+
+    async def _resubmitting(self, call, what: str):
+        """``call(attempt)`` until an engine answers it: see "Engine failures" above. An HTTP 4xx
+        answer is the request's fault and is raised at once, as is a failure past the deadline."""
+        deadline = time.monotonic() + self.cfg.rollout.engine_retry_s
+        for attempt in itertools.count():
+            try:
+                return await call(attempt)
+            except EngineError as e:
+                client_fault = isinstance(e, EngineHTTPError) and e.status < 500
+                if client_fault or self._stop or time.monotonic() >= deadline:
+                    raise
+                backoff = self.client.mark_down(e.url)
+                self.stats["engine_failures"] += 1
+                log.warning("%s failed on %s (%s); resubmitting it to %s", what, e.url, e,
+                            "a live engine" if self.client.live_urls() else f"the first engine back (in {backoff:.0f} s)")
+                if not self.client.live_urls():
+                    await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
 
     def _score(self, prompt, sample: Sample) -> tuple[float, str | None]:
         try:
@@ -265,9 +291,10 @@ class RolloutManager:
             starts.append(req["routed_experts_start_len"])
             self._mark(+1)
             try:
-                resp = await self.client.generate(req["input_ids"], req["sampling_params"], return_logprob=True,
-                                                  return_routed_experts=want_routing, rid=req["rid"],
-                                                  routed_experts_start_len=req["routed_experts_start_len"])
+                resp = await self._resubmitting(lambda k: self.client.generate(
+                    req["input_ids"], req["sampling_params"], return_logprob=True,
+                    return_routed_experts=want_routing, rid=_attempt_rid(req["rid"], k),
+                    routed_experts_start_len=req["routed_experts_start_len"]), f"sample {uid}")
             finally:
                 self._mark(-1)
         if not (len(logps) == len(versions) == len(out)):
@@ -279,6 +306,11 @@ class RolloutManager:
             self.replay_log.append(uid, rec, sorted(set(versions)))
             s.has_routing = True
         return s
+
+
+def _attempt_rid(rid: str, attempt: int) -> str:
+    """A resubmitted request gets a new rid: the engine that failed may still hold the old one."""
+    return rid if attempt == 0 else f"{rid}-e{attempt}"
 
 
 def _seed(seed: int, index: int, j: int, offset: int) -> int:

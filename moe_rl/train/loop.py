@@ -318,6 +318,7 @@ class Trainer:
             "busy_trainer": busy / max(wall, 1e-9),
             "busy_rollout": self.manager.busy_fraction_since(t_start),
             "dropped_stale_groups": self.buffer.dropped_stale,
+            "engine_failures": self.manager.stats["engine_failures"],  # resubmitted requests, cumulative
             "groups": info["groups"],
             "wall_s": wall,
         }

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from moe_rl.config import load_config
+from moe_rl.engine.client import EngineError, EngineHTTPError
 from moe_rl.rollout.buffer import RolloutBuffer
 from moe_rl.rollout.manager import RolloutManager
 from moe_rl.rollout.sample import Group, Sample
@@ -59,11 +60,46 @@ class StubEngines:
     async def close(self):
         pass
 
+    def mark_down(self, url):
+        self.marked = getattr(self, "marked", []) + [url]
+        return 0.01
 
-def make(eta, task=None, B=3, n=2):
+    def live_urls(self):
+        return ["stub"]
+
+
+class FlakyEngines(StubEngines):
+    """Every ``fail_every``-th call fails as an engine would when it dies: the connection drops
+    (nothing answered), or with ``status`` an HTTP error answer."""
+
+    def __init__(self, fail_every: int, status: int | None = None):
+        super().__init__()
+        self.fail_every, self.status, self.rids, self.n = fail_every, status, [], 0
+
+    def _maybe_fail(self):
+        self.n += 1
+        if self.n % self.fail_every == 0:
+            if self.status is not None:
+                raise EngineHTTPError("http://engine-a", "/generate", self.status, {"error": {"message": "bad"}})
+            raise EngineError("http://engine-a", "/generate", "connection lost mid-request (engine died?)")
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True, return_routed_experts=False, rid=None,
+                       routed_experts_start_len=0):
+        self._maybe_fail()
+        self.rids.append(rid)
+        return await super().generate(input_ids, sampling_params)
+
+    async def generate_batch(self, input_ids, sampling_params, return_logprob=True, return_routed_experts=False,
+                             rids=None):
+        self._maybe_fail()
+        self.rids += list(rids)
+        return await asyncio.gather(*(StubEngines.generate(self, p, sp) for p, sp in zip(input_ids, sampling_params)))
+
+
+def make(eta, task=None, B=3, n=2, engines=None, overrides=()):
     cfg = load_config("configs/tiny.yaml", [f"rollout.max_staleness={eta}", f"rollout.prompts_per_step={B}",
-                                             f"rollout.group_size={n}"])
-    engines, buffer = StubEngines(), RolloutBuffer()
+                                             f"rollout.group_size={n}", *overrides])
+    engines, buffer = engines or StubEngines(), RolloutBuffer()
     m = RolloutManager(cfg, task or CountingTask(), engines, buffer)
     return cfg, engines, buffer, m
 
@@ -140,3 +176,57 @@ def test_buffer_drops_and_counts_stale_groups():
     assert b.dropped_ids == [0, 2] and b.dropped_stale == 2
     with pytest.raises(TimeoutError):
         b.take(1, 0, timeout=0.1)
+
+
+def test_failed_engine_calls_are_resubmitted_none_lost_none_twice():
+    engines = FlakyEngines(fail_every=3)
+    cfg, engines, buffer, m = make(eta=1, B=3, n=2, engines=engines)
+    m.start()
+    seen = []
+    try:
+        for v in range(4):
+            groups = buffer.take(3, v - 1, timeout=30, alive=m.check)
+            seen += groups
+            m.begin_update()
+            engines.aborting = True  # partial rollouts: their resume calls fail too, now and then
+            time.sleep(0.01)
+            engines.version = v + 1
+            engines.aborting = False
+            m.end_update(v + 1)
+    finally:
+        m.stop()
+    ids = [g.group_id for g in seen]
+    assert sorted(ids) == list(range(len(ids))), "every prompt delivered once, in draw order"
+    assert m.stats["engine_failures"] >= 3 and engines.marked[0] == "http://engine-a"
+    for g in seen:
+        assert [s.uid for s in g.samples] == [f"p{g.group_id}-s{j}" for j in range(2)]
+        for s in g.samples:
+            assert len(s.response_ids) == CountingTask().prompt(g.group_id).max_new_tokens
+            assert len(s.versions) == len(s.behaviour_logprobs) == len(s.response_ids)
+    # a resubmission never reuses a rid the failed engine may still hold
+    assert len(engines.rids) == len(set(engines.rids))
+    assert any(r.endswith("-e1") for r in engines.rids)
+
+
+def test_http_4xx_is_not_resubmitted():
+    engines = FlakyEngines(fail_every=1, status=400)
+    cfg, engines, buffer, m = make(eta=0, engines=engines)
+    m.start()
+    try:
+        with pytest.raises(Exception):
+            buffer.take(3, 0, timeout=30, alive=m.check)
+    finally:
+        m.stop()
+    assert isinstance(m.error, EngineHTTPError) and m.stats["engine_failures"] == 0
+
+
+def test_engine_retry_deadline_gives_up_with_the_engines_error():
+    engines = FlakyEngines(fail_every=1)
+    cfg, engines, buffer, m = make(eta=0, engines=engines, overrides=["rollout.engine_retry_s=0.2"])
+    m.start()
+    try:
+        with pytest.raises(Exception):
+            buffer.take(3, 0, timeout=30, alive=m.check)
+    finally:
+        m.stop()
+    assert isinstance(m.error, EngineError) and "engine-a" in str(m.error)
