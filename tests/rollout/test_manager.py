@@ -96,6 +96,17 @@ class FlakyEngines(StubEngines):
         return await asyncio.gather(*(StubEngines.generate(self, p, sp) for p, sp in zip(input_ids, sampling_params)))
 
 
+def update_weights(m, engines, version, pause_s=0.01):
+    """What the trainer does around a weight sync: pause (in-flight requests end early), new
+    version, continue."""
+    m.begin_update()
+    engines.aborting = True
+    time.sleep(pause_s)
+    engines.version = version
+    engines.aborting = False
+    m.end_update(version)
+
+
 def make(eta, task=None, B=3, n=2, engines=None, overrides=()):
     cfg = load_config("configs/tiny.yaml", [f"rollout.max_staleness={eta}", f"rollout.prompts_per_step={B}",
                                              f"rollout.group_size={n}", *overrides])
@@ -116,12 +127,7 @@ def test_staleness_bound_holds_and_nothing_is_lost(eta):
                 assert g.min_version >= v - eta
                 assert all(len(s.versions) == len(s.response_ids) for s in g.samples)
             seen += [g.group_id for g in groups]
-            m.begin_update()
-            engines.aborting = True
-            time.sleep(0.01)
-            engines.version = v + 1
-            engines.aborting = False
-            m.end_update(v + 1)
+            update_weights(m, engines, v + 1)
     finally:
         m.stop()
     assert len(seen) == len(set(seen)), "a group was trained on twice"
@@ -135,12 +141,7 @@ def test_partial_rollouts_keep_each_tokens_version():
     m.start()
     try:
         buffer.take(2, 0, timeout=30, alive=m.check)
-        m.begin_update()
-        engines.aborting = True
-        time.sleep(0.02)
-        engines.version = 1
-        engines.aborting = False
-        m.end_update(1)
+        update_weights(m, engines, 1, pause_s=0.02)
         groups = buffer.take(2, 0, timeout=30, alive=m.check)
     finally:
         m.stop()
@@ -187,12 +188,7 @@ def test_failed_engine_calls_are_resubmitted_none_lost_none_twice():
         for v in range(4):
             groups = buffer.take(3, v - 1, timeout=30, alive=m.check)
             seen += groups
-            m.begin_update()
-            engines.aborting = True  # partial rollouts: their resume calls fail too, now and then
-            time.sleep(0.01)
-            engines.version = v + 1
-            engines.aborting = False
-            m.end_update(v + 1)
+            update_weights(m, engines, v + 1)  # partial rollouts: their resume calls fail too
     finally:
         m.stop()
     ids = [g.group_id for g in seen]
@@ -208,25 +204,21 @@ def test_failed_engine_calls_are_resubmitted_none_lost_none_twice():
     assert any(r.endswith("-e1") for r in engines.rids)
 
 
-def test_http_4xx_is_not_resubmitted():
-    engines = FlakyEngines(fail_every=1, status=400)
-    cfg, engines, buffer, m = make(eta=0, engines=engines)
+@pytest.mark.parametrize("status,overrides,failures", [
+    (400, [], 0),  # the request's fault: raised at once, never resubmitted
+    (None, ["rollout.engine_retry_s=0.2"], None),  # engines down past the deadline: the last error
+])
+def test_engine_errors_that_stop_the_run(status, overrides, failures):
+    engines = FlakyEngines(fail_every=1, status=status)
+    cfg, engines, buffer, m = make(eta=0, engines=engines, overrides=overrides)
     m.start()
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError):
             buffer.take(3, 0, timeout=30, alive=m.check)
     finally:
         m.stop()
-    assert isinstance(m.error, EngineHTTPError) and m.stats["engine_failures"] == 0
-
-
-def test_engine_retry_deadline_gives_up_with_the_engines_error():
-    engines = FlakyEngines(fail_every=1)
-    cfg, engines, buffer, m = make(eta=0, engines=engines, overrides=["rollout.engine_retry_s=0.2"])
-    m.start()
-    try:
-        with pytest.raises(Exception):
-            buffer.take(3, 0, timeout=30, alive=m.check)
-    finally:
-        m.stop()
-    assert isinstance(m.error, EngineError) and "engine-a" in str(m.error)
+    assert isinstance(m.error, EngineHTTPError if status else EngineError) and "engine-a" in str(m.error)
+    if failures is not None:
+        assert m.stats["engine_failures"] == failures
+    else:
+        assert m.stats["engine_failures"] >= 1
