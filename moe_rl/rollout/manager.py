@@ -135,31 +135,44 @@ class RolloutManager:
         self._ready, self._wake = asyncio.Event(), asyncio.Event()
         self._ready.set()
         tasks: set[asyncio.Task] = set()
+        failures: list[BaseException] = []
+
+        def finished(t: asyncio.Task) -> None:  # every group's error is read here, none lost
+            tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                failures.append(t.exception())
+                self._wake.set()
+
         max_inflight = self.cfg.rollout.max_inflight_groups or 10**9
-        while not self._stop:
-            allowed = (self.version + self.eta + 1) * self.B
-            if self.submitted < allowed and len(tasks) < max_inflight and self._ready.is_set():
-                index = self._next_prompt_index()
-                if index is None:
-                    if not tasks:
-                        break  # a finite dataset is exhausted
-                else:
-                    self.buffer.expect(index, self.version)
-                    t = asyncio.create_task(self._group(index, self.version))
-                    tasks.add(t)
-                    t.add_done_callback(tasks.discard)
-                    continue
-            self._wake.clear()
-            waiters = [asyncio.create_task(self._wake.wait())] + list(tasks)
-            done, _ = await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t is not waiters[0] and t.exception() is not None:
-                    raise t.exception()
-            waiters[0].cancel()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await self.client.close()
+        try:
+            while not self._stop:
+                if failures:
+                    raise failures[0]
+                allowed = (self.version + self.eta + 1) * self.B
+                if self.submitted < allowed and len(tasks) < max_inflight and self._ready.is_set():
+                    index = self._next_prompt_index()
+                    if index is None:
+                        if not tasks:
+                            break  # a finite dataset is exhausted
+                    else:
+                        self.buffer.expect(index, self.version)
+                        t = asyncio.create_task(self._group(index, self.version))
+                        tasks.add(t)
+                        t.add_done_callback(finished)
+                        continue
+                self._wake.clear()
+                wake = asyncio.create_task(self._wake.wait())
+                try:
+                    await asyncio.wait([wake, *tasks], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    wake.cancel()
+            if failures and not self._stop:
+                raise failures[0]
+        finally:  # on a failure too: no group task is left pending, none with an unread error
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.client.close()
 
     def _next_prompt_index(self) -> int | None:
         """Draws the next prompt and marks it in flight in the same step, so a checkpoint taken
