@@ -12,7 +12,9 @@ drifts on a shared machine, and a paired ratio cancels that drift.
   (a) per_tensor: one broadcast per tensor, straight into the receiver's parameters;
   (b) flat: one broadcast of a single pre-packed buffer of all the bytes (the link's bound);
   (c) bucketed: ``WeightSender.push`` at each bucket size, including the gather/pack on the
-      sender and the receiver's staging + commit (unpack into its parameters).
+      sender and the receiver's staging + commit (unpack into its parameters);
+  (d) with ``--http``: the same push to the embedded engine's HTTP server (SGLang's API:
+      JSON requests through aiohttp into the engine's handlers), in a third process.
 
 Sender peak extra memory = the most bytes of buffers the sender had allocated and alive at
 once (it tracks every bucket buffer it allocates: the one in flight and the one being packed);
@@ -103,6 +105,27 @@ def _receiver_main(conn, scale: float, threads: int, bind: bool, shape: str):
                               "version": lambda: rx.weight_version})
 
 
+def _http_engine_main(conn, scale: float, threads: int, shape: str):
+    """The embedded engine's HTTP server (SGLang's API) over the same parameter set: what a
+    sync to a real engine goes through (JSON requests, aiohttp, the engine's handlers)."""
+    torch.set_num_threads(threads)
+    from moe_rl.config import load_config
+    from moe_rl.engine.server import build_engine, start_server
+    from moe_rl.gc_control import freeze_gc
+
+    async def serve():
+        cfg = load_config(None, [f"engine.threads={threads}"])
+        engine = build_engine(cfg, MoEForCausalLM(_arch(scale, shape)))
+        freeze_gc()  # as `moe-rl serve` does
+        runner, url = await start_server(engine, "127.0.0.1", 0)
+        conn.send(url)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
+        await runner.cleanup()
+        engine.stop()
+
+    asyncio.run(serve())
+
+
 # --- sender side ---------------------------------------------------------------------------
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -182,6 +205,7 @@ def run_cpu(args) -> dict:
             senders[mb] = s
         group = next(iter(senders.values())).group
         flat_buf = torch.cat([t.reshape(-1) for t in tensors])
+        http = _HTTPSenders(args, model, ctx) if args.http else None
 
         def per_tensor():
             works = [group.broadcast(t) for t in tensors]
@@ -203,6 +227,8 @@ def run_cpu(args) -> dict:
                 st = asyncio.run(sender.push(f"{mb}-{r}"))
                 c[mb]["t"].append(st.seconds)
                 c[mb]["peak"].append(st.peak_extra_bytes)
+            if http is not None:
+                http.round(r)
         ok = engine.call("crc")["result"] == _crc(tensors)
         bucketed = {}
         for mb, sender in senders.items():
@@ -221,11 +247,18 @@ def run_cpu(args) -> dict:
             results[key] = {"seconds": min(t), "median_seconds": statistics.median(t), "gbps": total / min(t) / 1e9,
                             "median_gbps": total / statistics.median(t) / 1e9, "times": t}
         results["bucketed"] = bucketed
+        if http is not None:
+            results["http"] = {mb: {"seconds": min(t), "median_seconds": statistics.median(t),
+                                    "gbps": total / min(t) / 1e9, "median_gbps": total / statistics.median(t) / 1e9,
+                                    "vs_flat_paired": statistics.median(tb / td for tb, td in zip(t_b, t)), "times": t}
+                               for mb, t in http.times.items()}
         for i, sender in enumerate(senders.values()):
             if i:
                 sender.group = None  # shared: closed once
             sender.close()
     finally:
+        if http is not None:
+            http.close()
         try:
             engine.call("stop")
         except Exception:
@@ -234,6 +267,55 @@ def run_cpu(args) -> dict:
         if proc.is_alive():
             proc.kill()
     return results
+
+
+class _HTTPSenders:
+    """(d): the same sender, one per bucket size, to the embedded engine's HTTP server."""
+
+    def __init__(self, args, model, ctx):
+        from moe_rl.sync import WeightSender
+
+        self.args = args
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_http_engine_main, args=(child, args.scale, args.threads, args.shape),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(300):
+            raise RuntimeError("the engine's HTTP server did not start")
+        url = self.conn.recv()
+        self.loop = asyncio.new_event_loop()  # one loop: the HTTP clients' sessions live in it
+        self.senders, self.times = {}, {mb: [] for mb in args.buckets}
+        for mb in args.buckets:
+            own = copy.deepcopy(model) if args.bind == "on" else model
+            s = WeightSender(own, engines=[url], bucket_mb=mb, timeout_s=300, group_name="bench-http",
+                             use_triton=False, bind_params=args.bind == "on")
+            if self.senders:
+                first = next(iter(self.senders.values()))
+                s.group, s._group_key = first.group, first._group_key
+            self.loop.run_until_complete(s.push("warmup"))
+            self.senders[mb] = s
+
+    def round(self, r: int) -> None:
+        for mb, sender in self.senders.items():
+            for w in range(2 if self.args.bind == "on" else 1):  # as for (c)
+                self.loop.run_until_complete(sender.push(f"h{mb}-{r}-warm{w}"))
+            self.times[mb].append(self.loop.run_until_complete(sender.push(f"h{mb}-{r}")).seconds)
+
+    def close(self) -> None:
+        for i, sender in enumerate(self.senders.values()):
+            self.loop.run_until_complete(sender._close_clients())
+            if i:
+                sender.group = None  # shared: closed once
+            sender.close()
+        self.loop.close()
+        try:
+            self.conn.send("stop")
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 def run_gpu(args) -> dict:
@@ -321,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="rounds; each measures every method once")
     ap.add_argument("--scale", type=float, default=1.0, help="scales the number of layers (size)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--http", action="store_true",
+                    help="also (d): the sender to the embedded engine's HTTP server (SGLang's API, JSON requests)")
     ap.add_argument("--gpu", choices=["auto", "on", "off", "only"], default="auto",
                     help="the Triton pack/unpack figures on CUDA ('only': without the gloo part)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
@@ -351,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         "vs_per_tensor": round(best["gbps"] / cpu["per_tensor"]["gbps"], 2),
         "peak_bound_mib": round(best["bound_mib"], 1),
     }
+    if "http" in cpu:
+        hb = max(cpu["http"], key=lambda mb: cpu["http"][mb]["vs_flat_paired"])
+        summary.update(http_gbps=round(cpu["http"][hb]["gbps"], 3), http_best_bucket_mb=hb,
+                       http_vs_flat=round(cpu["http"][hb]["vs_flat_paired"], 3))
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                "threads_per_process": args.threads}
     if args.json:
@@ -368,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
         label = f"(c) sender {mb:g} MiB x{r['buckets']}"
         print(f"{label:<26}{r['seconds']:>9.3f}{r['gbps']:>8.2f}{r['median_gbps']:>9.2f}{r['peak_extra_mib']:>16.1f}"
               f"{r['bound_mib']:>8.0f}{rss:>10}" + ("" if r["bit_identical"] else "  NOT IDENTICAL"))
+    for mb, r in cpu.get("http", {}).items():
+        label = f"(d) HTTP engine {mb:g} MiB"
+        print(f"{label:<26}{r['seconds']:>9.3f}{r['gbps']:>8.2f}{r['median_gbps']:>9.2f}")
+    if "http" in cpu:
+        print(f"(d) best bucket {summary['http_best_bucket_mb']:g} MiB: {summary['http_vs_flat']:.2f}x flat "
+              f"(median of the per-round ratios)")
     print(f"best bucket {best_mb:g} MiB: {summary['vs_flat']:.2f}x flat (median of the per-round ratios; "
           f"best against best {summary['vs_flat_best']:.2f}x), {summary['vs_per_tensor']:.1f}x per-tensor")
     if gpu:

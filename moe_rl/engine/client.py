@@ -24,10 +24,13 @@ from typing import Any, Iterable
 
 import aiohttp
 
-from .protocol import decode_routed_experts, output_logprobs, token_weight_versions
+from .protocol import decode_routed_experts, dumps_body, output_logprobs, token_weight_versions
 
 __all__ = ["EngineClient", "EngineHandle", "EngineError", "EngineHTTPError", "decode_routed_experts", "output_logprobs",
            "token_weight_versions"]
+
+
+_JSON = {"Content-Type": "application/json"}
 
 
 class EngineError(RuntimeError):
@@ -139,9 +142,11 @@ class EngineClient:
         url = (url or self.urls[0]).rstrip("/")
         session = self._get_session()
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s) if timeout_s else None
+        body = None if payload is None else dumps_body(payload) if isinstance(payload, dict) else json.dumps(payload)
         for attempt in range(self.connect_retries + 1):
             try:
-                async with session.request(method, url + endpoint, json=payload, timeout=timeout) as resp:
+                async with session.request(method, url + endpoint, data=body, headers=_JSON if body is not None else None,
+                                           timeout=timeout) as resp:
                     raw = await resp.read()
                     body = _parse(raw, resp.content_type)
                     if resp.status >= 400:

@@ -25,6 +25,8 @@ Encodings the rest of the stack relies on:
 from __future__ import annotations
 
 import base64
+import itertools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -310,12 +312,15 @@ class UpdateWeightsRequest:
             if not isinstance(body.get(key), list):
                 raise RequestError(key, "required: a list")
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not all(isinstance(n, str) for n in names):
+        # one pass each, no per-item calls: a 30B-A3B bucket lists 18,000 tensors (this took
+        # 10 ms per request with a helper call and an f-string per shape)
+        if not set(map(type, names)) <= {str}:
             raise RequestError("names", "expected a list of strings")
-        if not all(isinstance(n, str) for n in dtypes):
+        if not set(map(type, dtypes)) <= {str}:
             raise RequestError("dtypes", "expected a list of strings")
-        for i, s in enumerate(shapes):
-            _int_list(s, f"shapes[{i}]")
+        if not (set(map(type, shapes)) <= {list} and set(map(type, itertools.chain.from_iterable(shapes))) <= {int}):
+            i = next(i for i, s in enumerate(shapes) if not (type(s) is list and all(type(x) is int for x in s)))
+            raise RequestError(f"shapes[{i}]", "expected a list of integers")
         if not (len(names) == len(dtypes) == len(shapes)):
             raise RequestError("names", f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
         return cls(
@@ -327,6 +332,35 @@ class UpdateWeightsRequest:
             load_format=_str(body, "load_format"),
             checksum=body.get("checksum"),
         )
+
+
+# --- request bodies encoded once ---------------------------------------------------------------
+class FrozenList(list):
+    """A read-only list whose JSON text is made once. A weight-sync request lists every tensor
+    of its bucket (18,000 names and shapes for a 30B-A3B bucket): ``json.dumps`` of them took
+    10 ms per bucket, per engine, per sync; the bucket's lists never change, so their text is
+    reused (``dumps_body``). Compares, iterates and pickles as a list."""
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("FrozenList is read-only")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _read_only
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+
+    def __reduce__(self):
+        return (FrozenList, (list(self),))
+
+    def json(self) -> str:
+        text = self.__dict__.get("_json")
+        if text is None:
+            text = self.__dict__["_json"] = json.dumps(self)
+        return text
+
+
+def dumps_body(body: dict) -> str:
+    """``json.dumps(body)``, with the stored text of its ``FrozenList`` values."""
+    return "{" + ", ".join(f"{json.dumps(k)}: {v.json() if isinstance(v, FrozenList) else json.dumps(v)}"
+                           for k, v in body.items()) + "}"
 
 
 # --- routing and versions in responses -------------------------------------------------------

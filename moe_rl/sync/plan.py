@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.protocol import FrozenList
 from ..model.hf_io import hf_param_specs, parse_expert_name
 
 _DTYPES = {
@@ -62,13 +63,13 @@ class Bucket:
 
     def request_fields(self) -> dict:
         """The bucket's part of SGLang's ``/update_weights_from_distributed`` body (built once;
-        callers get a fresh dict around the same lists, which nobody mutates)."""
+        callers get a fresh dict around the same read-only lists, whose JSON text is made once)."""
         fields = self.__dict__.get("_fields")
         if fields is None:
             fields = {
-                "names": list(self.names),
-                "dtypes": [dtype_name(self.dtype)] * len(self.names),
-                "shapes": [list(s) for s in self.shapes],
+                "names": FrozenList(self.names),
+                "dtypes": FrozenList([dtype_name(self.dtype)] * len(self.names)),
+                "shapes": FrozenList([list(s) for s in self.shapes]),
                 "load_format": "flattened_bucket",
             }
             object.__setattr__(self, "_fields", fields)

@@ -44,3 +44,24 @@ def test_sglang_command_has_ep_and_routed_experts():
                         ("--port", "30000"), ("--api-key", "k")]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enable-return-routed-experts" in cmd and "--skip-tokenizer-init" in cmd
+
+
+def test_frozen_list_encodes_once_and_stays_a_list():
+    import json
+    import pickle
+
+    import pytest
+
+    from moe_rl.engine.protocol import FrozenList, dumps_body
+
+    names = FrozenList(["model.a.weight", "model.b.weight"])
+    shapes = FrozenList([[2, 3], [4]])
+    body = {"names": names, "shapes": shapes, "group_name": "g", "weight_version": "7", "flush_cache": False}
+    assert dumps_body(body) == json.dumps(body)  # the same text json.dumps gives
+    assert json.loads(dumps_body(body))["shapes"] == [[2, 3], [4]]
+    assert names.json() is names.json()  # made once
+    for change in (lambda: names.append("x"), lambda: names.__setitem__(0, "x"), lambda: names.extend(["x"])):
+        with pytest.raises(TypeError, match="read-only"):
+            change()
+    back = pickle.loads(pickle.dumps(names))  # the local engine transport pickles requests
+    assert type(back) is FrozenList and back == ["model.a.weight", "model.b.weight"]
