@@ -92,6 +92,8 @@ class SyncConfig(Strict):
     bind_params: bool = True  # EP=1: the trainer's parameters live in the bucket buffers (no pack per sync)
     master_address: str = "127.0.0.1"  # address of trainer rank 0 as the engines reach it
     timeout_s: float = Field(120.0, gt=0, description="weight-sync group and broadcast timeout")
+    skip_down_engines: bool = Field(True, description="a sync leaves out an engine that cannot be reached "
+                                    "(it serves no rollouts until a later sync reaches it) instead of failing")
 
 
 class AlgoConfig(Strict):

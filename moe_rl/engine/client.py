@@ -9,8 +9,8 @@ stack talks to rollout engines.
   mid-request (the engine may have run part of it);
 * ``generate`` spreads requests over the URLs: the one with the fewest outstanding requests,
   ties broken round-robin, skipping engines marked down (``mark_down``, after a failure; they
-  are tried again after a backoff, and an answer clears the mark); control calls (pause,
-  continue, abort, flush) go to every URL;
+  are tried again after a backoff, and an answer clears the mark) and engines a weight sync
+  missed (``set_stale``); control calls (pause, continue, abort, flush) go to every URL;
 * every failure raises ``EngineError`` naming the URL and endpoint (``EngineHTTPError`` for an
   HTTP error answer, with its status and body), never hangs past the timeout.
 """
@@ -78,6 +78,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._down_until: dict[str, float] = {}  # url -> monotonic time it may be tried again
         self._failures: dict[str, int] = {}  # url -> failures in a row
+        self.stale: frozenset[str] = frozenset()  # engines behind the trainer's weights: never picked
 
     @classmethod
     def from_config(cls, engine_cfg, urls: Iterable[str] | None = None, **kw) -> "EngineClient":
@@ -112,11 +113,14 @@ class EngineClient:
 
     def pick(self) -> str:
         """The URL with the fewest outstanding requests (round-robin among ties) among those not
-        marked down; if every one is, the one due back first."""
+        marked down or stale; if every fresh one is down, the one due back first."""
+        fresh = [u for u in self.urls if u not in self.stale]
+        if not fresh:
+            raise EngineError(self.urls[0], "/generate", "every engine is behind the trainer's weights (missed a sync)")
         now = time.monotonic()
-        live = [u for u in self.urls if self._down_until.get(u, 0.0) <= now]
+        live = [u for u in fresh if self._down_until.get(u, 0.0) <= now]
         if not live:
-            return min(self.urls, key=lambda u: self._down_until[u])
+            return min(fresh, key=lambda u: self._down_until[u])
         low = min(self.outstanding[u] for u in live)
         ties = [u for u in live if self.outstanding[u] == low]
         return ties[next(self._rr) % len(ties)]
@@ -134,7 +138,12 @@ class EngineClient:
 
     def live_urls(self) -> list[str]:
         now = time.monotonic()
-        return [u for u in self.urls if self._down_until.get(u, 0.0) <= now]
+        return [u for u in self.urls if self._down_until.get(u, 0.0) <= now and u not in self.stale]
+
+    def set_stale(self, urls: Iterable[str]) -> None:
+        """Engines the last weight sync could not reach: ``generate`` keeps off them until a
+        later sync updates them (then call again without them)."""
+        self.stale = frozenset(u.rstrip("/") for u in urls)
 
     async def request(self, method: str, endpoint: str, url: str | None = None, payload: Any = None,
                       timeout_s: float | None = None) -> Any:

@@ -52,11 +52,19 @@ class SyncStats:
     seconds: float = 0.0
     pack_seconds: float = 0.0  # gather + pack (overlapped with broadcasts)
     peak_extra_bytes: int = 0  # most bytes of sender-allocated buffers alive at once
+    skipped: list = field(default_factory=list)  # engines that were down: not updated (see update_engines)
     history: list = field(default_factory=list)
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def _unreachable(reply) -> bool:
+    """The engine gave no answer at all (refused, dropped, timed out): it is down, not refusing."""
+    from moe_rl.engine.client import EngineError, EngineHTTPError
+
+    return isinstance(reply, EngineError) and not isinstance(reply, EngineHTTPError)
 
 
 class _Mem:
@@ -99,6 +107,7 @@ class WeightSender:
         use_triton: bool | None = None,
         keep_buffers: bool | None = None,
         bind_params: bool = False,
+        skip_down_engines: bool = True,
     ):
         # ``model``: the native model, or a weights source (moe_rl.sync.source) of any backend
         self.source = model if hasattr(model, "cache_key") else ModelSource(model)
@@ -115,6 +124,7 @@ class WeightSender:
         self.device = self.source.device
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.timeout_s, self.pause_mode = timeout_s, pause_mode
+        self.skip_down_engines = skip_down_engines
         self.use_triton = use_triton
         # CPU: keep the two bucket buffers between syncs (fresh pages cost more than the copy);
         # CUDA: torch's caching allocator already reuses them, and training wants the memory.
@@ -174,7 +184,7 @@ class WeightSender:
             model, engines=engines, bucket_mb=sync_cfg.bucket_mb, verify=sync_cfg.verify,
             group_name=sync_cfg.group_name, master_address=sync_cfg.master_address, port=sync_cfg.port,
             timeout_s=sync_cfg.timeout_s, pause_mode=sync_cfg.pause_mode, wire_dtype=wire_dtype,
-            bind_params=sync_cfg.bind_params, **g, **kw,
+            bind_params=sync_cfg.bind_params, skip_down_engines=sync_cfg.skip_down_engines, **g, **kw,
         )
 
     # --- who packs what ---------------------------------------------------------------------
@@ -301,23 +311,23 @@ class WeightSender:
                 self._release(send)
 
     # --- weight-sync group ----------------------------------------------------------------
-    async def _ensure_group(self) -> None:
-        key = tuple(e.name for e in self.engines)
+    async def _ensure_group(self, engines) -> None:
+        key = tuple(e.name for e in engines)
         if self.group is not None and not self.group.closed and self._group_key == key:
             return
         self._close_group()
         port = self.port or free_port(self.master_address)
-        world = 1 + sum(e.num_ranks for e in self.engines)
+        world = 1 + sum(e.num_ranks for e in engines)
         loop = asyncio.get_running_loop()
         offsets, off = [], 1
-        for e in self.engines:
+        for e in engines:
             offsets.append(off)
             off += e.num_ranks
         calls = [
             asyncio.ensure_future(e.init_weights_update_group(
                 master_address=self.master_address, master_port=port, rank_offset=ro, world_size=world,
                 group_name=self.group_name, backend=self.backend))
-            for e, ro in zip(self.engines, offsets)
+            for e, ro in zip(engines, offsets)
         ]
         try:
             group = await loop.run_in_executor(
@@ -329,7 +339,7 @@ class WeightSender:
             raise WeightSyncError(f"could not form the weight-sync group {self.group_name!r} "
                                   f"({world} ranks at {self.master_address}:{port}): {e}") from e
         replies = await asyncio.gather(*calls, return_exceptions=True)
-        bad = [f"{e.name}: {r}" for e, r in zip(self.engines, replies) if isinstance(r, BaseException)]
+        bad = [f"{e.name}: {r}" for e, r in zip(engines, replies) if isinstance(r, BaseException)]
         if bad:
             group.close()
             raise WeightSyncError("init_weights_update_group failed on " + "; ".join(bad))
@@ -341,15 +351,17 @@ class WeightSender:
         self.group = None
 
     # --- the push (source) ------------------------------------------------------------------
-    async def push(self, version) -> SyncStats:
-        """Source only: sends every bucket to every engine. Raises WeightSyncError."""
+    async def push(self, version, engines=None) -> SyncStats:
+        """Source only: sends every bucket to every engine (or to ``engines``, a subset). Raises
+        WeightSyncError."""
         if not self.is_source:
             raise RuntimeError("push runs on trainer rank 0 only; other ranks call sync()")
-        if not self.engines:
+        engines = self.engines if engines is None else engines
+        if not engines:
             raise WeightSyncError("no engines to sync to")
         version = None if version is None else str(version)
         self.source.begin()
-        await self._ensure_group()
+        await self._ensure_group(engines)
         loop = asyncio.get_running_loop()
         stats = SyncStats(version=version)
         self.stats = stats
@@ -369,7 +381,7 @@ class WeightSender:
                             weight_version=version)
                 if cs is not None:
                     body["checksum"] = cs
-                calls = [asyncio.ensure_future(e.update_weights_from_distributed(**body)) for e in self.engines]
+                calls = [asyncio.ensure_future(e.update_weights_from_distributed(**body)) for e in engines]
                 await asyncio.sleep(0)  # let the requests go out
                 work = self.group.broadcast(cur, src=0)
                 if i + 1 < n:
@@ -383,7 +395,7 @@ class WeightSender:
                     await asyncio.gather(*calls, return_exceptions=True)
                     raise WeightSyncError(f"broadcast of bucket {i + 1}/{n} (first tensor {b.names[0]}) failed: {e}") from e
                 replies = await asyncio.gather(*calls, return_exceptions=True)
-                bad = [(eng, r) for eng, r in zip(self.engines, replies) if isinstance(r, BaseException)]
+                bad = [(eng, r) for eng, r in zip(engines, replies) if isinstance(r, BaseException)]
                 if bad:
                     msg = "; ".join(f"{eng.name}: {r}" for eng, r in bad)
                     if any(not isinstance(r, EngineCallError) for _, r in bad):
@@ -413,21 +425,37 @@ class WeightSender:
     # --- the protocol: pause, sync, continue ----------------------------------------------
     async def update_engines(self, version) -> SyncStats:
         """Source only: pause every engine (``pause_mode``), push, continue. A failed push
-        leaves the engines on their previous weights; they are resumed and the error raised."""
+        leaves the engines on their previous weights; they are resumed and the error raised.
+
+        With ``skip_down_engines`` an engine that gives no answer at all (refused, dropped, timed
+        out: it crashed) is left out of this sync and named in ``stats.skipped``: the others are
+        updated in a weight-sync group formed without it, and it must serve no rollouts (its
+        weights are behind). Every sync tries all engines again, so one restarted at the same
+        address is back in the group, fully updated, at the next sync."""
         paused = await asyncio.gather(*(e.pause_generation(mode=self.pause_mode) for e in self.engines),
                                       return_exceptions=True)
+        down = [e for e, r in zip(self.engines, paused) if self.skip_down_engines and _unreachable(r)]
+        live = [e for e, r in zip(self.engines, paused) if not isinstance(r, BaseException)]
         err = None
         try:
-            bad = [f"{e.name}: {r}" for e, r in zip(self.engines, paused) if isinstance(r, BaseException)]
+            bad = [f"{e.name}: {r}" for e, r in zip(self.engines, paused)
+                   if isinstance(r, BaseException) and e not in down]
             if bad:
                 raise WeightSyncError("pause_generation failed on " + "; ".join(bad))
-            return await self.push(version)
+            if not live:
+                raise WeightSyncError("every engine is down: " + "; ".join(f"{e.name}: {r}" for e, r in zip(self.engines, paused)))
+            if down:
+                log.warning("weight sync %s: skipping %d engine(s) that are down (%s); they serve no rollouts "
+                            "until a sync reaches them", version, len(down), ", ".join(e.name for e in down))
+            stats = await self.push(version, live)
+            stats.skipped = [e.name for e in down]
+            return stats
         except BaseException as e:
             err = e
             raise
         finally:
-            resumed = await asyncio.gather(*(e.continue_generation() for e in self.engines), return_exceptions=True)
-            bad = [f"{e.name}: {r}" for e, r in zip(self.engines, resumed) if isinstance(r, BaseException)]
+            resumed = await asyncio.gather(*(e.continue_generation() for e in live), return_exceptions=True)
+            bad = [f"{e.name}: {r}" for e, r in zip(live, resumed) if isinstance(r, BaseException)]
             if bad and err is None:
                 raise WeightSyncError("continue_generation failed on " + "; ".join(bad))
 

@@ -276,6 +276,8 @@ class Trainer:
                 t1 = time.perf_counter()
                 try:
                     sync = self.sender.sync(str(self.version))
+                    if self.lead:  # engines the sync could not reach serve no rollouts until one does
+                        self.manager.client.set_stale(sync.skipped)
                 finally:
                     if self.lead:
                         self.manager.end_update(self.version)
@@ -319,6 +321,7 @@ class Trainer:
             "busy_rollout": self.manager.busy_fraction_since(t_start),
             "dropped_stale_groups": self.buffer.dropped_stale,
             "engine_failures": self.manager.stats["engine_failures"],  # resubmitted requests, cumulative
+            "engines_skipped": len(sync.skipped) if sync is not None else 0,  # down at this sync
             "groups": info["groups"],
             "wall_s": wall,
         }

@@ -29,8 +29,8 @@ L, K = ARCH.num_hidden_layers, ARCH.num_experts_per_tok
 
 
 class ServerProc:
-    def __init__(self, overrides=(), api_key: str | None = None, timeout: float = 90.0):
-        cmd = [sys.executable, "-m", "moe_rl.cli", "serve", CONFIG, "--port", "0", *OVERRIDES, *overrides]
+    def __init__(self, overrides=(), api_key: str | None = None, timeout: float = 90.0, port: int = 0):
+        cmd = [sys.executable, "-m", "moe_rl.cli", "serve", CONFIG, "--port", str(port), *OVERRIDES, *overrides]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -3,8 +3,10 @@ resubmits the requests of an engine that died to a live one, losing no prompt an
 none twice (two real engine processes, one killed mid-run)."""
 import time
 
+import pytest
+
 from moe_rl.config import load_config
-from moe_rl.engine.client import EngineClient
+from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.rollout.buffer import RolloutBuffer
 from moe_rl.rollout.manager import RolloutManager
 from moe_rl.tasks.base import Prompt
@@ -23,6 +25,14 @@ def test_client_skips_engines_marked_down_until_their_backoff_ends():
     assert c.live_urls() == [] and c.pick() == "http://b"  # all down: the one due back first
     c._down_until = {u: time.monotonic() - 1 for u in c._down_until}  # backoffs over
     assert {c.pick() for _ in range(4)} == {"http://a", "http://b"}
+    c.set_stale(["http://a/"])  # a weight sync missed it: never picked, even when b is down
+    c.mark_down("http://b")
+    assert {c.pick() for _ in range(4)} == {"http://b"} and c.live_urls() == []
+    c.set_stale(["http://a", "http://b"])
+    with pytest.raises(EngineError, match="behind the trainer's weights"):
+        c.pick()
+    c.set_stale([])
+    assert c.pick() in ("http://a", "http://b")
 
 
 class LongTask(CountingTask):

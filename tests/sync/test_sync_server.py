@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 pytest.importorskip("moe_rl.engine.server")
 
@@ -47,3 +48,38 @@ def test_sender_updates_served_model():
         sender.close(), bad.close()
     finally:
         s.stop()
+
+
+def test_sync_leaves_out_a_dead_engine_and_updates_it_once_it_is_back():
+    a, b = ServerProc(), ServerProc()
+    port_a = int(a.url.rsplit(":", 1)[1])
+    model = build_model(CFG).init_weights(seed=31)
+    sender = WeightSender(model, engines=[a.url, b.url], bucket_mb=0.01, timeout_s=30)
+    strict = None
+    prompt = [3, 1, 4, 1, 5, 9]
+    try:
+        assert sender.sync(1).skipped == []
+        a.kill()  # crashed: no answer at all
+        stats = sender.sync(2)
+        assert stats.skipped == [a.url] and stats.buckets == len(sender.plan.buckets)
+        out, info = asyncio.run(_generate(b.url, prompt))
+        assert info["weight_version"] == "2"
+        check_against_native(model, prompt, out, 0.0)
+        strict = WeightSender(model, engines=[a.url, b.url], bucket_mb=0.01, timeout_s=30, skip_down_engines=False)
+        with pytest.raises(WeightSyncError, match="pause_generation failed on " + a.url):
+            strict.sync(2)
+
+        a = ServerProc(port=port_a)  # restarted at the same address, with its initial weights
+        with torch.no_grad():  # a training step
+            next(model.parameters()).add_(0.01)
+        assert sender.sync(3).skipped == []
+        for url in (a.url, b.url):  # both in the new group, both on the trainer's weights
+            out, info = asyncio.run(_generate(url, prompt))
+            assert info["weight_version"] == "3"
+            check_against_native(model, prompt, out, 0.0)
+    finally:
+        sender.close()
+        if strict is not None:
+            strict.close()
+        a.stop()
+        b.stop()
