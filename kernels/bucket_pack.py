@@ -93,6 +93,14 @@ if HAVE_TRITON:
 
 
 CHUNK_BYTES = 16384  # bytes per program
+
+
+def _check_copyable(tensors, dtype: torch.dtype) -> None:
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError("the Triton bucket copy needs contiguous tensors")
+        if t.dtype != dtype:
+            raise TypeError(f"tensor of dtype {t.dtype} in a bucket of dtype {dtype}")
 _CACHE_SIZE = 64
 
 
@@ -115,11 +123,7 @@ class BucketCopy:
         if not tensors:
             raise ValueError("a bucket copy of no tensors")
         es = torch.empty((), dtype=dtype).element_size()
-        for t in tensors:
-            if not t.is_contiguous():
-                raise ValueError("the Triton bucket copy needs contiguous tensors")
-            if t.dtype != dtype:
-                raise TypeError(f"tensor of dtype {t.dtype} in a bucket of dtype {dtype}")
+        _check_copyable(tensors, dtype)
         self.tensors = list(tensors) if keep_refs else None
         self.numel = max(o + t.numel() for t, o in zip(tensors, offsets))
         self.dtype = dtype
@@ -178,11 +182,7 @@ _plans: "collections.OrderedDict[tuple, BucketCopy]" = collections.OrderedDict()
 def _launch(tensors, flat, offsets, to_flat: bool) -> None:
     if not tensors:
         return
-    for t in tensors:
-        if not t.is_contiguous():
-            raise ValueError("the Triton bucket copy needs contiguous tensors")
-        if t.dtype != flat.dtype:
-            raise TypeError(f"tensor of dtype {t.dtype} in a bucket of dtype {flat.dtype}")
+    _check_copyable(tensors, flat.dtype)  # also on a cache hit: the plan was checked, these tensors not
     align = _alignment(flat.data_ptr())
     key = (flat.dtype, flat.device, align, tuple(t.data_ptr() for t in tensors),
            tuple(t.numel() for t in tensors), tuple(offsets))

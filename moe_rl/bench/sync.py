@@ -161,8 +161,52 @@ def _timed_collective(conn, cmd: str, kw: dict, reps: int, body) -> list[float]:
     return times
 
 
-def run_cpu(args) -> dict:
+def _senders_per_bucket(model, engine, args, group_name: str, warm) -> dict:
+    """One ``WeightSender`` per bucket size, all sharing the first one's weight-sync group;
+    ``warm(mb, sender)`` makes each one's first push (the first one's forms the group)."""
     from moe_rl.sync import WeightSender
+
+    senders = {}
+    for mb in args.buckets:
+        # with binding each sender moves its own copy of the weights into its buckets
+        own = copy.deepcopy(model) if args.bind == "on" else model
+        s = WeightSender(own, engines=[engine], bucket_mb=mb, timeout_s=300, group_name=group_name,
+                         use_triton=False, bind_params=args.bind == "on")
+        if senders:
+            first = next(iter(senders.values()))
+            s.group, s._group_key = first.group, first._group_key
+        warm(mb, s)
+        senders[mb] = s
+    return senders
+
+
+def _measured_push(run, sender, args, tag: str):
+    """The receiver alternates two sets of buckets of the plan in use (with binding, the last
+    update's buckets are the live weights); the senders take turns on one receiver, so two
+    warm-up pushes bring back the steady state of this plan before the measured one.
+    ``run`` runs a coroutine to completion."""
+    for w in range(2 if args.bind == "on" else 1):
+        run(sender.push(f"{tag}-warm{w}"))
+    return run(sender.push(tag))
+
+
+def _close_senders(senders: dict) -> None:
+    for i, sender in enumerate(senders.values()):
+        if i:
+            sender.group = None  # shared: closed once
+        sender.close()
+
+
+def _timing(times: list[float], total: int, flat: list[float] | None = None) -> dict:
+    """Best and median of per-round times; with ``flat``, the median of the per-round ratios."""
+    out = {"seconds": min(times), "median_seconds": statistics.median(times), "gbps": total / min(times) / 1e9,
+           "median_gbps": total / statistics.median(times) / 1e9, "times": times}
+    if flat is not None:
+        out["vs_flat_paired"] = statistics.median(tb / t for tb, t in zip(flat, times))
+    return out
+
+
+def run_cpu(args) -> dict:
     from moe_rl.sync.local import LocalEngine
 
     torch.set_num_threads(args.threads)
@@ -187,22 +231,17 @@ def run_cpu(args) -> dict:
         # One sender per bucket size, sharing one weight-sync group; the machine may be shared,
         # so every round measures every method once (a, b, then each bucket size: one warm-up
         # push that refills the receiver's buffer pool for that plan, then the measured push).
-        senders, first_rss = {}, {}
-        for mb in args.buckets:
-            # with binding each sender moves its own copy of the weights into its buckets
-            own = copy.deepcopy(model) if args.bind == "on" else model
-            s = WeightSender(own, engines=[engine], bucket_mb=mb, timeout_s=300, group_name="bench",
-                             use_triton=False, bind_params=args.bind == "on")
-            if senders:
-                first = next(iter(senders.values()))
-                s.group, s._group_key = first.group, first._group_key
+        first_rss = {}
+
+        def warm(mb, s):
             rss0 = _rss_kib("VmRSS")
             if _reset_hwm():  # the first push allocates the sender's buffers: its RSS high-water delta
                 asyncio.run(s.push("warmup"))
                 first_rss[mb] = max(0, _rss_kib("VmHWM") - rss0) * 1024
             else:
                 asyncio.run(s.push("warmup"))
-            senders[mb] = s
+
+        senders = _senders_per_bucket(model, engine, args, "bench", warm)
         group = next(iter(senders.values())).group
         flat_buf = torch.cat([t.reshape(-1) for t in tensors])
         http = _HTTPSenders(args, model, ctx) if args.http else None
@@ -219,12 +258,7 @@ def run_cpu(args) -> dict:
             t_b += _timed_collective(a, "flat", {"group_name": "bench", "numel": flat_buf.numel(), "reps": 1}, 1,
                                      lambda: group.wait_work(group.broadcast(flat_buf)))
             for mb, sender in senders.items():
-                # the receiver alternates two sets of buckets of the plan in use (with binding, the
-                # last update's buckets are the live weights); the senders here take turns on one
-                # receiver, so two warm-up pushes bring back the steady state of this plan
-                for w in range(2 if args.bind == "on" else 1):
-                    asyncio.run(sender.push(f"{mb}-{r}-warm{w}"))
-                st = asyncio.run(sender.push(f"{mb}-{r}"))
+                st = _measured_push(asyncio.run, sender, args, f"{mb}-{r}")
                 c[mb]["t"].append(st.seconds)
                 c[mb]["peak"].append(st.peak_extra_bytes)
             if http is not None:
@@ -232,30 +266,17 @@ def run_cpu(args) -> dict:
         ok = engine.call("crc")["result"] == _crc(tensors)
         bucketed = {}
         for mb, sender in senders.items():
-            times = c[mb]["t"]
-            best = min(times)
             bucketed[mb] = {
-                "buckets": len(sender.plan.buckets), "seconds": best, "median_seconds": statistics.median(times),
-                "vs_flat_paired": statistics.median(tb / tc for tb, tc in zip(t_b, times)),
-                "times": times,
-                "gbps": total / best / 1e9, "median_gbps": total / statistics.median(times) / 1e9,
+                "buckets": len(sender.plan.buckets), **_timing(c[mb]["t"], total, t_b),
                 "peak_extra_mib": max(c[mb]["peak"]) / 2**20,
                 "bound_mib": (2 * sender.plan.max_bucket_bytes + largest) / 2**20,
                 "rss_hwm_delta_mib": first_rss[mb] / 2**20 if mb in first_rss else None, "bit_identical": ok,
             }
-        for key, t in (("per_tensor", t_a), ("flat", t_b)):
-            results[key] = {"seconds": min(t), "median_seconds": statistics.median(t), "gbps": total / min(t) / 1e9,
-                            "median_gbps": total / statistics.median(t) / 1e9, "times": t}
+        results["per_tensor"], results["flat"] = _timing(t_a, total), _timing(t_b, total)
         results["bucketed"] = bucketed
         if http is not None:
-            results["http"] = {mb: {"seconds": min(t), "median_seconds": statistics.median(t),
-                                    "gbps": total / min(t) / 1e9, "median_gbps": total / statistics.median(t) / 1e9,
-                                    "vs_flat_paired": statistics.median(tb / td for tb, td in zip(t_b, t)), "times": t}
-                               for mb, t in http.times.items()}
-        for i, sender in enumerate(senders.values()):
-            if i:
-                sender.group = None  # shared: closed once
-            sender.close()
+            results["http"] = {mb: _timing(t, total, t_b) for mb, t in http.times.items()}
+        _close_senders(senders)
     finally:
         if http is not None:
             http.close()
@@ -273,8 +294,6 @@ class _HTTPSenders:
     """(d): the same sender, one per bucket size, to the embedded engine's HTTP server."""
 
     def __init__(self, args, model, ctx):
-        from moe_rl.sync import WeightSender
-
         self.args = args
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_http_engine_main, args=(child, args.scale, args.threads, args.shape),
@@ -285,29 +304,18 @@ class _HTTPSenders:
             raise RuntimeError("the engine's HTTP server did not start")
         url = self.conn.recv()
         self.loop = asyncio.new_event_loop()  # one loop: the HTTP clients' sessions live in it
-        self.senders, self.times = {}, {mb: [] for mb in args.buckets}
-        for mb in args.buckets:
-            own = copy.deepcopy(model) if args.bind == "on" else model
-            s = WeightSender(own, engines=[url], bucket_mb=mb, timeout_s=300, group_name="bench-http",
-                             use_triton=False, bind_params=args.bind == "on")
-            if self.senders:
-                first = next(iter(self.senders.values()))
-                s.group, s._group_key = first.group, first._group_key
-            self.loop.run_until_complete(s.push("warmup"))
-            self.senders[mb] = s
+        self.times = {mb: [] for mb in args.buckets}
+        self.senders = _senders_per_bucket(model, url, args, "bench-http",
+                                           lambda mb, s: self.loop.run_until_complete(s.push("warmup")))
 
     def round(self, r: int) -> None:
         for mb, sender in self.senders.items():
-            for w in range(2 if self.args.bind == "on" else 1):  # as for (c)
-                self.loop.run_until_complete(sender.push(f"h{mb}-{r}-warm{w}"))
-            self.times[mb].append(self.loop.run_until_complete(sender.push(f"h{mb}-{r}")).seconds)
+            self.times[mb].append(_measured_push(self.loop.run_until_complete, sender, self.args, f"h{mb}-{r}").seconds)
 
     def close(self) -> None:
-        for i, sender in enumerate(self.senders.values()):
+        for sender in self.senders.values():
             self.loop.run_until_complete(sender._close_clients())
-            if i:
-                sender.group = None  # shared: closed once
-            sender.close()
+        _close_senders(self.senders)
         self.loop.close()
         try:
             self.conn.send("stop")

@@ -151,10 +151,10 @@ class EngineClient:
         url = (url or self.urls[0]).rstrip("/")
         session = self._get_session()
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s) if timeout_s else None
-        body = None if payload is None else dumps_body(payload) if isinstance(payload, dict) else json.dumps(payload)
+        data = None if payload is None else dumps_body(payload) if isinstance(payload, dict) else json.dumps(payload)
         for attempt in range(self.connect_retries + 1):
             try:
-                async with session.request(method, url + endpoint, data=body, headers=_JSON if body is not None else None,
+                async with session.request(method, url + endpoint, data=data, headers=_JSON if data is not None else None,
                                            timeout=timeout) as resp:
                     raw = await resp.read()
                     body = _parse(raw, resp.content_type)

@@ -244,9 +244,10 @@ class RolloutManager:
                     raise
                 backoff = self.client.mark_down(e.url)
                 self.stats["engine_failures"] += 1
+                live = bool(self.client.live_urls())
                 log.warning("%s failed on %s (%s); resubmitting it to %s", what, e.url, e,
-                            "a live engine" if self.client.live_urls() else f"the first engine back (in {backoff:.0f} s)")
-                if not self.client.live_urls():
+                            "a live engine" if live else f"the first engine back (in {backoff:.0f} s)")
+                if not live:
                     await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
 
     def _score(self, prompt, sample: Sample) -> tuple[float, str | None]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moe_rl.engine.client import EngineError, EngineHTTPError
 from moe_rl.kernels.bucket_pack import pack
 
 from ..model.hf_io import bind_hf_views, expert_owner
@@ -62,8 +63,6 @@ class SyncStats:
 
 def _unreachable(reply) -> bool:
     """The engine gave no answer at all (refused, dropped, timed out): it is down, not refusing."""
-    from moe_rl.engine.client import EngineError, EngineHTTPError
-
     return isinstance(reply, EngineError) and not isinstance(reply, EngineHTTPError)
 
 
