@@ -76,6 +76,9 @@ class RolloutConfig(Strict):
     max_inflight_groups: int | None = Field(None, ge=1)
     engine_retry_s: float = Field(300.0, ge=0, description="how long a generate request whose engine failed "
                                   "(refused, dropped, no answer, HTTP 5xx) is resubmitted to live engines; 0 = never")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and sample "
+                                   "more until the step has prompts_per_step groups with signal")
+    max_sampling_rounds: int = Field(3, ge=1, description="dynamic_sampling: rounds of sampling per step at most")
 
 
 class ReplayConfig(Strict):
@@ -97,14 +100,20 @@ class SyncConfig(Strict):
 
 
 class AlgoConfig(Strict):
-    advantage: Literal["grpo"] = "grpo"
-    std_normalize: bool = True
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"  # docs/algorithms.md
+    std_normalize: bool = True  # grpo only
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     tis_cap: float | None = Field(2.0, gt=0, description="truncated importance sampling cap; null = off")
     icepop_low: float | None = Field(0.5, gt=0)
     icepop_high: float | None = Field(2.0, gt=0)
-    loss_agg: Literal["token", "sequence"] = "token"
+    loss_agg: Literal["token", "sequence", "token_sum_norm"] = "token"
+    loss_norm_tokens: int | None = Field(None, ge=1, description="token_sum_norm's constant divisor; "
+                                         "null = rollout.max_new_tokens x sequences in the step")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: last tokens before "
+                                 "rollout.max_new_tokens that are penalised; 0 = off")
+    overlong_penalty: float = Field(1.0, ge=0, description="reward penalty of a response cut at max_new_tokens")
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
 
@@ -176,6 +185,9 @@ class ExperimentConfig(Strict):
             raise ValueError("engine.kind=embedded needs pools.rollout >= 1")
         if self.engine.kind == "sglang" and not self.engine.urls and not self.engine.sglang_model_path:
             raise ValueError("engine.kind=sglang needs engine.urls (attach) or engine.sglang_model_path (launch)")
+        if self.algo.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(f"algo.overlong_buffer={self.algo.overlong_buffer} exceeds "
+                             f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
         if self.data.task == "jsonl" and not self.data.path:
             raise ValueError("data.task=jsonl needs data.path")
         return self

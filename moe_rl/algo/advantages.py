@@ -1,4 +1,12 @@
-"""GRPO group advantages.
+"""Group advantages (GRPO, Dr. GRPO, RLOO) and DAPO's overlong reward shaping.
+
+``compute_advantages`` is the entry point the rollout path uses; ``algo.advantage`` picks:
+
+* ``grpo``:   (r - mean_g) / (std_g + eps) with ``algo.std_normalize`` (else r - mean_g);
+* ``drgrpo``: r - mean_g, never divided by a std (Dr. GRPO: the std favours easy/hard prompts);
+* ``rloo``:   r_i - mean of the *other* members of its group = n/(n-1) * (r_i - mean_g).
+
+A group of one sample gets 0 under all three (it has no baseline but itself).
 
 A group is the n samples drawn for one prompt. The baseline is the group's mean reward; with
 ``std_normalize`` the centred rewards are divided by the group's standard deviation.
@@ -15,6 +23,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..config import AlgoConfig
+
+STD_EPS = 1e-6
 
 
 def grpo_advantages(rewards: Tensor, std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
@@ -57,3 +69,61 @@ def grpo_advantages_by_group(
     gmin = torch.full((G,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, inv, r, "amin")
     constant = (gmax == gmin)[inv]
     return torch.where(constant, torch.zeros_like(centred), centred)
+
+
+def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, (int(inv.max()) + 1 if inv.numel() else 0)
+
+
+def compute_advantages(rewards: Tensor, group_ids: Tensor, cfg: AlgoConfig) -> Tensor:
+    """rewards [N], group_ids [N] (ragged groups allowed) -> advantages [N] per ``cfg.advantage``.
+
+    Constant groups (including groups of one) get exact zeros under every estimator.
+    """
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError("rewards and group_ids must be 1-D tensors of the same length")
+    if cfg.advantage == "grpo":
+        return grpo_advantages_by_group(rewards, group_ids, std_normalize=cfg.std_normalize, eps=STD_EPS)
+    if cfg.advantage not in ("drgrpo", "rloo"):
+        raise ValueError(f"algo.advantage={cfg.advantage!r}: expected 'grpo', 'drgrpo' or 'rloo'")
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    inv, G = _group_index(group_ids)
+    zeros = torch.zeros(G, dtype=r.dtype, device=r.device)
+    count = zeros.index_add(0, inv, torch.ones_like(r))
+    total = zeros.index_add(0, inv, r)
+    if cfg.advantage == "drgrpo":
+        adv = r - (total / count)[inv]
+    else:  # leave-one-out mean of the others; a group of one has no others
+        n = count[inv]
+        adv = torch.where(n > 1, r - (total[inv] - r) / (n - 1).clamp(min=1), torch.zeros_like(r))
+    gmax = torch.full((G,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, inv, r, "amax")
+    gmin = torch.full((G,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, inv, r, "amin")
+    return torch.where((gmax == gmin)[inv], torch.zeros_like(adv), adv)
+
+
+def constant_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """The group ids (sorted) whose rewards are all equal: no advantage signal (DAPO drops them)."""
+    inv, G = _group_index(group_ids)
+    r = rewards.to(torch.float64)
+    gmax = torch.full((G,), -torch.inf, dtype=r.dtype).scatter_reduce_(0, inv, r, "amax")
+    gmin = torch.full((G,), torch.inf, dtype=r.dtype).scatter_reduce_(0, inv, r, "amin")
+    return torch.unique(group_ids)[gmax == gmin]
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, cfg: AlgoConfig) -> Tensor:
+    """DAPO's soft overlong punishment, a reward term [N] (<= 0) for responses of ``lengths``.
+
+    With buffer b = ``algo.overlong_buffer`` and p = ``algo.overlong_penalty``: a response of
+    length L in (max_len - b, max_len] gets -((L - (max_len - b)) / b) * p, rising linearly to
+    the full -p for one cut at max_len; 0 outside the buffer and when b == 0 (off). A response
+    longer than max_len (a prompt with its own, larger limit) gets the full -p.
+    """
+    b = cfg.overlong_buffer
+    out = torch.zeros(lengths.shape, dtype=torch.float64, device=lengths.device)
+    if b == 0:
+        return out
+    if b > max_len:
+        raise ValueError(f"algo.overlong_buffer={b} exceeds the maximum response length {max_len}")
+    over = (lengths.to(torch.float64) - (max_len - b)).clamp(min=0.0, max=float(b))
+    return out - over / b * cfg.overlong_penalty

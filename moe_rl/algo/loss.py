@@ -1,4 +1,5 @@
-"""The decoupled PPO policy loss (AReaL) with TIS, IcePop, k3 KL and an entropy bonus.
+"""The policy loss: decoupled PPO (AReaL), GSPO or CISPO, with TIS, IcePop, k3 KL and an
+entropy bonus.
 
 Three policies meet here, all as per-token log-probs of the sampled response tokens:
 
@@ -11,6 +12,14 @@ Three policies meet here, all as per-token log-probs of the sampled response tok
 Per token t (A = advantage, u = pi_theta/pi_prox, w = pi_prox/pi_behav)::
 
     pg_t = w_t * max(-A_t * u_t, -A_t * clip(u_t, 1 - clip_low, 1 + clip_high))
+
+``algo.policy_loss`` replaces the bracket (sg = stop-gradient, A_i the sequence's advantage)::
+
+    ppo:   max(-A u_t, -A clip(u_t))                      u_t = exp(logp_t - prox_t)
+    gspo:  max(-A r_t, -A clip(r_t))   r_t = exp(logp_t - sg(logp_t) + sg(log s_i)),
+           s_i = exp(mean over the loss-mask tokens of sequence i of (logp - prox))
+           (value s_i at every token, gradient s_i * d logp_t: one clip decision per sequence)
+    cispo: -sg(clip(u_t)) * A * logp_t                    (the clip bounds the weight only)
 
 ``w`` is detached and, with ``tis_cap``, truncated at the cap (TIS). IcePop: a token whose
 train/infer ratio w lies outside [icepop_low, icepop_high] is masked out (contributes zero)
@@ -25,6 +34,9 @@ the gradients. So the normaliser is the step's GLOBAL one, passed in:
 
 * ``loss_agg="token"``:    loss = sum_t mask_t * l_t / num_tokens_global
 * ``loss_agg="sequence"``: loss = sum_s mean_{t in s} l_t / num_seqs_global
+* ``loss_agg="token_sum_norm"`` (Dr. GRPO): loss = sum_t mask_t * l_t / algo.loss_norm_tokens,
+  a constant (the loop's default: rollout.max_new_tokens x sequences in the step), so a long
+  response's tokens weigh no less than a short one's
 
 ``num_tokens_global`` counts the tokens with ``mask == 1`` in the whole step (all ranks, all
 micro-batches); ``num_seqs_global`` counts the sequences that have at least one such token.
@@ -108,8 +120,13 @@ def policy_loss(
                     ("ref_logp", ref_logp), ("entropy", entropy)):
         if t is not None and t.shape != (T,):
             raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)}, expected ({T},) like logp")
-    if cfg.loss_agg not in ("token", "sequence"):
-        raise ValueError(f"algo.loss_agg={cfg.loss_agg!r}: expected 'token' or 'sequence'")
+    if cfg.loss_agg not in ("token", "sequence", "token_sum_norm"):
+        raise ValueError(f"algo.loss_agg={cfg.loss_agg!r}: expected 'token', 'sequence' or 'token_sum_norm'")
+    if cfg.policy_loss not in ("ppo", "gspo", "cispo"):
+        raise ValueError(f"algo.policy_loss={cfg.policy_loss!r}: expected 'ppo', 'gspo' or 'cispo'")
+    if cfg.loss_agg == "token_sum_norm" and cfg.loss_norm_tokens is None:
+        raise ValueError("algo.loss_agg=token_sum_norm needs algo.loss_norm_tokens (the trainer loop sets it to "
+                         "rollout.max_new_tokens x sequences in the step when it is null)")
 
     dtype = torch.promote_types(logp.dtype, torch.float32)
     logp = logp.to(dtype)
@@ -118,6 +135,14 @@ def policy_loss(
     adv = advantages.detach().to(dtype)
     keep = mask > 0
     n_local = int(keep.sum())
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+
+    # per-sequence bookkeeping (GSPO's ratio, sequence aggregation)
+    need_seqs = cfg.policy_loss == "gspo" or cfg.loss_agg == "sequence"
+    if need_seqs:
+        _, inv = torch.unique(seq_ids, return_inverse=True)
+        S = int(inv.max()) + 1 if T else 0
+        tok_count = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, keep.to(dtype))
 
     # behaviour weight w = pi_prox / pi_behav: IcePop mask, then TIS truncation
     log_w = prox - behav
@@ -135,18 +160,36 @@ def policy_loss(
     else:
         tis = torch.zeros_like(keep)
 
+    # GSPO's sequence ratio s_i = exp(mean over the loss-mask tokens of (logp - prox)), taken
+    # before IcePop drops tokens (IcePop/TIS weigh the token losses afterwards)
+    if cfg.policy_loss == "gspo":
+        d = torch.where(keep, logp.detach() - prox, zero)
+        log_s = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, d) / tok_count.clamp(min=1.0)
+
     # Tokens that do not count see logp := prox (ratio 1, zero gradient), so garbage values at
     # padding or huge ratios at IcePop-masked tokens cannot turn into inf * 0 = NaN.
     logp = torch.where(live, logp, prox)
     w = torch.where(live, w, torch.ones_like(w))
     adv = torch.where(live, adv, torch.zeros_like(adv))
 
-    # PPO clip against the proximal policy, min form (max of the negated objectives)
-    ratio = (logp - prox).exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    pg = torch.maximum(unclipped, clipped) * w
-    clip_active = (clipped > unclipped) & live
+    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    if cfg.policy_loss == "cispo":
+        # CISPO (MiniMax-M1): REINFORCE on logp weighted by the clipped, detached ratio; a token
+        # outside the clip range keeps its gradient (only its weight is bounded)
+        ratio = (logp - prox).exp()
+        pg = -(ratio.clamp(lo, hi).detach() * adv * logp) * w
+        clip_active = ((ratio < lo) | (ratio > hi)) & live
+    else:
+        if cfg.policy_loss == "gspo":
+            # value s_i at every token of sequence i, gradient d r_it / d logp_it = s_i
+            ratio = (logp - logp.detach() + log_s[inv]).exp()
+        else:
+            ratio = (logp - prox).exp()
+        # PPO clip against the proximal policy, min form (max of the negated objectives)
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(lo, hi)
+        pg = torch.maximum(unclipped, clipped) * w
+        clip_active = (clipped > unclipped) & live
 
     per_token = pg
     kl = None
@@ -154,20 +197,10 @@ def policy_loss(
         kl = k3(ref_logp.detach().to(dtype) - logp)
         per_token = per_token + cfg.kl_coef * kl
     if entropy is not None and cfg.entropy_coef > 0:
-        ent = torch.where(live, entropy.to(dtype), torch.zeros((), dtype=dtype, device=logp.device))
+        ent = torch.where(live, entropy.to(dtype), zero)
         per_token = per_token - cfg.entropy_coef * ent
 
-    zero = torch.zeros((), dtype=dtype, device=logp.device)
-    if cfg.loss_agg == "token":
-        denom = float(num_tokens_global) if num_tokens_global is not None else float(n_local)
-        denom = max(denom, 1.0)
-
-        def agg(x: Tensor) -> Tensor:
-            return torch.where(live, x, zero).sum() / denom
-    else:
-        _, inv = torch.unique(seq_ids, return_inverse=True)
-        S = int(inv.max()) + 1 if T else 0
-        tok_count = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, keep.to(dtype))
+    if cfg.loss_agg == "sequence":
         per_tok_scale = 1.0 / tok_count.clamp(min=1.0)[inv]
         n_seqs = int((tok_count > 0).sum())
         denom = float(num_seqs_global) if num_seqs_global is not None else float(n_seqs)
@@ -175,6 +208,15 @@ def policy_loss(
 
         def agg(x: Tensor) -> Tensor:
             return (torch.where(live, x, zero) * per_tok_scale).sum() / denom
+    else:
+        if cfg.loss_agg == "token":
+            denom = float(num_tokens_global) if num_tokens_global is not None else float(n_local)
+        else:  # token_sum_norm (Dr. GRPO): a constant, not the token count
+            denom = float(cfg.loss_norm_tokens)
+        denom = max(denom, 1.0)
+
+        def agg(x: Tensor) -> Tensor:
+            return torch.where(live, x, zero).sum() / denom
 
     loss = agg(per_token)
 
@@ -182,7 +224,7 @@ def policy_loss(
         nk, nl = max(n_local, 1), max(int(live.sum()), 1)
         metrics: dict[str, float] = {
             "pg_loss": float(agg(pg.detach())),
-            "clip_frac": float(clip_active.sum()) / nl,
+            "clip_frac": float(clip_active.sum()) / nl,  # of the live tokens (GSPO: token-weighted sequences)
             "tis_frac": float(tis.sum()) / nk,
             "icepop_frac": float(ice.sum()) / nk,
             "ratio_mean": float(torch.where(live, ratio.detach(), zero).sum()) / nl,
@@ -194,5 +236,9 @@ def policy_loss(
         mm = mismatch_metrics(prox, behav, keep)
         metrics["mismatch_k3"] = mm["mismatch_k3"]
         metrics["mismatch_max_ratio"] = mm["mismatch_max_ratio"]
+        if cfg.policy_loss == "gspo":
+            live_seq = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, live.to(dtype)) > 0
+            clipped_seq = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, clip_active.to(dtype)) > 0
+            metrics["clip_frac_seq"] = float(clipped_seq.sum()) / max(int(live_seq.sum()), 1)
         metrics["loss"] = float(loss.detach())
     return loss, metrics

@@ -93,6 +93,18 @@ class RolloutManager:
 
         self._call(f)
 
+    def resample(self, n: int) -> None:
+        """``n`` groups the trainer took were dropped (DAPO dynamic sampling): let ``n`` more be
+        submitted. The gate counts only groups trained on, so the pipeline keeps its depth and a
+        replacement is still no more than eta versions old when trained on."""
+
+        def f():
+            with self.lock:
+                self.submitted -= n
+            self._wake.set()
+
+        self._call(f)
+
     def stop(self) -> None:
         self._stop = True
         if self._thread.is_alive():

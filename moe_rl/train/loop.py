@@ -4,9 +4,9 @@ Trainer rank 0 also runs the rollout manager (a thread with its own event loop) 
 buffer; each step's batch is broadcast to the other trainer ranks, which take their shard.
 Per step:
 
-  take B groups (staleness bound eta) -> GRPO advantages -> per rank: packed micro-batches with
-  the engine's routing to replay -> log-probs (fused kernel) -> decoupled-PPO loss -> backward ->
-  optimizer step (version += 1) -> pause engines, bucketed weight sync, continue -> metrics,
+  take B groups (staleness bound eta; DAPO dynamic sampling) -> advantages -> per rank: packed
+  micro-batches with the engine's routing to replay -> log-probs (fused kernel) -> policy loss ->
+  backward -> optimizer step (version += 1) -> pause engines, bucketed weight sync, continue -> metrics,
   checkpoint.
 
 With one optimizer update per batch the proximal policy (the trainer before its update) is
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_rl.algo import grpo_advantages_by_group, mismatch_metrics, policy_loss
+from moe_rl.algo import compute_advantages, constant_groups, mismatch_metrics, overlong_penalty, policy_loss
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.host import exchange_urls
 from moe_rl.replay import ReplayLog, RoutingSpec, align_replay, filler_ids, packed_layout
@@ -101,6 +101,7 @@ class Trainer:
         self.step, self.version = 0, 0
         self.manager: RolloutManager | None = None
         self.buffer = RolloutBuffer()
+        self.dyn_dropped_total = 0  # groups dropped by dynamic sampling since this process started
         self.reader: ReplayLog | None = None
         self.writer: ReplayLog | None = None
 
@@ -163,29 +164,64 @@ class Trainer:
         """Rank 0 takes B groups and computes advantages; every trainer rank gets the batch."""
         obj = [None]
         if self.lead:
-            eta = self.cfg.rollout.max_staleness
             t0 = time.perf_counter()
-            groups = self.buffer.take(self.cfg.rollout.prompts_per_step, self.version - eta, alive=self.manager.check)
+            groups, sampled, dyn = self._take_groups()
             wait_s = time.perf_counter() - t0
-            samples = [s for g in groups for s in g.samples]
-            ok = [s for s in samples if s.failed is None]
-            adv = grpo_advantages_by_group(
-                torch.tensor([s.reward for s in ok], dtype=torch.float64),
-                torch.tensor([s.group_id for s in ok]), std_normalize=self.cfg.algo.std_normalize,
-            ) if ok else torch.zeros(0)
+            samples = [s for g in sampled for s in g.samples]  # rewards are reported over all sampled
+            ok = [s for g in groups for s in g.trainable]
+            adv = compute_advantages(self._shaped_rewards(ok), torch.tensor([s.group_id for s in ok]),
+                                     self.cfg.algo) if ok else torch.zeros(0)
             batch = [dict(uid=s.uid, group_id=s.group_id, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
                           behaviour_logprobs=s.behaviour_logprobs, versions=s.versions, advantage=float(a),
                           has_routing=s.has_routing) for s, a in zip(ok, adv.tolist())]
             info = dict(
                 wait_s=wait_s, groups=[g.group_id for g in groups], rewards=[s.reward for s in samples],
-                failed=len(samples) - len(ok), lengths=[len(s.response_ids) for s in samples],
+                failed=sum(s.failed is not None for s in samples), lengths=[len(s.response_ids) for s in samples],
                 resumes=sum(s.resumes for s in samples),
-                staleness=[self.version - v for s in ok for v in s.versions],
+                staleness=[self.version - v for s in ok for v in s.versions], **dyn,
             )
             obj = [(batch, info)]
         if self.n_trainers > 1:
             dist.broadcast_object_list(obj, group=self.groups.trainer, group_src=0)
         return obj[0]
+
+    def _shaped_rewards(self, samples) -> torch.Tensor:
+        """Task rewards plus DAPO's overlong penalty (zero while algo.overlong_buffer is 0)."""
+        r = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        return r + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, self.cfg.algo)
+
+    def _take_groups(self):
+        """(groups to train on, every group sampled, dynamic-sampling metrics).
+
+        With rollout.dynamic_sampling (DAPO) a group whose shaped rewards are all equal has no
+        advantage signal and is dropped; the manager may then submit as many groups more (its
+        staleness gate counts only kept ones) and the step takes them, for at most
+        rollout.max_sampling_rounds rounds. When they run out the step trains on the groups it
+        has; if none has signal it trains on one (zero advantages) so that it always has one.
+        """
+        ro = self.cfg.rollout
+        B, min_version = ro.prompts_per_step, self.version - ro.max_staleness
+        take = lambda n: self.buffer.take(n, min_version, alive=self.manager.check)  # noqa: E731
+        if not ro.dynamic_sampling:
+            groups = take(B)
+            return groups, groups, {}
+        kept, sampled, rounds = [], [], 0
+        while len(kept) < B and rounds < ro.max_sampling_rounds:
+            need = B - len(kept)
+            if rounds > 0:
+                self.manager.resample(need)
+            got = take(need)
+            rounds += 1
+            sampled += got
+            ok = [s for g in got for s in g.trainable]
+            flat = set(constant_groups(self._shaped_rewards(ok), torch.tensor([s.group_id for s in ok])).tolist())
+            kept += [g for g in got if g.trainable and g.group_id not in flat]
+        dropped = len(sampled) - len(kept)
+        self.dyn_dropped_total += dropped
+        dyn = dict(dyn_rounds=rounds, dyn_dropped_groups=dropped, dyn_dropped_groups_total=self.dyn_dropped_total,
+                   dyn_shortfall=B - len(kept))
+        return kept or sampled[:1], sampled, dyn
 
     def train_step(self, batch: list[dict]) -> dict:
         cfg = self.cfg
@@ -199,6 +235,9 @@ class Trainer:
         n_tok = sum(len(s["response_ids"]) for s in batch)
         n_seq = sum(1 for s in batch if s["response_ids"])
         temp = cfg.rollout.temperature
+        algo = cfg.algo
+        if algo.loss_agg == "token_sum_norm" and algo.loss_norm_tokens is None:
+            algo = algo.model_copy(update={"loss_norm_tokens": cfg.rollout.max_new_tokens * max(len(batch), 1)})
         sums = torch.zeros(8, dtype=torch.float64)  # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n
         max_ratio = torch.zeros(1, dtype=torch.float64)
         need_entropy = cfg.algo.entropy_coef > 0
@@ -218,7 +257,7 @@ class Trainer:
                 with torch.no_grad():
                     ref_logp = self.ref.logprobs(mb, temp)[0][resp_pos]
             loss, m = policy_loss(
-                logp, logp.detach(), behav, adv, mask, seq_ids, cfg.algo, ref_logp=ref_logp,
+                logp, logp.detach(), behav, adv, mask, seq_ids, algo, ref_logp=ref_logp,
                 entropy=None if ent_all is None else ent_all[resp_pos],
                 num_tokens_global=n_tok, num_seqs_global=n_seq,
             )
@@ -323,6 +362,7 @@ class Trainer:
             "engine_failures": self.manager.stats["engine_failures"],  # resubmitted requests, cumulative
             "engines_skipped": len(sync.skipped) if sync is not None else 0,  # down at this sync
             "groups": info["groups"],
+            **{k: v for k, v in info.items() if k.startswith("dyn_")},
             "wall_s": wall,
         }
         self.tracker.log(self.step, row, histograms={"staleness": st})
