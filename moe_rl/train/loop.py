@@ -40,6 +40,43 @@ from .tracking import Tracker
 log = logging.getLogger(__name__)
 
 
+# --- groups -> batch -----------------------------------------------------------------------
+def shaped_rewards(samples, cfg) -> torch.Tensor:
+    """Task rewards plus DAPO's overlong penalty (zero while algo.overlong_buffer is 0)."""
+    r = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    return r + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.algo)
+
+
+def take_groups(cfg, buffer: RolloutBuffer, manager: RolloutManager, version: int, timeout: float | None = None):
+    """(groups to train on, every group taken, dynamic-sampling metrics) for the step at ``version``.
+
+    With rollout.dynamic_sampling (DAPO) a group whose shaped rewards are all equal has no
+    advantage signal and is dropped; the manager may then submit as many more (``resample``:
+    its staleness gate counts only groups trained on) and the step takes them, for at most
+    rollout.max_sampling_rounds rounds. When they run out the step trains on the groups it has;
+    if none has signal it trains on one (zero advantages) so that it always has one.
+    """
+    ro = cfg.rollout
+    B, min_version = ro.prompts_per_step, version - ro.max_staleness
+    if not ro.dynamic_sampling:
+        groups = buffer.take(B, min_version, timeout, alive=manager.check)
+        return groups, groups, {}
+    kept, taken, rounds = [], [], 0
+    while len(kept) < B and rounds < ro.max_sampling_rounds:
+        need = B - len(kept)
+        if rounds > 0:
+            manager.resample(need)
+        got = buffer.take(need, min_version, timeout, alive=manager.check)
+        rounds += 1
+        taken += got
+        ok = [s for g in got for s in g.trainable]
+        flat = set(constant_groups(shaped_rewards(ok, cfg), torch.tensor([s.group_id for s in ok])).tolist())
+        kept += [g for g in got if g.trainable and g.group_id not in flat]
+    dyn = dict(dyn_rounds=rounds, dyn_dropped_groups=len(taken) - len(kept), dyn_shortfall=B - len(kept))
+    return kept or taken[:1], taken, dyn
+
+
 # --- batch -> micro-batches ---------------------------------------------------------------
 def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay_log, use_replay: bool):
     """Packs ``samples`` (this rank's shard) into exactly ``n_micro`` micro-batches; a rank
@@ -101,7 +138,6 @@ class Trainer:
         self.step, self.version = 0, 0
         self.manager: RolloutManager | None = None
         self.buffer = RolloutBuffer()
-        self.dyn_dropped_total = 0  # groups dropped by dynamic sampling since this process started
         self.reader: ReplayLog | None = None
         self.writer: ReplayLog | None = None
 
@@ -165,11 +201,11 @@ class Trainer:
         obj = [None]
         if self.lead:
             t0 = time.perf_counter()
-            groups, sampled, dyn = self._take_groups()
+            groups, sampled, dyn = take_groups(self.cfg, self.buffer, self.manager, self.version)
             wait_s = time.perf_counter() - t0
             samples = [s for g in sampled for s in g.samples]  # rewards are reported over all sampled
             ok = [s for g in groups for s in g.trainable]
-            adv = compute_advantages(self._shaped_rewards(ok), torch.tensor([s.group_id for s in ok]),
+            adv = compute_advantages(shaped_rewards(ok, self.cfg), torch.tensor([s.group_id for s in ok]),
                                      self.cfg.algo) if ok else torch.zeros(0)
             batch = [dict(uid=s.uid, group_id=s.group_id, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
                           behaviour_logprobs=s.behaviour_logprobs, versions=s.versions, advantage=float(a),
@@ -184,44 +220,6 @@ class Trainer:
         if self.n_trainers > 1:
             dist.broadcast_object_list(obj, group=self.groups.trainer, group_src=0)
         return obj[0]
-
-    def _shaped_rewards(self, samples) -> torch.Tensor:
-        """Task rewards plus DAPO's overlong penalty (zero while algo.overlong_buffer is 0)."""
-        r = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
-        return r + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, self.cfg.algo)
-
-    def _take_groups(self):
-        """(groups to train on, every group sampled, dynamic-sampling metrics).
-
-        With rollout.dynamic_sampling (DAPO) a group whose shaped rewards are all equal has no
-        advantage signal and is dropped; the manager may then submit as many groups more (its
-        staleness gate counts only kept ones) and the step takes them, for at most
-        rollout.max_sampling_rounds rounds. When they run out the step trains on the groups it
-        has; if none has signal it trains on one (zero advantages) so that it always has one.
-        """
-        ro = self.cfg.rollout
-        B, min_version = ro.prompts_per_step, self.version - ro.max_staleness
-        take = lambda n: self.buffer.take(n, min_version, alive=self.manager.check)  # noqa: E731
-        if not ro.dynamic_sampling:
-            groups = take(B)
-            return groups, groups, {}
-        kept, sampled, rounds = [], [], 0
-        while len(kept) < B and rounds < ro.max_sampling_rounds:
-            need = B - len(kept)
-            if rounds > 0:
-                self.manager.resample(need)
-            got = take(need)
-            rounds += 1
-            sampled += got
-            ok = [s for g in got for s in g.trainable]
-            flat = set(constant_groups(self._shaped_rewards(ok), torch.tensor([s.group_id for s in ok])).tolist())
-            kept += [g for g in got if g.trainable and g.group_id not in flat]
-        dropped = len(sampled) - len(kept)
-        self.dyn_dropped_total += dropped
-        dyn = dict(dyn_rounds=rounds, dyn_dropped_groups=dropped, dyn_dropped_groups_total=self.dyn_dropped_total,
-                   dyn_shortfall=B - len(kept))
-        return kept or sampled[:1], sampled, dyn
 
     def train_step(self, batch: list[dict]) -> dict:
         cfg = self.cfg
