@@ -56,6 +56,8 @@ def take_groups(cfg, buffer: RolloutBuffer, manager: RolloutManager, version: in
     its staleness gate counts only groups trained on) and the step takes them, for at most
     rollout.max_sampling_rounds rounds. When they run out the step trains on the groups it has;
     if none has signal it trains on one (zero advantages) so that it always has one.
+    The groups taken but not trained on are listed (``dyn_dropped_ids``): every prompt drawn is
+    accounted for.
     """
     ro = cfg.rollout
     B, min_version = ro.prompts_per_step, version - ro.max_staleness
@@ -73,8 +75,11 @@ def take_groups(cfg, buffer: RolloutBuffer, manager: RolloutManager, version: in
         ok = [s for g in got for s in g.trainable]
         flat = set(constant_groups(shaped_rewards(ok, cfg), torch.tensor([s.group_id for s in ok])).tolist())
         kept += [g for g in got if g.trainable and g.group_id not in flat]
-    dyn = dict(dyn_rounds=rounds, dyn_dropped_groups=len(taken) - len(kept), dyn_shortfall=B - len(kept))
-    return kept or taken[:1], taken, dyn
+    shortfall = B - len(kept)
+    kept = kept or taken[:1]
+    dropped = [g.group_id for g in taken if g not in kept]
+    dyn = dict(dyn_rounds=rounds, dyn_dropped_groups=len(dropped), dyn_dropped_ids=dropped, dyn_shortfall=shortfall)
+    return kept, taken, dyn
 
 
 # --- batch -> micro-batches ---------------------------------------------------------------

@@ -37,6 +37,7 @@ def test_dropped_groups_are_replaced_within_the_staleness_bound(eta):
             assert len(kept) == B and not flat_of(kept)  # a third of the prompts are flat
             assert all(g.min_version >= v - eta for g in taken)
             assert dyn["dyn_dropped_groups"] == len(flat_of(taken)) == len(taken) - B
+            assert sorted(dyn["dyn_dropped_ids"]) == sorted(g.group_id for g in flat_of(taken))
             assert dyn["dyn_shortfall"] == 0
             seen += [g.group_id for g in taken]
             dropped += dyn["dyn_dropped_groups"]
@@ -58,8 +59,9 @@ def test_rounds_run_out_train_on_what_there_is():
         for v in range(3):
             kept, taken, dyn = take_groups(cfg, buffer, m, v, timeout=30)
             # every group is flat: two rounds (3 groups, then 3 more), then one group is trained on
-            assert dyn == {"dyn_rounds": 2, "dyn_dropped_groups": 6, "dyn_shortfall": 3}
             assert len(taken) == 6 and kept == taken[:1]
+            assert dyn == {"dyn_rounds": 2, "dyn_dropped_groups": 5, "dyn_shortfall": 3,
+                           "dyn_dropped_ids": [g.group_id for g in taken[1:]]}
             update_weights(m, engines, v + 1)
     finally:
         m.stop()
