@@ -42,8 +42,8 @@ the gradients. So the normaliser is the step's GLOBAL one, passed in:
 micro-batches); ``num_seqs_global`` counts the sequences that have at least one such token.
 IcePop-masked tokens stay in both counts (they are dropped from the numerator only), so the
 normalisers are known before the loss runs; :func:`loss_normalisers` computes the local
-counts to all-reduce. For sequence aggregation every sequence must lie entirely inside one
-call (the loop splits by sequences). With the normalisers left ``None`` the given tensors
+counts to all-reduce. For sequence aggregation and for gspo (whose ratio is a mean over the
+sequence) every sequence must lie entirely inside one call (the loop splits by sequences). With the normalisers left ``None`` the given tensors
 are the whole batch. Either way, the sum of the returned losses over all calls is the step's
 loss, and so are the summed gradients.
 
@@ -107,7 +107,8 @@ def policy_loss(
     num_tokens_global: int | float | None = None,
     num_seqs_global: int | float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Decoupled-PPO loss of one micro-batch; every input is per response token, 1-D [T].
+    """The policy loss (``cfg.policy_loss``) of one micro-batch; every input is per response
+    token, 1-D [T].
 
     ``mask``: 1 (or True) where the token counts. ``seq_ids``: the sample each token belongs
     to (any integers). ``advantages``: per token (a sequence's advantage repeated). Returns
