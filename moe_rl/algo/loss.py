@@ -43,8 +43,8 @@ micro-batches); ``num_seqs_global`` counts the sequences that have at least one 
 IcePop-masked tokens stay in both counts (they are dropped from the numerator only), so the
 normalisers are known before the loss runs; :func:`loss_normalisers` computes the local
 counts to all-reduce. For sequence aggregation and for gspo (whose ratio is a mean over the
-sequence) every sequence must lie entirely inside one call (the loop splits by sequences). With the normalisers left ``None`` the given tensors
-are the whole batch. Either way, the sum of the returned losses over all calls is the step's
+sequence) every sequence must lie entirely inside one call (the loop splits by sequences).
+With the normalisers left ``None`` the given tensors are the whole batch. Either way, the sum of the returned losses over all calls is the step's
 loss, and so are the summed gradients.
 
 Metrics are plain floats over the given (local) tokens; ``num_tokens`` lets the caller
