@@ -180,3 +180,34 @@ def test_serve_weight_session_and_group_endpoints_answer_as_sglang(server):
     assert codes == [400, 200, 400, 200, 400, 200, 400], answers
     assert all(isinstance(b, dict) and "success" in b for _, b in answers[:-1])
     assert ver["weight_version"] == "v7"
+
+
+def _slime_body(prompt: list[int], top_p: float, seed: int | None) -> dict:
+    """What slime's token-based rollout (slime/rollout/sglang_rollout.py: GenerateState's
+    sampling params and generate()'s payload, read at commit 0044b40) posts to /generate with
+    its defaults: stop and stop_token_ids unset, skip_special_tokens on, no_stop_trim, no spaces
+    between special tokens, custom_params when top_p < 1, a sampling seed in deterministic mode,
+    and routing replay on."""
+    sp = {"temperature": 1.0, "top_p": top_p, "top_k": -1, "max_new_tokens": 5, "stop": None, "stop_token_ids": None,
+          "skip_special_tokens": True, "no_stop_trim": True, "spaces_between_special_tokens": False}
+    if top_p != 1.0:
+        sp["custom_params"] = {"return_top_p_token_ids": True}
+    if seed is not None:
+        sp["sampling_seed"] = seed
+    return {"sampling_params": sp, "return_logprob": True, "return_routed_experts": True, "input_ids": prompt}
+
+
+@pytest.mark.parametrize("top_p,seed", [(1.0, None), (0.9, 7)])
+def test_serve_takes_slime_requests(server, top_p, seed):
+    body = _slime_body([5, 6, 7], top_p, seed)
+    _check([("POST", "/generate", body)])  # it is an SGLang request to begin with
+
+    async def run():
+        async with EngineClient(server.url, timeout_s=60) as c:
+            return await c.request("POST", "/generate", payload=body)
+
+    out = asyncio.run(run())
+    # slime reads these: tokens and log-probs from output_token_logprobs, then meta_info
+    toks = [item[1] for item in out["meta_info"]["output_token_logprobs"]]
+    assert toks == out["output_ids"] and len(toks) == 5
+    _read_like_sglang_clients(out, 3)
