@@ -59,10 +59,11 @@ def _tp_rank(conn, tp_rank: int, tp_size: int, tp_port: int) -> None:
             conn.send((False, f"{type(e).__name__}: {e}"))
 
 
-class SGLangStandIn:
-    """One SGLang server (``tp_size`` ranks) as an ``EngineAPI`` object."""
+class TPRanks:
+    """The ``tp_size`` rank processes of one stand-in server; ``all(cmd, kw)`` runs a command on
+    every rank and returns their (ok, result) replies."""
 
-    def __init__(self, name: str = "sglang-standin", tp_size: int = 2):
+    def __init__(self, tp_size: int = 2):
         from moe_rl.sync.group import free_port
 
         # fork: the TP ranks start with sglang already imported (a spawn re-imports it: ~20 s
@@ -71,7 +72,7 @@ class SGLangStandIn:
         import sglang.srt.weight_sync.tensor_bucket  # noqa: F401
 
         ctx = mp.get_context("fork")
-        self.name, self.tp_size, self.num_ranks = name, tp_size, 1  # learnt from server_info
+        self.tp_size = tp_size
         self.pipes, self.procs = [], []
         port = free_port()
         for r in range(tp_size):
@@ -84,15 +85,36 @@ class SGLangStandIn:
             if not a.poll(120):
                 raise RuntimeError("SGLang TP rank did not start")
             assert a.recv() == "ready"
-        self.session = False
-        self.requests: list[tuple[str, dict]] = []
         self._lock = threading.Lock()
 
-    def _all(self, cmd: str, kw: dict) -> list:
+    def all(self, cmd: str, kw: dict) -> list:
         with self._lock:
             for a in self.pipes:
                 a.send((cmd, kw))
             return [a.recv() for a in self.pipes]
+
+    def close(self) -> None:
+        try:
+            self.all("stop", {})
+        except Exception:
+            pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+class SGLangStandIn:
+    """One SGLang server (``tp_size`` ranks) as an ``EngineAPI`` object."""
+
+    def __init__(self, name: str = "sglang-standin", tp_size: int = 2):
+        self.name, self.tp_size, self.num_ranks = name, tp_size, 1  # num_ranks: learnt from server_info
+        self.ranks = TPRanks(tp_size)
+        self.session = False
+        self.requests: list[tuple[str, dict]] = []
+
+    def _all(self, cmd: str, kw: dict) -> list:
+        return self.ranks.all(cmd, kw)
 
     async def _call(self, cmd: str, kw: dict) -> dict:
         replies = await asyncio.get_running_loop().run_in_executor(None, self._all, cmd, kw)
@@ -146,11 +168,4 @@ class SGLangStandIn:
         return [w for _, w in self._all("get", {})]
 
     def close(self) -> None:
-        try:
-            self._all("stop", {})
-        except Exception:
-            pass
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        self.ranks.close()
