@@ -126,7 +126,7 @@ class SamplingParams:
     # SGLang fields with no effect on token ids in, token ids out (they shape detokenized text,
     # or feed a custom logit processor, which this engine refuses at the request level)
     _NO_EFFECT = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params",
-                  "ignore_eos"}  # ignore_eos: this engine stops only at stop_token_ids (docs/sglang.md)
+                  "ignore_eos"}  # ignore_eos: read by GenerateRequest.parse (the model's EOS)
 
     @classmethod
     def parse(cls, d: Any) -> "SamplingParams":
@@ -194,7 +194,10 @@ class GenerateRequest:
                 "multi_item_delimiter_indices": None, "token_indices_to_pool": None}
 
     @classmethod
-    def parse(cls, body: Any, *, vocab_size: int, max_context: int) -> "GenerateRequest":
+    def parse(cls, body: Any, *, vocab_size: int, max_context: int,
+              eos_token_ids: frozenset[int] = frozenset()) -> "GenerateRequest":
+        """``eos_token_ids``: the model's EOS (its config / generation_config), which ends a
+        sequence as in SGLang unless ``sampling_params.ignore_eos``."""
         if not isinstance(body, dict):
             raise RequestError("body", "expected a JSON object")
         known = {"input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts",
@@ -227,6 +230,9 @@ class GenerateRequest:
                 f"the input ({len(ids)} tokens) is longer than the model's context length ({max_context} tokens)",
             )
         sp = SamplingParams.parse(body.get("sampling_params"))
+        raw_sp = body.get("sampling_params") or {}
+        if eos_token_ids and not raw_sp.get("ignore_eos"):
+            sp.stop_token_ids = sp.stop_token_ids | {t for t in eos_token_ids if 0 <= t < vocab_size}
         bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestError("sampling_params.stop_token_ids", f"token id {bad[0]} is outside the vocabulary")
@@ -253,7 +259,8 @@ def is_batch(body: Any) -> bool:
     return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
-def parse_batch(body: dict, *, vocab_size: int, max_context: int) -> list[GenerateRequest]:
+def parse_batch(body: dict, *, vocab_size: int, max_context: int,
+                eos_token_ids: frozenset[int] = frozenset()) -> list[GenerateRequest]:
     """A batched /generate body -> one request per prompt. As in SGLang, ``sampling_params``
     and ``rid`` are either one value for all prompts or a list with one per prompt; other
     fields apply to all. Errors name the field and the prompt's index."""
@@ -272,7 +279,8 @@ def parse_batch(body: dict, *, vocab_size: int, max_context: int) -> list[Genera
         item = {k: v for k, v in body.items() if k not in per_item}
         item.update({k: v[i] for k, v in per_item.items()})
         try:
-            out.append(GenerateRequest.parse(item, vocab_size=vocab_size, max_context=max_context))
+            out.append(GenerateRequest.parse(item, vocab_size=vocab_size, max_context=max_context,
+                                             eos_token_ids=eos_token_ids))
         except RequestError as e:
             raise RequestError(f"prompt {i}: {e.field}", e.message) from None
     return out

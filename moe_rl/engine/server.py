@@ -17,6 +17,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +72,18 @@ async def _json(request: web.Request, *, optional: bool = False) -> Any:
         raise RequestError("body", "not valid JSON") from None
 
 
+def model_eos_ids(path: str | None) -> frozenset[int]:
+    """The EOS ids SGLang stops at: ``eos_token_id`` of the model's config.json and
+    generation_config.json (an int or a list). A random-init model (no path) has none."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        f = Path(path) / name if path else None
+        if f is not None and f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    return frozenset(ids)
+
+
 class EngineServer:
     """Handlers of one engine. ``app()`` returns the aiohttp application."""
 
@@ -80,6 +93,7 @@ class EngineServer:
         self.receiver = None  # moe_rl.sync.receiver.WeightReceiver, made on the first init
         self._update_lock = asyncio.Lock()
         self.session_open = False  # between /begin_weight_update and /end_weight_update
+        self.eos_token_ids = model_eos_ids(engine.model_path)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
@@ -125,7 +139,8 @@ class EngineServer:
     # --- generation ------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
-        limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context)
+        limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context,
+                      eos_token_ids=self.eos_token_ids)
         if P.is_batch(body):  # SGLang's batch form: a list in, a list out
             reqs = P.parse_batch(body, **limits)
             if not self.engine.alive:

@@ -109,3 +109,22 @@ def test_serve_applies_per_tensor_updates_and_refuses_what_it_cannot_apply():
     (code, body), _ = results["per_tensor"]
     assert code == 200 and results["end2"]["success"] and results["version_after"] == "10", results
     check_against_native(new, prompt, out_new, 0.0)  # the new weights, exactly
+
+
+def test_eos_ends_a_sequence_unless_ignore_eos(tmp_path):
+    """As SGLang: the model's EOS (config.json / generation_config.json) stops a request
+    without being listed in stop_token_ids; ignore_eos turns that off."""
+    import json
+
+    from moe_rl.engine.protocol import GenerateRequest
+    from moe_rl.engine.server import model_eos_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    eos = model_eos_ids(str(tmp_path))
+    assert eos == {7, 9} and model_eos_ids(None) == frozenset()
+    limits = dict(vocab_size=64, max_context=256, eos_token_ids=eos)
+    r = GenerateRequest.parse({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [3]}}, **limits)
+    assert r.sampling_params.stop_token_ids == {3, 7, 9}
+    r = GenerateRequest.parse({"input_ids": [1, 2], "sampling_params": {"ignore_eos": True}}, **limits)
+    assert r.sampling_params.stop_token_ids == frozenset()
