@@ -211,3 +211,24 @@ def test_serve_takes_slime_requests(server, top_p, seed):
     toks = [item[1] for item in out["meta_info"]["output_token_logprobs"]]
     assert toks == out["output_ids"] and len(toks) == 5
     _read_like_sglang_clients(out, 3)
+
+
+def test_serve_takes_verl_http_adapter_requests(server):
+    """verl's AsyncHttpServerAdapter (verl/workers/rollout/sglang_rollout/http_server_engine.py,
+    read at commit 03620c9): at launch GET /health_generate then GET /flush_cache until 200;
+    generate() posts {text, sampling_params, input_ids, image_data, return_logprob,
+    logprob_start_len, top_logprobs_num, token_ids_logprob, lora_path, custom_logit_processor}
+    with the None values dropped: token ids in, log-probs on. (The sampling params come from
+    verl's rollout config; the ones here are a plain set, not read from verl.)"""
+    body = {"sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 4},
+            "input_ids": [9, 8, 7], "return_logprob": True}
+    _check([("GET", "/health_generate", None), ("GET", "/flush_cache", None), ("POST", "/generate", body)])
+
+    async def run():
+        async with EngineClient(server.url, timeout_s=60) as c:
+            await c.request("GET", "/health_generate")
+            await c.request("GET", "/flush_cache")
+            return await c.request("POST", "/generate", payload=body)
+
+    out = asyncio.run(run())
+    assert len(out["output_ids"]) == 4 and len(out["meta_info"]["output_token_logprobs"]) == 4
