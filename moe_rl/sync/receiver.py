@@ -177,13 +177,7 @@ class WeightReceiver:
 
         if not lay.checked:  # against the model, once per layout (after the receive, see above)
             for name, shape in zip(names, shapes):
-                live = self.params.get(name)
-                if live is None:
-                    raise WeightSyncError(f"unknown tensor {name!r}: the engine's model has no such parameter")
-                if tuple(live.shape) != tuple(shape):
-                    raise WeightSyncError(f"shape mismatch for {name}: sent {tuple(shape)}, the model has {tuple(live.shape)}")
-                if live.dtype != dtype:
-                    raise WeightSyncError(f"dtype mismatch for {name}: sent {dtype}, the model has {live.dtype}")
+                self._check_tensor(name, shape, dtype)
             if len(set(names)) != len(names):
                 dup = next(n for n in names if names.count(n) > 1)
                 raise WeightSyncError(f"tensor {dup} sent twice in update {weight_version}")
@@ -206,7 +200,7 @@ class WeightReceiver:
         self._received_buckets += 1
         return len(self._staged) == len(self.params)
 
-    def _check_tensor(self, name: str, shape, dtype: torch.dtype, weight_version) -> None:
+    def _check_tensor(self, name: str, shape, dtype: torch.dtype) -> None:
         live = self.params.get(name)
         if live is None:
             raise WeightSyncError(f"unknown tensor {name!r}: the engine's model has no such parameter")
@@ -214,8 +208,6 @@ class WeightReceiver:
             raise WeightSyncError(f"shape mismatch for {name}: sent {tuple(shape)}, the model has {tuple(live.shape)}")
         if live.dtype != dtype:
             raise WeightSyncError(f"dtype mismatch for {name}: sent {dtype}, the model has {live.dtype}")
-        if name in self._staged:
-            raise WeightSyncError(f"tensor {name} sent twice in update {weight_version}")
 
     def _receive_by_bytes(self, group, names, dtypes, shapes, *, per_tensor, weight_version, checksum) -> bool:
         """SGLang's other two wire forms: one broadcast per tensor (no load_format), or a
@@ -248,9 +240,10 @@ class WeightReceiver:
         if checksum is not None:
             raise WeightSyncError("a checksum is only checked on a single-dtype flattened bucket")
         for n, sh, dt in zip(names, shapes, dtypes):
-            self._check_tensor(n, sh, dt, weight_version)
-        if len(set(names)) != len(names):
-            raise WeightSyncError(f"a tensor is sent twice in update {weight_version}")
+            self._check_tensor(n, sh, dt)
+        if len(set(names)) != len(names) or not self._staged.keys().isdisjoint(names):
+            dup = next(n for n in names if n in self._staged or names.count(n) > 1)
+            raise WeightSyncError(f"tensor {dup} sent twice in update {weight_version}")
         self._staged.update(zip(names, views))
         self._buffers.extend(bufs)
         self._received_buckets += 1
