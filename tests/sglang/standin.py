@@ -21,9 +21,18 @@ def _tp_rank(conn, tp_rank: int, tp_size: int, tp_port: int) -> None:
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=tp_rank, world_size=tp_size)
+    import os
+
+    parent = os.getppid()
     groups, weights = {}, {}
     conn.send("ready")
     while True:
+        # a sibling inherited this pipe's other end, so the parent's death is no EOF here:
+        # poll, and leave once the parent is gone
+        if not conn.poll(1.0):
+            if os.getppid() != parent:
+                return
+            continue
         cmd, kw = conn.recv()
         try:
             if cmd == "stop":

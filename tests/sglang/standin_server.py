@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -122,8 +123,10 @@ async def main(argv: list[str]) -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     print(f"moe-rl engine listening on http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # run the cleanup below
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await runner.cleanup()
         engine.stop()
