@@ -11,3 +11,9 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+# The conformance suite (tests/sglang) runs SGLang's own code on CPU: the wheel only, without its
+# dependencies (torch is kept; the few light ones it needs are in the test extra).
+SGLANG_VERSION=0.5.23
+if [[ ",${EXTRAS}," == *",test,"* ]]; then
+  "$PY" -m pip install -q --no-deps "sglang==${SGLANG_VERSION}"
+fi

@@ -337,6 +337,18 @@ class EngineHandle:
     async def flush_cache(self) -> Any:
         return (await self.client.flush_cache(urls=[self.url]))[0]
 
+    async def begin_weight_update(self) -> dict:
+        return await self.client.request("POST", "/begin_weight_update", self.url, {})
+
+    async def end_weight_update(self) -> dict:
+        return await self.client.request("POST", "/end_weight_update", self.url, {})
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict:
+        return await self.client.request("POST", "/destroy_weights_update_group", self.url, {"group_name": group_name})
+
+    async def server_info(self) -> dict:
+        return await self.client.request("GET", "/get_server_info", self.url)
+
     async def get_model_info(self) -> dict:
         return await self.client.get_model_info(self.url)
 

@@ -120,9 +120,13 @@ class SamplingParams:
     _NEUTRAL = {
         "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
         "min_new_tokens": 0, "n": 1, "stop": None, "ignore_eos": None, "skip_special_tokens": None,
-        "spaces_between_special_tokens": None, "no_stop_trim": None, "stream_interval": None,
-        "regex": None, "json_schema": None, "ebnf": None, "logit_bias": None, "custom_params": None,
+        "stream_interval": None, "regex": None, "json_schema": None, "ebnf": None, "logit_bias": None,
+        "stop_regex": None, "structural_tag": None,
     }
+    # SGLang fields with no effect on token ids in, token ids out (they shape detokenized text,
+    # or feed a custom logit processor, which this engine refuses at the request level)
+    _NO_EFFECT = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params",
+                  "ignore_eos"}  # ignore_eos: read by GenerateRequest.parse (the model's EOS)
 
     @classmethod
     def parse(cls, d: Any) -> "SamplingParams":
@@ -132,7 +136,7 @@ class SamplingParams:
         if not isinstance(d, dict):
             raise RequestError("sampling_params", f"expected an object, got {type(d).__name__}")
         for key, value in d.items():
-            if key in cls._KNOWN:
+            if key in cls._KNOWN or key in cls._NO_EFFECT:
                 continue
             if key in cls._NEUTRAL:
                 neutral = cls._NEUTRAL[key]
@@ -168,19 +172,45 @@ class GenerateRequest:
     routed_experts_start_len: int = 0
     stream: bool = False
 
-    _IGNORED = {"log_metrics", "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num",
-                "modalities", "lora_path", "session_params", "custom_logit_processor", "bootstrap_host",
-                "bootstrap_port", "bootstrap_room", "data_parallel_rank", "return_hidden_states", "priority"}
+    # GenerateReqInput fields (sglang 0.5.23) that leave the output of a token-in/token-out
+    # request unchanged: routing, disaggregation, bookkeeping, logging
+    _IGNORED = {"log_metrics", "return_text_in_logprobs", "modalities", "session_params", "bootstrap_host",
+                "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "data_parallel_rank", "priority",
+                "extra_key", "custom_labels", "no_logs", "routing_key", "conversation_id", "routed_dp_rank",
+                "disagg_prefill_dp_rank", "decode_tp_size", "http_worker_ipc", "received_time",
+                "external_trace_header", "return_prompt_token_ids", "cache_salt", "session_id", "background",
+                "num_items_assigned", "need_wait_for_mm_inputs", "kv_hints", "return_bytes", "use_audio_in_video"}
+    # fields that would change the output: accepted only with their no-op value; otherwise a 400
+    _NEUTRAL = {"image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
+                "lora_path": None, "lora_id": None, "custom_logit_processor": None, "return_hidden_states": False,
+                "return_indexer_topk": False, "top_logprobs_num": 0, "token_ids_logprob": None,
+                "logprob_start_len": -1, "return_entropy": False, "return_sampling_mask": False,
+                "positional_embed_overrides": None, "mm_hashes": None, "mm_content_hashes": None,
+                "video_config": None, "images_config": None, "mm_processor_kwargs": None, "watermark": None,
+                "require_reasoning": False, "max_thinking_tokens": None, "sampling_logprobs_mode": None,
+                "return_flat_raw_top_logprobs": False, "return_flat_raw_output_top_logprobs": False,
+                "return_flat_raw_top_logprobs_b64": False, "encoder_urls": None, "max_dynamic_patch": None,
+                "min_dynamic_patch": None, "image_max_dynamic_patch": None, "video_max_dynamic_patch": None,
+                "multi_item_delimiter_indices": None, "token_indices_to_pool": None}
 
     @classmethod
-    def parse(cls, body: Any, *, vocab_size: int, max_context: int) -> "GenerateRequest":
+    def parse(cls, body: Any, *, vocab_size: int, max_context: int,
+              eos_token_ids: frozenset[int] = frozenset()) -> "GenerateRequest":
+        """``eos_token_ids``: the model's EOS (its config / generation_config), which ends a
+        sequence as in SGLang unless ``sampling_params.ignore_eos``."""
         if not isinstance(body, dict):
             raise RequestError("body", "expected a JSON object")
         known = {"input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts",
                  "routed_experts_start_len", "stream", "text"}
-        for key in body:
-            if key not in known and key not in cls._IGNORED:
-                raise RequestError(key, "unknown or unsupported /generate field")
+        for key, value in body.items():
+            if key in known or key in cls._IGNORED:
+                continue
+            if key in cls._NEUTRAL:
+                neutral = cls._NEUTRAL[key]
+                if value is None or value == neutral or value in ([], {}, ""):
+                    continue
+                raise RequestError(key, f"{value!r} is not supported by the embedded engine (only {neutral!r})")
+            raise RequestError(key, "unknown /generate field (not in SGLang's GenerateReqInput)")
         if body.get("text") is not None:
             raise RequestError("text", "the embedded engine has no tokenizer; send input_ids")
         if "input_ids" not in body:
@@ -200,6 +230,9 @@ class GenerateRequest:
                 f"the input ({len(ids)} tokens) is longer than the model's context length ({max_context} tokens)",
             )
         sp = SamplingParams.parse(body.get("sampling_params"))
+        raw_sp = body.get("sampling_params") or {}
+        if eos_token_ids and not raw_sp.get("ignore_eos"):
+            sp.stop_token_ids = sp.stop_token_ids | {t for t in eos_token_ids if 0 <= t < vocab_size}
         bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestError("sampling_params.stop_token_ids", f"token id {bad[0]} is outside the vocabulary")
@@ -226,7 +259,8 @@ def is_batch(body: Any) -> bool:
     return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
-def parse_batch(body: dict, *, vocab_size: int, max_context: int) -> list[GenerateRequest]:
+def parse_batch(body: dict, *, vocab_size: int, max_context: int,
+                eos_token_ids: frozenset[int] = frozenset()) -> list[GenerateRequest]:
     """A batched /generate body -> one request per prompt. As in SGLang, ``sampling_params``
     and ``rid`` are either one value for all prompts or a list with one per prompt; other
     fields apply to all. Errors name the field and the prompt's index."""
@@ -245,7 +279,8 @@ def parse_batch(body: dict, *, vocab_size: int, max_context: int) -> list[Genera
         item = {k: v for k, v in body.items() if k not in per_item}
         item.update({k: v[i] for k, v in per_item.items()})
         try:
-            out.append(GenerateRequest.parse(item, vocab_size=vocab_size, max_context=max_context))
+            out.append(GenerateRequest.parse(item, vocab_size=vocab_size, max_context=max_context,
+                                             eos_token_ids=eos_token_ids))
         except RequestError as e:
             raise RequestError(f"prompt {i}: {e.field}", e.message) from None
     return out

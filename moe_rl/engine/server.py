@@ -17,6 +17,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +72,18 @@ async def _json(request: web.Request, *, optional: bool = False) -> Any:
         raise RequestError("body", "not valid JSON") from None
 
 
+def model_eos_ids(path: str | None) -> frozenset[int]:
+    """The EOS ids SGLang stops at: ``eos_token_id`` of the model's config.json and
+    generation_config.json (an int or a list). A random-init model (no path) has none."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        f = Path(path) / name if path else None
+        if f is not None and f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    return frozenset(ids)
+
+
 class EngineServer:
     """Handlers of one engine. ``app()`` returns the aiohttp application."""
 
@@ -79,6 +92,8 @@ class EngineServer:
         self.api_key = api_key
         self.receiver = None  # moe_rl.sync.receiver.WeightReceiver, made on the first init
         self._update_lock = asyncio.Lock()
+        self.session_open = False  # between /begin_weight_update and /end_weight_update
+        self.eos_token_ids = model_eos_ids(engine.model_path)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
@@ -91,6 +106,17 @@ class EngineServer:
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_get("/weight_version", self.get_weight_version)
+        r.add_get("/get_server_info", self.get_server_info)
+        r.add_get("/server_info", self.get_server_info)
+        r.add_get("/v1/loads", self.loads)
+        for ep in ("/update_weights_from_tensor", "/release_memory_occupation", "/resume_memory_occupation"):
+            r.add_route("*", ep, self.not_supported)
         r.add_get("/get_model_info", self.get_model_info)
         r.add_get("/model_info", self.get_model_info)
         r.add_get("/health", self.health)
@@ -113,7 +139,8 @@ class EngineServer:
     # --- generation ------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
-        limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context)
+        limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context,
+                      eos_token_ids=self.eos_token_ids)
         if P.is_batch(body):  # SGLang's batch form: a list in, a list out
             reqs = P.parse_batch(body, **limits)
             if not self.engine.alive:
@@ -206,6 +233,76 @@ class EngineServer:
             log.exception("init_weights_update_group failed")
             return web.json_response({"success": False, "message": f"Failed to init group: {type(e).__name__}: {e}"}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await _json(request, optional=True)
+        if self.session_open:
+            return web.json_response({"success": False, "message": "a weight-update session is already open; "
+                                      "call end_weight_update() first"}, status=400)
+        self.session_open = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        """Closes the session. An update left incomplete (some tensors never sent) is dropped
+        and reported: the engine never answers success to weights it did not apply."""
+        await _json(request, optional=True)
+        if not self.session_open:
+            return web.json_response({"success": False, "message": "no weight-update session is open; "
+                                      "call begin_weight_update() first"}, status=400)
+        self.session_open = False
+        async with self._update_lock:
+            rx = self.receiver
+            if rx is not None and rx._received_buckets:
+                missing = len(rx.params) - len(rx._staged)
+                version = rx.pending_version
+                rx.abort()
+                msg = (f"weight update {version} was incomplete: {missing} of {len(rx.params)} tensors never arrived; "
+                       f"discarded, the engine keeps serving weight_version {self.engine.weight_version}")
+                self.engine.last_update_error = msg
+                return web.json_response({"success": False, "message": msg}, status=400)
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _json(request, optional=True)
+        name = P._str(body if isinstance(body, dict) else {}, "group_name", "weight_update_group")
+        if self.receiver is None or name not in self.receiver.groups:
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."}, status=400)
+        await asyncio.to_thread(self.receiver.destroy_group, name)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if not isinstance(body, dict) or body.get("new_version") is None:
+            raise RequestError("new_version", "required")
+        new = P._str(body, "new_version", numbers=True)
+        if P._bool(body, "abort_all_requests", True):
+            self.engine.abort(abort_all=True, message="Aborted for a weight version update")
+        self.engine.weight_version = new
+        return web.json_response({"success": True, "message": f"Weight version updated to {new}", "new_version": new})
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        """The fields of SGLang's /get_server_info that RL clients read, plus
+        ``moe_rl_checksum`` (this engine checks the ``checksum`` of a weight bucket)."""
+        info = self.engine.info()
+        return web.json_response({
+            "model_path": self.engine.model_path, "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
+            "skip_tokenizer_init": True, "enable_return_routed_experts": True,
+            "context_length": self.engine.max_context, "weight_version": self.engine.weight_version,
+            "version": "moe-rl-embedded", "moe_rl_checksum": True, "internal_states": [info],
+        })
+
+    async def loads(self, request: web.Request) -> web.Response:
+        info = self.engine.info()
+        return web.json_response({"loads": [{"dp_rank": 0, **info}]})
+
+    async def not_supported(self, request: web.Request) -> web.Response:
+        # these act on GPU memory (CUDA IPC tensors, memory saver): nothing to honour on the
+        # embedded engine; SGLang answers a failure as {"success": false, "message"} with 400
+        return web.json_response({"success": False, "message": f"{request.path} is not supported by the embedded "
+                                  "engine (moe-rl serve); use engine.kind: sglang"}, status=400)
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         with paused_gc():  # the request's thousands of lists are freed before it ends: see moe_rl.gc_control

@@ -301,13 +301,20 @@ class RolloutManager:
         want_routing = self.replay_log is not None
         while True:
             meta = resp["meta_info"]
-            new = list(resp["output_ids"])
-            out += new
-            logps += output_logprobs(meta)
-            tv = token_weight_versions(meta)
-            versions += [int(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))]
-            metas.append(meta)
             finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
+            if want_routing and finish == "abort" and meta.get("routed_experts") is None:
+                # SGLang aborts a queued (or just-started) request without routed_experts: its
+                # tokens, if any, cannot be replayed, so they are dropped and the same prefix
+                # is submitted again (nothing already kept is lost)
+                starts.pop()
+                self.stats["aborted_without_routing"] = self.stats.get("aborted_without_routing", 0) + 1
+            else:
+                new = list(resp["output_ids"])
+                out += new
+                logps += output_logprobs(meta)
+                tv = token_weight_versions(meta)
+                versions += [_version_number(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))]
+                metas.append(meta)
             if not (finish == "abort" and len(out) < max_new and not self._stop):
                 break
             resumes += 1
@@ -332,6 +339,15 @@ class RolloutManager:
             self.replay_log.append(uid, rec, sorted(set(versions)))
             s.has_routing = True
         return s
+
+
+def _version_number(v) -> int:
+    """An engine's weight version as the trainer's step number. SGLang reports "default" (or
+    its --weight-version) until its first update: the initial weights, version 0."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _attempt_rid(rid: str, attempt: int) -> str:

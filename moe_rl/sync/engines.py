@@ -26,6 +26,9 @@ class EngineAPI(Protocol):
     async def update_weights_from_distributed(self, **body: Any) -> dict: ...
     async def pause_generation(self, mode: str = "abort") -> dict: ...
     async def continue_generation(self) -> dict: ...
+    # optional (an object without them is taken to need no session / hold no group):
+    # begin_weight_update(), end_weight_update(), destroy_weights_update_group(group_name=...),
+    # server_info() -> dict (``tp_size``: ranks it joins the group with; ``moe_rl_checksum``)
 
 
 def check_reply(engine: str, endpoint: str, reply: Any) -> Any:
@@ -63,6 +66,33 @@ class _Adapter:
 
     async def continue_generation(self):
         return await self._call("continue_generation")
+
+    def has(self, method: str) -> bool:
+        return callable(getattr(self.client, method, None))
+
+    async def begin_weight_update(self):
+        """SGLang >= 0.5.23 refuses /update_weights_from_distributed outside this session."""
+        if self.has("begin_weight_update"):
+            return await self._call("begin_weight_update")
+
+    async def end_weight_update(self):
+        if self.has("end_weight_update"):
+            return await self._call("end_weight_update")
+
+    async def destroy_weights_update_group(self, group_name: str):
+        if self.has("destroy_weights_update_group"):
+            return await self._call("destroy_weights_update_group", group_name=group_name)
+
+    async def server_info(self) -> dict:
+        """The engine's /get_server_info (``{}`` when it has none); sets ``num_ranks`` from its
+        ``tp_size``: an SGLang server joins the weight-sync group with every TP rank."""
+        if not self.has("server_info"):
+            return {}
+        info = await self._call("server_info")
+        info = info if isinstance(info, dict) else {}
+        if "tp_size" in info:
+            self.num_ranks = int(info["tp_size"])
+        return info
 
 
 def as_engine(e: Any, api_key: str | None = None, timeout_s: float = 600.0):

@@ -1,9 +1,19 @@
-"""The weight-sync process group: trainer rank 0 (rank 0) + every engine rank (1..n).
+"""The weight-sync process group: trainer rank 0 (rank 0) + every engine TP rank (1..n).
 
-It is independent of the torchrun world (engines may live anywhere), built like SGLang's
-``init_custom_process_group``: a TCPStore hosted by rank 0, namespaced by the group name
-(``PrefixStore``), and a bare ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over it. Used by
-both sides: the sender (rank 0) and ``WeightReceiver.init_group`` (ranks 1..n).
+It is independent of the torchrun world (engines may live anywhere) and meets SGLang's
+``init_custom_process_group`` (``sglang.srt.utils.common``, reached from
+``/init_weights_update_group``) on the wire, key for key:
+
+* rendezvous: the ``tcp://`` handler's TCPStore at master_address:master_port, hosted by rank 0,
+  ``multi_tenant=True`` (built here directly: under torchrun ``rendezvous()`` would take the
+  elastic agent's store instead and rank 0 would host nothing);
+* ``PrefixStore(group_name, store)``, then torch's ``_new_process_group_helper`` with the same
+  group name, which adds its own ``"{group_name}/"`` and device (``"cpu/"`` for gloo,
+  ``"cuda/"`` for nccl) prefixes before the backend's own keys. SGLang makes those calls; this
+  module lays the same keys out by hand (see below), so both sides meet.
+
+Used by both sides: the sender (rank 0) and ``WeightReceiver.init_group`` (ranks 1..n).
+``tests/sglang`` forms this group with SGLang's own ``init_custom_process_group``.
 """
 from __future__ import annotations
 
@@ -44,26 +54,34 @@ class SyncGroup:
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight-sync backend must be gloo or nccl, not {backend!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError("weight-sync backend nccl needs a CUDA device")
+        if not group_name:
+            raise ValueError("weight-sync group name cannot be empty (SGLang refuses it)")
+        # the tcp:// rendezvous's store, as torch.distributed.rendezvous builds it outside torchrun
         store = dist.TCPStore(
             master_address,
             int(master_port),
             world_size,
             is_master=(rank == 0),
             timeout=self.timeout,
-            wait_for_workers=False,
+            multi_tenant=True,
         )
+        store.set_timeout(self.timeout)
         self._tcp_store = store
-        self.store = dist.PrefixStore(f"moe_rl_sync/{group_name}", store)
+        self.store = dist.PrefixStore(group_name, store)
+        # torch's _new_process_group_helper (which SGLang calls) prefixes "{group_name}/" and then
+        # the first device of the backend ("cpu/" for gloo, "cuda/" for nccl). Built by hand so
+        # that several ranks of one group can live in one process (tests, the in-process engine).
+        inner = dist.PrefixStore("cpu/" if backend == "gloo" else "cuda/", dist.PrefixStore(f"{group_name}/", self.store))
         if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, self.timeout)
-        elif backend == "nccl":
-            if not torch.cuda.is_available():
-                raise RuntimeError("weight-sync backend nccl needs a CUDA device")
+            self.pg = dist.ProcessGroupGloo(inner, rank, world_size, self.timeout)
+        else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, opts)
-        else:
-            raise ValueError(f"weight-sync backend must be gloo or nccl, not {backend!r}")
+            self.pg = dist.ProcessGroupNCCL(inner, rank, world_size, opts)
         self.closed = False
         log.debug("weight-sync group %s: rank %d/%d (%s)", group_name, rank, world_size, backend)
 
@@ -88,9 +106,12 @@ class SyncGroup:
             return
         self.closed = True
         try:
-            if hasattr(self.pg, "abort") and self.backend == "nccl":
+            if self.backend == "nccl" and hasattr(self.pg, "abort"):
                 self.pg.abort()
-            elif hasattr(self.pg, "shutdown"):
+        except Exception as e:  # pragma: no cover - best effort
+            log.debug("aborting weight-sync group %s: %s", self.group_name, e)
+        try:
+            if hasattr(self.pg, "shutdown"):
                 self.pg.shutdown()
         except Exception as e:  # pragma: no cover - best effort
             log.debug("closing weight-sync group %s: %s", self.group_name, e)

@@ -49,6 +49,13 @@ class LocalEngine:
     async def continue_generation(self):
         return await self._acall("continue_generation")
 
+    async def destroy_weights_update_group(self, group_name: str):
+        return await self._acall("destroy_weights_update_group", group_name=group_name)
+
+    async def server_info(self):
+        # the receiver checks bucket checksums (sync.verify), as ``moe-rl serve`` does
+        return {"tp_size": self.num_ranks, "moe_rl_checksum": True}
+
 
 def serve_receiver(conns, receiver, extra: dict[str, Callable] | None = None) -> None:
     """Answers LocalEngine calls on one pipe or several (one at a time) until ``stop`` or every
@@ -90,6 +97,11 @@ def _handle(receiver, extra, cmd, kw) -> dict:
             if done:
                 receiver.commit()
             return {"success": True, "message": "committed" if done else "staged"}
+        if cmd == "destroy_weights_update_group":
+            if kw["group_name"] not in receiver.groups:
+                return {"success": False, "message": "The group to be destroyed does not exist."}
+            receiver.destroy_group(kw["group_name"])
+            return {"success": True, "message": "ok"}
         if cmd in ("pause_generation", "continue_generation"):
             return {"success": True, "message": "ok"}
         if cmd in extra:

@@ -138,17 +138,23 @@ class WeightReceiver:
                 ) from (None if isinstance(e, WeightSyncError) else e)
 
     def _receive(self, names, dtypes, shapes, group_name, load_format, weight_version, checksum) -> bool:
-        if load_format not in ("flattened_bucket", None):
-            raise WeightSyncError(f"load_format {load_format!r} is not supported (use 'flattened_bucket')")
-        if not (len(names) == len(dtypes) == len(shapes)) or not names:
-            raise WeightSyncError(f"a bucket needs equal, non-empty names/dtypes/shapes "
-                                  f"(got {len(names)}/{len(dtypes)}/{len(shapes)})")
         group = self.groups.get(group_name)
         if group is None:
             raise WeightSyncError(f"no weight-sync group {group_name!r}; call init_weights_update_group first")
+        if load_format not in ("flattened_bucket", None):
+            # the size of what the sender broadcasts is unknown: leaving the group makes its
+            # broadcast fail at once instead of at its timeout
+            self.destroy_group(group_name)
+            raise WeightSyncError(f"load_format {load_format!r} is not supported (SGLang's are 'flattened_bucket' "
+                                  f"and none = one broadcast per tensor); left group {group_name!r} so the sender fails now")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise WeightSyncError(f"a bucket needs equal, non-empty names/dtypes/shapes "
+                                  f"(got {len(names)}/{len(dtypes)}/{len(shapes)})")
         wire = {parse_dtype(d) for d in set(dtypes)}
-        if len(wire) != 1:
-            raise WeightSyncError(f"a flattened bucket has one dtype, got {sorted(map(str, wire))}")
+        if load_format is None or len(wire) != 1:
+            return self._receive_by_bytes(group, names, [parse_dtype(d) for d in dtypes], shapes,
+                                          per_tensor=load_format is None, weight_version=weight_version,
+                                          checksum=checksum)
         dtype = wire.pop()
         lay = self._layout(dtype, names, shapes)
         if self._pending_version != weight_version and self._received_buckets:
@@ -171,13 +177,7 @@ class WeightReceiver:
 
         if not lay.checked:  # against the model, once per layout (after the receive, see above)
             for name, shape in zip(names, shapes):
-                live = self.params.get(name)
-                if live is None:
-                    raise WeightSyncError(f"unknown tensor {name!r}: the engine's model has no such parameter")
-                if tuple(live.shape) != tuple(shape):
-                    raise WeightSyncError(f"shape mismatch for {name}: sent {tuple(shape)}, the model has {tuple(live.shape)}")
-                if live.dtype != dtype:
-                    raise WeightSyncError(f"dtype mismatch for {name}: sent {dtype}, the model has {live.dtype}")
+                self._check_tensor(name, shape, dtype)
             if len(set(names)) != len(names):
                 dup = next(n for n in names if names.count(n) > 1)
                 raise WeightSyncError(f"tensor {dup} sent twice in update {weight_version}")
@@ -197,6 +197,55 @@ class WeightReceiver:
             raise WeightSyncError(f"tensor {dup} sent twice in update {weight_version}")
         self._staged.update(zip(names, views))
         self._buffers.append(buf)
+        self._received_buckets += 1
+        return len(self._staged) == len(self.params)
+
+    def _check_tensor(self, name: str, shape, dtype: torch.dtype) -> None:
+        live = self.params.get(name)
+        if live is None:
+            raise WeightSyncError(f"unknown tensor {name!r}: the engine's model has no such parameter")
+        if tuple(live.shape) != tuple(shape):
+            raise WeightSyncError(f"shape mismatch for {name}: sent {tuple(shape)}, the model has {tuple(live.shape)}")
+        if live.dtype != dtype:
+            raise WeightSyncError(f"dtype mismatch for {name}: sent {dtype}, the model has {live.dtype}")
+
+    def _receive_by_bytes(self, group, names, dtypes, shapes, *, per_tensor, weight_version, checksum) -> bool:
+        """SGLang's other two wire forms: one broadcast per tensor (no load_format), or a
+        flattened bucket of several dtypes (bytes, each tensor at its byte offset). Everything
+        is received before anything is checked, so the sender never hangs on a bad request."""
+        if self._pending_version != weight_version and self._received_buckets:
+            self._reset()
+        self._pending_version = weight_version
+        shapes = [tuple(int(d) for d in sh) for sh in shapes]
+        nbytes = [_prod(sh) * dt.itemsize for sh, dt in zip(shapes, dtypes)]
+        if per_tensor:
+            bufs = [torch.empty(_prod(sh), dtype=dt, device=self.device) for sh, dt in zip(shapes, dtypes)]
+            works = [group.broadcast(b, src=0) for b in bufs]  # posted in order, like SGLang
+            views = [b.view(sh) for b, sh in zip(bufs, shapes)]
+        else:
+            offs = [sum(nbytes[:i]) for i in range(len(nbytes))]
+            bad = [n for n, o, dt in zip(names, offs, dtypes) if o % dt.itemsize]
+            buf = torch.empty(sum(nbytes), dtype=torch.uint8, device=self.device)
+            works = [group.broadcast(buf, src=0)]
+            bufs = [buf]
+            views = [buf[o:o + nb].view(dt).view(sh) for o, nb, dt, sh in zip(offs, nbytes, dtypes, shapes)] if not bad else []
+        try:
+            for w in works:
+                group.wait_work(w)
+        except Exception as e:
+            self.destroy_group(group.group_name)
+            raise WeightSyncError(f"receiving the tensors starting with {names[0]} failed (is the sender alive?): {e}") from e
+        if not per_tensor and bad:
+            raise WeightSyncError(f"tensor {bad[0]} is not aligned to its dtype in the flattened bucket")
+        if checksum is not None:
+            raise WeightSyncError("a checksum is only checked on a single-dtype flattened bucket")
+        for n, sh, dt in zip(names, shapes, dtypes):
+            self._check_tensor(n, sh, dt)
+        if len(set(names)) != len(names) or not self._staged.keys().isdisjoint(names):
+            dup = next(n for n in names if n in self._staged or names.count(n) > 1)
+            raise WeightSyncError(f"tensor {dup} sent twice in update {weight_version}")
+        self._staged.update(zip(names, views))
+        self._buffers.extend(bufs)
         self._received_buckets += 1
         return len(self._staged) == len(self.params)
 
@@ -266,10 +315,9 @@ class WeightReceiver:
                         continue
                     _, dsts, views = entry
                     offs = [v.storage_offset() - buf.storage_offset() for v in views]
-                    contiguous = all(d.is_contiguous() for d in dsts)
-                    if contiguous:
+                    if all(d.is_contiguous() for d in dsts) and all(v.dtype == buf.dtype for v in views):
                         unpack(buf, dsts, offs)
-                    else:  # pragma: no cover - parameters are contiguous in practice
+                    else:  # a bucket of several dtypes (bytes); parameters are contiguous
                         for d, v in zip(dsts, views):
                             d.copy_(v)
             self.weight_version = self._pending_version

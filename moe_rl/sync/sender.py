@@ -134,6 +134,7 @@ class WeightSender:
         self.plan: Plan = plan_buckets(self.source.specs(wire_dtype), int(bucket_mb * 2**20))
         self.group: SyncGroup | None = None
         self._group_key = None
+        self._checksum_ok = False
         self.stats = SyncStats()
         self._mem = _Mem()
         self._ep_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sync-pack")
@@ -315,8 +316,21 @@ class WeightSender:
         if self.group is not None and not self.group.closed and self._group_key == key:
             return
         self._close_group()
+        # an engine still holding a group of this name refuses a new one (SGLang: "group name
+        # already created"): destroy it first; one that holds none answers "does not exist"
+        await asyncio.gather(*(e.destroy_weights_update_group(group_name=self.group_name) for e in engines),
+                             return_exceptions=True)
+        infos = await asyncio.gather(*(e.server_info() for e in engines), return_exceptions=True)
+        bad = [f"{e.name}: {r}" for e, r in zip(engines, infos) if isinstance(r, BaseException)]
+        if bad:
+            raise WeightSyncError("get_server_info failed on " + "; ".join(bad))
+        self._checksum_ok = all(bool(i.get("moe_rl_checksum")) for i in infos)
+        if self.verify and not self._checksum_ok:
+            others = [e.name for e, i in zip(engines, infos) if not i.get("moe_rl_checksum")]
+            raise WeightSyncError(f"sync.verify: engine(s) {others} do not check bucket checksums (SGLang drops the "
+                                  "field); verify works with the embedded engine (moe-rl serve) only: set sync.verify false")
         port = self.port or free_port(self.master_address)
-        world = 1 + sum(e.num_ranks for e in engines)
+        world = 1 + sum(e.num_ranks for e in engines)  # SGLang joins with rank_offset + tp_rank
         loop = asyncio.get_running_loop()
         offsets, off = [], 1
         for e in engines:
@@ -361,6 +375,12 @@ class WeightSender:
         version = None if version is None else str(version)
         self.source.begin()
         await self._ensure_group(engines)
+        begun = await asyncio.gather(*(e.begin_weight_update() for e in engines), return_exceptions=True)
+        bad = [f"{e.name}: {r}" for e, r in zip(engines, begun) if isinstance(r, BaseException)]
+        if bad:
+            await asyncio.gather(*(e.end_weight_update() for e, r in zip(engines, begun)
+                                   if not isinstance(r, BaseException)), return_exceptions=True)
+            raise WeightSyncError("begin_weight_update failed on " + "; ".join(bad))
         loop = asyncio.get_running_loop()
         stats = SyncStats(version=version)
         self.stats = stats
@@ -376,9 +396,11 @@ class WeightSender:
             for i, b in enumerate(self.plan.buckets):
                 cur, cs = await nxt
                 nxt = None
-                body = dict(b.request_fields(), group_name=self.group_name, flush_cache=(i == n - 1),
-                            weight_version=version)
-                if cs is not None:
+                # SGLang fails the call when it must flush while requests run or wait: only
+                # "abort" pauses leave none (in_place keeps them running, retract queues them)
+                body = dict(b.request_fields(), group_name=self.group_name,
+                            flush_cache=(i == n - 1 and self.pause_mode == "abort"), weight_version=version)
+                if cs is not None and self._checksum_ok:
                     body["checksum"] = cs
                 calls = [asyncio.ensure_future(e.update_weights_from_distributed(**body)) for e in engines]
                 await asyncio.sleep(0)  # let the requests go out
@@ -406,6 +428,13 @@ class WeightSender:
                 stats.bytes += b.nbytes
             end = _STOP
         finally:
+            ended = await asyncio.gather(*(e.end_weight_update() for e in engines), return_exceptions=True)
+            bad = [f"{e.name}: {r}" for e, r in zip(engines, ended) if isinstance(r, BaseException)]
+            end_err = None
+            if bad:
+                log.error("end_weight_update failed on %s", "; ".join(bad))
+                if end == _STOP:  # e.g. the engine did not get every tensor: nothing was applied
+                    end, end_err = _ABORT, "end_weight_update failed on " + "; ".join(bad)
             self._release(cur)
             if nxt is not None:
                 try:
@@ -419,6 +448,8 @@ class WeightSender:
                 log.error("could not tell the EP helpers to stop: %s", e)
             stats.seconds = time.perf_counter() - t0
             stats.peak_extra_bytes = self._mem.peak
+        if end_err is not None:
+            raise WeightSyncError(end_err)
         return stats
 
     # --- the protocol: pause, sync, continue ----------------------------------------------

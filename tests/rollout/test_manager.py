@@ -222,3 +222,57 @@ def test_engine_errors_that_stop_the_run(status, overrides, failures):
         assert m.stats["engine_failures"] == failures
     else:
         assert m.stats["engine_failures"] >= 1
+
+
+class SGLangLikeEngines(StubEngines):
+    """What a real SGLang server does that the stub does not: its weight_version is "default"
+    until the first update, it returns routed_experts, and a request aborted while queued comes
+    back with no routed_experts (here with a few tokens, which cannot be replayed)."""
+
+    L, K = 2, 2
+
+    def __init__(self):
+        super().__init__()
+        self.aborted_without_routing = 0
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True, return_routed_experts=False, rid=None,
+                       routed_experts_start_len=0):
+        import base64
+
+        import numpy as np
+        self.calls += 1
+        n = sampling_params["max_new_tokens"]
+        out = [5] * n
+        version = "default" if self.version == 0 else str(self.version)
+        meta = {"weight_version": version, "output_token_logprobs": [[-1.0, 5, None]] * n,
+                "prompt_tokens": len(input_ids), "completion_tokens": n}
+        if self.calls % 3 == 1:  # aborted in the queue: no routing
+            self.aborted_without_routing += 1
+            meta.update(finish_reason={"type": "abort"}, output_token_logprobs=[[-1.0, 5, None]] * 2,
+                        completion_tokens=2)
+            return {"output_ids": [5, 5], "meta_info": meta}
+        rows = len(input_ids) + n - 1 - routed_experts_start_len
+        meta.update(finish_reason={"type": "length"},
+                    routed_experts=base64.b64encode(np.tile(np.arange(self.K, dtype=np.int32), (rows, self.L, 1)).tobytes()).decode())
+        return {"output_ids": out, "meta_info": meta}
+
+
+def test_sglang_aborts_without_routing_and_default_version(tmp_path):
+    from moe_rl.replay.layers import RoutingSpec
+    from moe_rl.replay.log import ReplayLog
+
+    cfg = load_config("configs/tiny.yaml", ["rollout.max_staleness=1", "rollout.prompts_per_step=2", "rollout.group_size=2"])
+    engines, buffer = SGLangLikeEngines(), RolloutBuffer()
+    spec = RoutingSpec(num_hidden_layers=2, top_k=2, num_experts=8)
+    log = ReplayLog(tmp_path / "routing", num_layers=2, top_k=2, num_experts=8)
+    m = RolloutManager(cfg, CountingTask(), engines, buffer, replay_log=log, routing_spec=spec)
+    m.start()
+    try:
+        groups = buffer.take(2, 0, timeout=30, alive=m.check)
+    finally:
+        m.stop()
+    samples = [s for g in groups for s in g.samples]
+    assert engines.aborted_without_routing > 0 and m.stats["aborted_without_routing"] > 0
+    for s in samples:  # the unreplayable tokens were dropped and regenerated: full length, version 0
+        assert len(s.response_ids) == CountingTask().prompt(s.group_id).max_new_tokens
+        assert s.versions == [0] * len(s.response_ids) and s.has_routing

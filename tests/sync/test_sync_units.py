@@ -119,10 +119,10 @@ def test_receiver_checks_a_layout_like_a_cached_one():
     params = {"w.a": torch.zeros(3, 4), "w.m": torch.zeros(2), "w.b": torch.zeros(5)}
     good = (["w.a", "w.m", "w.b"], [[3, 4], [2], [5]])
     calls = [
-        lambda r: r.receive_bucket(*good[:1], ["float32"] * 3, good[1], "g", None, "1"),
-        lambda r: r.receive_bucket(["w.a", "w.zz", "w.b"], ["float32"] * 3, good[1], "g", None, "2"),
-        lambda r: r.receive_bucket(good[0], ["float32"] * 3, [[3, 4], [1], [6]], "g", None, "3"),
-        lambda r: r.receive_bucket(*good[:1], ["float32"] * 3, good[1], "g", None, "4"),
+        lambda r: r.receive_bucket(*good[:1], ["float32"] * 3, good[1], "g", "flattened_bucket", "1"),
+        lambda r: r.receive_bucket(["w.a", "w.zz", "w.b"], ["float32"] * 3, good[1], "g", "flattened_bucket", "2"),
+        lambda r: r.receive_bucket(good[0], ["float32"] * 3, [[3, 4], [1], [6]], "g", "flattened_bucket", "3"),
+        lambda r: r.receive_bucket(*good[:1], ["float32"] * 3, good[1], "g", "flattened_bucket", "4"),
     ]
     payloads = [torch.arange(19.0), torch.zeros(19), torch.zeros(19), torch.arange(19.0) + 1]
     rx, outs = _exchanges(calls, payloads, params)

@@ -1,0 +1,234 @@
+"""(b) Every request moe-rl's client sends is one SGLang accepts (its endpoint exists with that
+HTTP method in SGLang's http_server.py, its body is a valid io_struct request, sampling params
+pass SGLang's own ``SamplingParams.verify``), and every answer of ``moe-rl serve`` carries the
+fields SGLang's clients read. io_struct cannot be imported on CPU (see conftest): its field
+lists are read from the installed SGLang source."""
+from __future__ import annotations
+
+import asyncio
+import re
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang.srt.sampling.sampling_params", reason="scripts/install.sh test installs the sglang wheel")
+
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from moe_rl.engine import EngineClient  # noqa: E402
+from moe_rl.engine.protocol import decode_routed_experts  # noqa: E402
+from moe_rl.rollout.manager import RolloutManager  # noqa: E402
+from tests.engine.helpers import ARCH, CFG, K, L, ServerProc  # noqa: E402
+
+from .conftest import check_request, sglang_source  # noqa: E402
+
+BODY_TYPES = {
+    "/generate": "GenerateReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/abort_request": "AbortReq",
+}
+
+
+def sglang_routes() -> dict[str, set[str]]:
+    """{path: HTTP methods} of SGLang's http_server.py (its route decorators)."""
+    src = sglang_source("srt/entrypoints/http_server.py").read_text()
+    routes: dict[str, set[str]] = {}
+    for verb, path, methods in re.findall(r'@app\.(post|get|put|api_route)\(\s*"([^"]+)"(?:,\s*methods=\[([^\]]*)\])?', src):
+        ms = {m.strip().strip('"\'') for m in methods.split(",")} if verb == "api_route" else {verb.upper()}
+        routes.setdefault(path, set()).update(ms)
+    return routes
+
+
+def _check_sampling(sp: dict) -> None:
+    p = SamplingParams(**sp)  # SGLang's own class: an unknown key raises TypeError
+    p.normalize(None)
+    p.verify(ARCH.vocab_size)
+
+
+def _check(calls) -> None:
+    routes = sglang_routes()
+    for method, endpoint, payload in calls:
+        assert method in routes.get(endpoint, set()), f"SGLang has no {method} {endpoint}"
+        if endpoint in BODY_TYPES:
+            body = payload or {}
+            if endpoint == "/generate":
+                # the batch form: lists; SGLang normalizes them per prompt
+                check_request("GenerateReqInput", body)
+                sps = body["sampling_params"] if isinstance(body["sampling_params"], list) else [body["sampling_params"]]
+                for sp in sps:
+                    _check_sampling(sp)
+            else:
+                check_request(BODY_TYPES[endpoint], body)
+
+
+def test_every_client_request_is_an_sglang_request(monkeypatch):
+    calls = []
+
+    async def fake_request(self, method, endpoint, url=None, payload=None, timeout_s=None):
+        calls.append((method, endpoint, payload))
+        if endpoint == "/generate":
+            n = len(payload["input_ids"]) if isinstance(payload["input_ids"][0], list) else 0
+            one = {"output_ids": [], "meta_info": {}}
+            return [one] * n if n else one
+        return {"success": True, "tp_size": 1}
+
+    monkeypatch.setattr(EngineClient, "request", fake_request)
+    # the rollout manager's own request body (sampling params included)
+    mgr = SimpleNamespace(cfg=CFG, task=SimpleNamespace(stop_token_ids=[1, 2]), _uid=lambda i, j: f"{i}-{j}")
+    prompt = SimpleNamespace(input_ids=[3, 4, 5], max_new_tokens=None)
+    req = RolloutManager._request(mgr, prompt, 0, 1, [7, 8], 1)
+
+    async def run():
+        c = EngineClient("http://127.0.0.1:1")
+        h = c.engine("http://127.0.0.1:1")
+        await c.generate(req["input_ids"], req["sampling_params"], return_routed_experts=True, rid=req["rid"],
+                         routed_experts_start_len=req["routed_experts_start_len"])
+        await c.generate_batch([[1, 2], [3]], [{"max_new_tokens": 4}, {"temperature": 0.0}], rids=["a", "b"],
+                               return_routed_experts=True)
+        await c.pause_generation("in_place")
+        await c.continue_generation()
+        await c.abort_request("a")
+        await c.abort_request(abort_all=True)
+        await c.flush_cache()
+        await c.init_weights_update_group("http://127.0.0.1:1", "127.0.0.1", 1234, 1, 3, "g", "gloo")
+        await c.update_weights_from_distributed("http://127.0.0.1:1", ["w"], ["bfloat16"], [[2, 3]], "g", 5)
+        await h.begin_weight_update()
+        await h.end_weight_update()
+        await h.destroy_weights_update_group("g")
+        await h.server_info()
+        await c.get_model_info()
+        await c.close()
+
+    asyncio.run(run())
+    assert {e for _, e, _ in calls} >= set(BODY_TYPES) | {"/flush_cache", "/get_server_info", "/get_model_info"}
+    _check(calls)
+
+
+def test_the_checks_catch_what_sglang_would_drop():
+    with pytest.raises(AssertionError, match="checksum"):
+        check_request("UpdateWeightsFromDistributedReqInput", {"names": [], "dtypes": [], "shapes": [], "checksum": "x"})
+    with pytest.raises(TypeError):
+        _check_sampling({"max_new_tokens": 3, "sampling_seed_typo": 1})
+    with pytest.raises(AssertionError, match="no POST /update_weights_from_disk_typo"):
+        _check([("POST", "/update_weights_from_disk_typo", {})])
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProc()
+    yield s
+    s.stop()
+
+
+def _read_like_sglang_clients(out: dict, n_prompt: int) -> None:
+    """The fields slime, miles, verl and moe-rl read from an SGLang /generate answer."""
+    assert all(isinstance(t, int) for t in out["output_ids"])
+    m = out["meta_info"]
+    assert m["finish_reason"]["type"] in ("stop", "length", "abort")
+    assert m["prompt_tokens"] == n_prompt and m["completion_tokens"] == len(out["output_ids"])
+    assert isinstance(m["weight_version"], str) and isinstance(m.get("cached_tokens", 0), int)
+    lp = m["output_token_logprobs"]  # [logprob, token id, text (null: no tokenizer)]
+    assert [t for _, t, _ in lp] == out["output_ids"] and all(isinstance(x, float) for x, _, _ in lp)
+    rows = decode_routed_experts(m["routed_experts"], L, K)
+    assert rows.shape == (n_prompt + len(out["output_ids"]) - 1, L, K)
+
+
+def test_serve_answers_carry_what_sglang_clients_read(server):
+    async def run():
+        async with EngineClient(server.url, timeout_s=60) as c:
+            one = await c.generate([3, 1, 4], {"max_new_tokens": 4, "temperature": 0.0}, return_routed_experts=True)
+            many = await c.generate_batch([[3, 1], [4, 1, 5]], [{"max_new_tokens": 3}] * 2, return_routed_experts=True)
+            info = await c.request("GET", "/get_server_info")
+            ver = await c.request("GET", "/get_weight_version")
+            loads = await c.request("GET", "/v1/loads")
+            return one, many, info, ver, loads
+
+    one, many, info, ver, loads = asyncio.run(run())
+    _read_like_sglang_clients(one, 3)
+    _read_like_sglang_clients(many[0], 2)
+    _read_like_sglang_clients(many[1], 3)
+    assert info["tp_size"] == 1 and info["weight_version"] == ver["weight_version"]
+    assert isinstance(loads["loads"], list)
+
+
+def test_serve_weight_session_and_group_endpoints_answer_as_sglang(server):
+    async def run():
+        async with EngineClient(server.url, timeout_s=60) as c:
+            async def post(ep, body):
+                try:
+                    return 200, await c.request("POST", ep, payload=body)
+                except Exception as e:  # EngineHTTPError carries status and body
+                    return e.status, e.body
+            return [
+                await post("/end_weight_update", {}),
+                await post("/begin_weight_update", {}),
+                await post("/begin_weight_update", {}),
+                await post("/end_weight_update", {}),
+                await post("/destroy_weights_update_group", {"group_name": "nope"}),
+                await post("/update_weight_version", {"new_version": "v7"}),
+                await post("/release_memory_occupation", {}),
+            ], await c.request("GET", "/get_weight_version")
+
+    answers, ver = asyncio.run(run())
+    codes = [a[0] for a in answers]
+    assert codes == [400, 200, 400, 200, 400, 200, 400], answers
+    assert all(isinstance(b, dict) and "success" in b for _, b in answers[:-1])
+    assert ver["weight_version"] == "v7"
+
+
+def _slime_body(prompt: list[int], top_p: float, seed: int | None) -> dict:
+    """What slime's token-based rollout (slime/rollout/sglang_rollout.py: GenerateState's
+    sampling params and generate()'s payload, read at commit 0044b40) posts to /generate with
+    its defaults: stop and stop_token_ids unset, skip_special_tokens on, no_stop_trim, no spaces
+    between special tokens, custom_params when top_p < 1, a sampling seed in deterministic mode,
+    and routing replay on."""
+    sp = {"temperature": 1.0, "top_p": top_p, "top_k": -1, "max_new_tokens": 5, "stop": None, "stop_token_ids": None,
+          "skip_special_tokens": True, "no_stop_trim": True, "spaces_between_special_tokens": False}
+    if top_p != 1.0:
+        sp["custom_params"] = {"return_top_p_token_ids": True}
+    if seed is not None:
+        sp["sampling_seed"] = seed
+    return {"sampling_params": sp, "return_logprob": True, "return_routed_experts": True, "input_ids": prompt}
+
+
+@pytest.mark.parametrize("top_p,seed", [(1.0, None), (0.9, 7)])
+def test_serve_takes_slime_requests(server, top_p, seed):
+    body = _slime_body([5, 6, 7], top_p, seed)
+    _check([("POST", "/generate", body)])  # it is an SGLang request to begin with
+
+    async def run():
+        async with EngineClient(server.url, timeout_s=60) as c:
+            return await c.request("POST", "/generate", payload=body)
+
+    out = asyncio.run(run())
+    # slime reads these: tokens and log-probs from output_token_logprobs, then meta_info
+    toks = [item[1] for item in out["meta_info"]["output_token_logprobs"]]
+    assert toks == out["output_ids"] and len(toks) == 5
+    _read_like_sglang_clients(out, 3)
+
+
+def test_serve_takes_verl_http_adapter_requests(server):
+    """verl's AsyncHttpServerAdapter (verl/workers/rollout/sglang_rollout/http_server_engine.py,
+    read at commit 03620c9): at launch GET /health_generate then GET /flush_cache until 200;
+    generate() posts {text, sampling_params, input_ids, image_data, return_logprob,
+    logprob_start_len, top_logprobs_num, token_ids_logprob, lora_path, custom_logit_processor}
+    with the None values dropped: token ids in, log-probs on. (The sampling params come from
+    verl's rollout config; the ones here are a plain set, not read from verl.)"""
+    body = {"sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 4},
+            "input_ids": [9, 8, 7], "return_logprob": True}
+    _check([("GET", "/health_generate", None), ("GET", "/flush_cache", None), ("POST", "/generate", body)])
+
+    async def run():
+        async with EngineClient(server.url, timeout_s=60) as c:
+            await c.request("GET", "/health_generate")
+            await c.request("GET", "/flush_cache")
+            return await c.request("POST", "/generate", payload=body)
+
+    out = asyncio.run(run())
+    assert len(out["output_ids"]) == 4 and len(out["meta_info"]["output_token_logprobs"]) == 4
