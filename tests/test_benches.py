@@ -12,7 +12,7 @@ CASES = {
                 "numpy_decode_gbps"]),
     "engine": (["--max-new-tokens", "4", "--concurrency", "4", "--sequential-requests", "2", "--repeats", "1",
                 "--ttft-samples", "2"],
-               ["tokens_per_s_1", "tokens_per_s_32", "ttft_ms"]),
+               ["tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms", "concurrency", "kv_slots", "device"]),
     "sync": (["--reps", "1", "--buckets", "1", "--scale", "0.1", "--http"],
              ["per_tensor_gbps", "flat_gbps", "bucketed_gbps", "best_bucket_mb", "peak_extra_mib", "device",
               "http_gbps", "http_vs_flat"]),

@@ -109,3 +109,17 @@ def test_launcher_check_refuses_a_kv_cache_that_does_not_fit():
     with pytest.raises(PlacementError, match="placement.mem_fraction_static"):
         check_before_launch(c, num_gpus=1, gpu_bytes=80 * 2**30 // 1000)
     assert check_before_launch(c, num_gpus=1, gpu_bytes=80 * 2**30).gpus == (0, 0)
+
+
+def test_shipped_gpu_1x_config_places_both_ranks_on_one_gpu():
+    c = cfg(path="configs/gpu_1x.yaml")
+    p = check_before_launch(c, num_gpus=1, gpu_bytes=80 * 2**30)
+    assert p.gpus == (0, 0) and p.sync_backend == "gloo"
+    arch = c.model.arch()
+    weights = engine_weight_bytes(c)
+    assert 1.5e9 < weights < 2e9  # ~0.43 B fp32 parameters: a model the GPU matters for
+    slots = kv_cache_slots(arch, max_context=256, max_running_requests=c.engine.max_running_requests,
+                           element_size=4, weight_bytes=weights, gpu_bytes=80 * 2**30, mem_fraction=0.25)
+    assert slots == c.engine.max_running_requests  # an 80 GB GPU holds every request's KV cache
+    default = resolve_placement(cfg("placement.gpus=null", path="configs/gpu_1x.yaml"), num_gpus=1)
+    assert default.gpus == (0, 0)
