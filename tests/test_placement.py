@@ -123,3 +123,18 @@ def test_shipped_gpu_1x_config_places_both_ranks_on_one_gpu():
     assert slots == c.engine.max_running_requests  # an 80 GB GPU holds every request's KV cache
     default = resolve_placement(cfg("placement.gpus=null", path="configs/gpu_1x.yaml"), num_gpus=1)
     assert default.gpus == (0, 0)
+
+
+def test_sync_backend_reaches_the_weight_sender():
+    """sync.backend is what the trainer's sender forms the weight-sync group with (no group is
+    formed here: that happens at the first push)."""
+    from moe_rl.engine.server import build_model
+    from moe_rl.sync.sender import WeightSender
+
+    model = build_model(cfg())
+    for value, want in (("auto", "gloo"), ("gloo", "gloo"), ("nccl", "nccl")):
+        sender = WeightSender.from_config(model, cfg(f"sync.backend={value}", "sync.bind_params=false").sync)
+        try:
+            assert sender.backend == want
+        finally:
+            sender.close()
