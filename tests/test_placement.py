@@ -138,3 +138,21 @@ def test_sync_backend_reaches_the_weight_sender():
             assert sender.backend == want
         finally:
             sender.close()
+
+
+def test_moe_rl_train_refuses_before_starting_a_process(monkeypatch, capsys):
+    """The issue's command on a made-up 1-GPU machine: refused naming sync.backend, before torchrun."""
+    import types
+
+    import torch
+    import torch.distributed.run
+
+    from moe_rl.cli import main
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.distributed.run, "main", lambda *a: pytest.fail("torchrun was started"))
+    assert main(["train", "configs/tiny.yaml", "train.device=cuda"]) == 2
+    assert "sync.backend=auto uses NCCL" in capsys.readouterr().err
+    assert main(["train", "configs/gpu_1x.yaml", "placement.gpus=[0,1]"]) == 2
+    assert "placement.gpus[1]=1: this node has 1 GPU" in capsys.readouterr().err
