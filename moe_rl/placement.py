@@ -96,6 +96,13 @@ def resolve_placement(cfg, num_gpus: int) -> Placement:
             raise PlacementError(
                 f"{key}: {len(trainer_gpus)} trainer ranks on a node with {num_gpus} GPU(s) would share a GPU "
                 f"(GPUs {trainer_gpus}); each trainer rank needs its own GPU (NCCL)")
+        engine_gpus = [gpus[r] for r in ranks if layout.role(r) == "rollout"]
+        most = max((engine_gpus.count(g) for g in set(engine_gpus)), default=0)
+        if most * cfg.placement.mem_fraction_static >= 1:
+            raise PlacementError(
+                f"placement.mem_fraction_static={cfg.placement.mem_fraction_static}: {most} engine ranks share a GPU "
+                f"and would take {most * cfg.placement.mem_fraction_static:.2f} of its memory; lower it below "
+                f"{1 / most:.2f} or spread the engines (placement.gpus)")
     placement = Placement("cuda", tuple(gpus), nproc, backend)
     if backend == "nccl":
         sync_ranks = [0] + [r for r in layout.rollout_ranks if r // nproc == 0]

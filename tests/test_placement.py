@@ -38,6 +38,13 @@ def test_fewer_gpus_than_ranks_trainers_first_then_engines_round_robin():
     assert p.gpus == (0, 1, 2, 0, 1)
 
 
+def test_engines_sharing_a_gpu_must_fit_their_memory_fractions():
+    c = cfg("train.device=cuda", "pools.rollout=3", "sync.backend=gloo", "placement.mem_fraction_static=0.4")
+    with pytest.raises(PlacementError, match=r"placement.mem_fraction_static=0.4: 3 engine ranks share a GPU"):
+        resolve_placement(c, num_gpus=1)
+    assert resolve_placement(c, num_gpus=2).gpus == (0, 1, 0, 1)  # at most 2 engines on a GPU: 0.8
+
+
 def test_colocated_with_nccl_sync_fails_naming_sync_backend():
     with pytest.raises(PlacementError, match=r"sync.backend=auto .*NCCL.*share GPU\(s\) \[0\].*sync.backend=gloo"):
         resolve_placement(cfg("train.device=cuda"), num_gpus=1)

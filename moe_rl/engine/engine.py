@@ -342,14 +342,20 @@ class Engine:
         logp = torch.log_softmax(logits / temps.to(self.device, non_blocking=True)[:, None], dim=-1)
         tokens_dev = self._sample_batch([r for r, _, _ in batch], logits, logp)
         lps_dev = logp.gather(1, tokens_dev[:, None]).squeeze(1)
-        # the step's one device-to-host copy of what the scheduler needs (ids are exact in float64)
-        picked = torch.stack([tokens_dev.double(), lps_dev.double()]).cpu()
-        tokens, lps = [int(t) for t in picked[0].tolist()], picked[1].tolist()
+        # the step's one device-to-host copy: tokens, log-probs and the routing record (token
+        # and expert ids are exact in float64)
+        want_routing = any(r.req.return_routed_experts for r, _, _ in batch)
+        parts = [tokens_dev.double(), lps_dev.double()]
+        if want_routing and record:
+            parts.append(torch.stack(record, 1).reshape(-1).double())
+        flat = torch.cat(parts).cpu()
+        B = len(batch)
+        tokens, lps = flat[:B].long().tolist(), flat[B : 2 * B].tolist()
         routing = None
-        if any(r.req.return_routed_experts for r, _, _ in batch):
+        if want_routing:
             routing = np.zeros((off, self.num_layers, self.top_k), dtype=np.int32)  # dense layers: 0
             if record:
-                routing[:, self.moe_layers, :] = torch.stack(record, 1).to(torch.int32).cpu().numpy()
+                routing[:, self.moe_layers, :] = flat[2 * B :].view(off, len(record), self.top_k).to(torch.int32).numpy()
 
         with self.cond:
             self.stats["steps"] += 1
