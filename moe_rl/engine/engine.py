@@ -398,8 +398,9 @@ class Engine:
         request's tokens depend on its seed and not on its batch-mates or the device."""
         device = logits.device
         tokens = torch.zeros(len(reqs), dtype=torch.long, device=device)
-        plain = [i for i, r in enumerate(reqs) if not r.params.greedy and r.params.top_k <= 0 and r.params.top_p >= 1.0]
-        other = [i for i in range(len(reqs)) if i not in set(plain)]
+        is_plain = [not r.params.greedy and r.params.top_k <= 0 and r.params.top_p >= 1.0 for r in reqs]
+        plain = [i for i, p in enumerate(is_plain) if p]
+        other = [i for i, p in enumerate(is_plain) if not p]
         if plain:
             rows = torch.tensor(plain, dtype=torch.long).to(device, non_blocking=True)
             u = torch.stack([torch.rand((), generator=reqs[i].generator) for i in plain]).to(device, non_blocking=True)
