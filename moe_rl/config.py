@@ -95,8 +95,9 @@ class SyncConfig(Strict):
     skip_down_engines: bool = Field(True, description="a sync leaves out an engine that cannot be reached "
                                     "(it serves no rollouts until a later sync reaches it) instead of failing")
     # auto: nccl when train.device=cuda, gloo on CPU. NCCL cannot join two ranks on one GPU, so a
-    # trainer colocated with its engine needs gloo (CUDA buckets staged through host memory by gloo)
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    # trainer colocated with its engine uses gloo (CUDA buckets staged through host memory by
+    # gloo) or ipc (the engine maps the trainer's bucket: CUDA IPC; one machine, embedded engines)
+    backend: Literal["auto", "nccl", "gloo", "ipc"] = "auto"
 
 
 class PlacementConfig(Strict):
@@ -197,6 +198,8 @@ class ExperimentConfig(Strict):
             raise ValueError(f"placement.gpus has {len(self.placement.gpus)} entries; it needs one per local rank "
                              f"({self.pools.nproc_per_node or self.world_size}: pools.nproc_per_node, default "
                              f"pools.trainer + pools.rollout)")
+        if self.sync.backend == "ipc" and self.engine.kind != "embedded":
+            raise ValueError("sync.backend=ipc is moe-rl's own same-machine transfer: it needs engine.kind=embedded")
         if self.data.task == "jsonl" and not self.data.path:
             raise ValueError("data.task=jsonl needs data.path")
         return self

@@ -12,7 +12,8 @@ trainers' (one GPU: trainer and engine share GPU 0). Rules, each error naming it
 - trainer ranks of a node need distinct GPUs (their gradients travel over NCCL);
 - with ``sync.backend`` resolving to nccl, trainer rank 0 and the engine ranks of its node
   need distinct GPUs (NCCL cannot join two ranks on one device): colocated runs choose
-  ``sync.backend=gloo`` (buckets staged through host memory) explicitly.
+  ``sync.backend=gloo`` (buckets staged through host memory) or ``ipc`` (the engine maps the
+  trainer's CUDA bucket, moe_rl.sync.ipc) explicitly.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Placement:
     device: str  # "cpu" or "cuda"
     gpus: tuple[int, ...] | None  # GPU of each global rank (cuda), None on CPU
     nproc_per_node: int
-    sync_backend: str  # "nccl" or "gloo": the weight-sync group's backend
+    sync_backend: str  # "nccl", "gloo" or "ipc": the weight-sync group's backend
 
     def gpu(self, rank: int) -> int | None:
         return None if self.gpus is None else self.gpus[rank]
@@ -74,6 +75,9 @@ def resolve_placement(cfg, num_gpus: int) -> Placement:
     layout = Layout.from_config(cfg)
     nproc = cfg.pools.nproc_per_node or layout.world_size
     backend = sync_backend(cfg)
+    if backend == "ipc" and any(r // nproc != 0 for r in layout.rollout_ranks):
+        raise PlacementError("sync.backend=ipc shares memory within one machine, but engine ranks run on other "
+                             "nodes (pools.nproc_per_node); use sync.backend=nccl or gloo")
     if cfg.train.device != "cuda":
         if backend == "nccl":
             raise PlacementError("sync.backend=nccl needs train.device=cuda; use sync.backend=gloo (or auto) on CPU")
@@ -112,7 +116,7 @@ def resolve_placement(cfg, num_gpus: int) -> Placement:
             raise PlacementError(
                 f"sync.backend={cfg.sync.backend} uses NCCL, which cannot join two ranks on one GPU, but trainer "
                 f"rank 0 and the engine ranks of its node share GPU(s) {shared}: set sync.backend=gloo (CPU-staged "
-                f"weight sync) or give them separate GPUs (placement.gpus)")
+                f"weight sync) or ipc (CUDA IPC), or give them separate GPUs (placement.gpus)")
     return placement
 
 

@@ -32,6 +32,17 @@ def test_one_gpu_colocates_trainer_and_engine_with_gloo_sync():
     assert p.gpus == (0, 0) and p.shares_gpu(0) and p.shares_gpu(1)
 
 
+def test_ipc_sync_is_for_one_machine_and_embedded_engines():
+    from moe_rl.config import ConfigError
+
+    assert resolve_placement(cfg("train.device=cuda", "sync.backend=ipc"), num_gpus=1).sync_backend == "ipc"
+    with pytest.raises(PlacementError, match="sync.backend=ipc shares memory within one machine"):
+        resolve_placement(cfg("train.device=cuda", "sync.backend=ipc", "pools.rollout=2", "pools.nproc_per_node=2",
+                              "pools.nnodes=2"), num_gpus=2)
+    with pytest.raises(ConfigError, match="sync.backend=ipc .* needs engine.kind=embedded"):
+        cfg("sync.backend=ipc", "engine.kind=sglang", "engine.urls=[http://x:1]")
+
+
 def test_fewer_gpus_than_ranks_trainers_first_then_engines_round_robin():
     p = resolve_placement(cfg("train.device=cuda", "pools.trainer=2", "pools.rollout=3", "sync.backend=gloo"),
                           num_gpus=3)
@@ -139,7 +150,7 @@ def test_sync_backend_reaches_the_weight_sender():
     from moe_rl.sync.sender import WeightSender
 
     model = build_model(cfg())
-    for value, want in (("auto", "gloo"), ("gloo", "gloo"), ("nccl", "nccl")):
+    for value, want in (("auto", "gloo"), ("gloo", "gloo"), ("nccl", "nccl"), ("ipc", "ipc")):
         sender = WeightSender.from_config(model, cfg(f"sync.backend={value}", "sync.bind_params=false").sync)
         try:
             assert sender.backend == want

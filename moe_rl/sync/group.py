@@ -62,8 +62,12 @@ class SyncGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
             self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, opts)
+        elif backend == "ipc":  # same machine, shared memory (CUDA IPC): see moe_rl.sync.ipc
+            from .ipc import IpcGroup
+
+            self.pg = IpcGroup(self.store, rank, world_size)
         else:
-            raise ValueError(f"weight-sync backend must be gloo or nccl, not {backend!r}")
+            raise ValueError(f"weight-sync backend must be gloo, nccl or ipc, not {backend!r}")
         self.closed = False
         log.debug("weight-sync group %s: rank %d/%d (%s)", group_name, rank, world_size, backend)
 
@@ -71,6 +75,8 @@ class SyncGroup:
         """Starts a broadcast from ``src``; returns the work handle (``wait_work`` it)."""
         if self.closed:
             raise RuntimeError(f"weight-sync group {self.group_name!r} is closed")
+        if self.backend == "ipc":
+            return self.pg.broadcast(tensor, src)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0

@@ -9,8 +9,9 @@ from .test_main_job import train
 pytestmark = pytest.mark.gpu
 
 
-def test_tiny_colocated_on_one_gpu_with_cpu_staged_sync(tmp_path):
-    out, r = train(tmp_path, "train.device=cuda", "sync.backend=gloo", "placement.gpus=[0,0]", "train.steps=6",
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_tiny_colocated_on_one_gpu(tmp_path, backend):
+    out, r = train(tmp_path, "train.device=cuda", f"sync.backend={backend}", "placement.gpus=[0,0]", "train.steps=6",
                    "checkpoint.every=0")
     rows = read_metrics(out / "metrics.jsonl")
     assert [x["step"] for x in rows] == list(range(1, 7))
