@@ -1,12 +1,24 @@
 """The main job on one GPU: trainer and embedded engine colocated on GPU 0 (the issue-18 failure:
 the engine rank used to call torch.cuda.set_device(LOCAL_RANK=1) on a 1-GPU machine)."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from moe_rl.train.tracking import read_metrics
 
-from .test_main_job import train
-
 pytestmark = pytest.mark.gpu
+
+
+def train(tmp_path, *overrides, check=True):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "configs/tiny.yaml", f"output_dir={out}",
+                        "logging.progress=false", *overrides], capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return out, r
 
 
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
