@@ -45,6 +45,12 @@ def cmd_train(argv: list[str]) -> int:
     except (DatasetError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    import torch
+
+    from .placement import check_before_launch
+
+    gpus = torch.cuda.device_count() if cfg.train.device == "cuda" else 0
+    check_before_launch(cfg, gpus, torch.cuda.get_device_properties(0).total_memory if gpus else None)
     from torch.distributed.run import main as torchrun
 
     nproc = cfg.pools.nproc_per_node or cfg.world_size

@@ -97,6 +97,21 @@ class SyncConfig(Strict):
     timeout_s: float = Field(120.0, gt=0, description="weight-sync group and broadcast timeout")
     skip_down_engines: bool = Field(True, description="a sync leaves out an engine that cannot be reached "
                                     "(it serves no rollouts until a later sync reaches it) instead of failing")
+    # auto: nccl when train.device=cuda, gloo on CPU. NCCL cannot join two ranks on one GPU, so a
+    # trainer colocated with its engine uses gloo (CUDA buckets staged through host memory by
+    # gloo) or ipc (the engine maps the trainer's bucket: CUDA IPC; one machine, embedded engines)
+    backend: Literal["auto", "nccl", "gloo", "ipc"] = "auto"
+
+
+class PlacementConfig(Strict):
+    """Which GPU each rank of a node uses (train.device=cuda); see moe_rl/placement.py."""
+
+    gpus: list[int] | None = Field(None, description="GPU index of each local rank of a node (trainer ranks "
+                                   "first, then engine ranks); null = one GPU per rank while there are enough, "
+                                   "else trainers get their own GPUs and engine ranks share")
+    mem_fraction_static: float = Field(0.4, gt=0, lt=1, description="share of its GPU's memory an embedded "
+                                       "engine takes for weights + KV cache (SGLang's --mem-fraction-static); "
+                                       "sets how many requests' KV cache fit")
 
 
 class AlgoConfig(Strict):
@@ -169,6 +184,7 @@ class ExperimentConfig(Strict):
     rollout: RolloutConfig = RolloutConfig()
     replay: ReplayConfig = ReplayConfig()
     sync: SyncConfig = SyncConfig()
+    placement: PlacementConfig = PlacementConfig()
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
@@ -188,6 +204,14 @@ class ExperimentConfig(Strict):
         if self.algo.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer={self.algo.overlong_buffer} exceeds "
                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        if self.placement.gpus is not None and self.train.device != "cuda":
+            raise ValueError("placement.gpus is set but train.device is not cuda")
+        if self.placement.gpus is not None and len(self.placement.gpus) != (self.pools.nproc_per_node or self.world_size):
+            raise ValueError(f"placement.gpus has {len(self.placement.gpus)} entries; it needs one per local rank "
+                             f"({self.pools.nproc_per_node or self.world_size}: pools.nproc_per_node, default "
+                             f"pools.trainer + pools.rollout)")
+        if self.sync.backend == "ipc" and self.engine.kind != "embedded":
+            raise ValueError("sync.backend=ipc is moe-rl's own same-machine transfer: it needs engine.kind=embedded")
         if self.data.task == "jsonl" and not self.data.path:
             raise ValueError("data.task=jsonl needs data.path")
         return self

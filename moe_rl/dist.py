@@ -72,20 +72,23 @@ class Groups:
 
 
 def backend_for(device: str) -> str:
-    """NCCL when the config asks for CUDA (and it exists), gloo otherwise. No silent fallback."""
+    """CUDA: NCCL for CUDA tensors (the trainers' gradients) and gloo for CPU objects (URL
+    exchange, barriers), so ranks sharing a GPU (moe_rl.placement) never form an NCCL
+    communicator unless they exchange CUDA tensors. CPU: gloo. No silent fallback."""
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
-        return "nccl"
+        return "cpu:gloo,cuda:nccl"
     return "gloo"
 
 
-def init_distributed(device: str = "cpu", timeout_s: float = 1800) -> tuple[int, int]:
-    """Initialises the default group from torchrun's environment; returns (rank, world_size)."""
+def init_distributed(device: str = "cpu", timeout_s: float = 1800, gpu: int | None = None) -> tuple[int, int]:
+    """Initialises the default group from torchrun's environment; returns (rank, world_size).
+    ``gpu``: this rank's GPU (moe_rl.placement); default LOCAL_RANK."""
     if not dist.is_initialized():
         backend = backend_for(device)
         if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) if gpu is None else gpu)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 

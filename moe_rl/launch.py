@@ -9,10 +9,12 @@ import logging
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 from .config import ConfigError, load_config
 from .dist import build_groups, init_distributed
+from .placement import resolve_placement
 
 log = logging.getLogger("moe_rl")
 
@@ -44,7 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         format=f"[%(asctime)s rank{os.environ.get('RANK', '0')} %(name)s] %(message)s",
         datefmt="%H:%M:%S",
     )
-    init_distributed(cfg.train.device)
+    try:
+        placement = resolve_placement(cfg, torch.cuda.device_count() if cfg.train.device == "cuda" else 0)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", 0))
+    init_distributed(cfg.train.device, gpu=placement.gpu(rank))
+    if placement.device == "cuda":
+        log.info("rank %d on GPU %d%s; weight sync over %s", rank, placement.gpu(rank),
+                 " (shared with another rank)" if placement.shares_gpu(rank) else "", placement.sync_backend)
     try:
         groups = build_groups(cfg)
         log.info("role=%s rank=%d/%d", groups.role, groups.rank, groups.layout.world_size)

@@ -12,7 +12,7 @@ CASES = {
                 "numpy_decode_gbps"]),
     "engine": (["--max-new-tokens", "4", "--concurrency", "4", "--sequential-requests", "2", "--repeats", "1",
                 "--ttft-samples", "2"],
-               ["tokens_per_s_1", "tokens_per_s_32", "ttft_ms"]),
+               ["tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms", "concurrency", "kv_slots", "device"]),
     "sync": (["--reps", "1", "--buckets", "1", "--scale", "0.1", "--http"],
              ["per_tensor_gbps", "flat_gbps", "bucketed_gbps", "best_bucket_mb", "peak_extra_mib", "device",
               "http_gbps", "http_vs_flat"]),
@@ -32,3 +32,27 @@ def test_bench_prints_its_summary(name):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert set(keys) <= set(out["summary"]), set(keys) - set(out["summary"])
+
+
+def test_bench_sync_round_trip_check_can_fail():
+    """`moe-rl bench sync --gpu` reports bit_identical from this check (CPU, Triton interpreter):
+    true for the right plans, false for an unpack plan whose offsets are off by one tensor."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton bucket copy runs on CPU under TRITON_INTERPRET=1")
+    import torch
+
+    from moe_rl.bench.sync import round_trip_identical
+    from moe_rl.kernels.bucket_pack import BucketCopy, contiguous_offsets
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (64, 8, 4096, 24)]
+    offsets = contiguous_offsets(tensors)
+    outs = [torch.empty_like(t) for t in tensors]
+    pack_plan = BucketCopy(tensors, offsets, torch.bfloat16)
+    assert round_trip_identical(pack_plan, BucketCopy(outs, offsets, torch.bfloat16), tensors, outs)
+    wrong = [offsets[1]] + offsets[1:]  # tensor 0 read from / written to tensor 1's place
+    assert not round_trip_identical(pack_plan, BucketCopy(outs, wrong, torch.bfloat16), tensors, outs)
+    assert not round_trip_identical(BucketCopy(tensors, wrong, torch.bfloat16),
+                                    BucketCopy(outs, offsets, torch.bfloat16), tensors, outs)

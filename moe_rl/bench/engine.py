@@ -4,9 +4,13 @@ Starts an embedded engine in-process on a free port (the default config's model 
 ``--config`` says otherwise) and drives it with ``EngineClient``:
 
 * ``tokens_per_s_1``: output tokens/s with one request at a time;
-* ``tokens_per_s_32``: output tokens/s with 32 concurrent requests (continuous batching);
+* ``tokens_per_s_concurrent``: output tokens/s with ``--concurrency`` (default 64) concurrent
+  requests (continuous batching); ``batching_speedup`` is its ratio to ``tokens_per_s_1``;
 * ``ttft_ms``: time to first token of a single request (median latency of a one-token
   request: HTTP + prefill + sampling).
+
+``--device cuda`` puts the engine's model and KV cache on the current GPU (the KV cache sized by
+placement.mem_fraction_static, at most ``--concurrency`` requests); default ``cpu``.
 
 Every request samples (temperature 1, no stop tokens) exactly ``--max-new-tokens`` tokens
 from a ``--prompt-len`` prompt. Throughputs are the best of ``--repeats`` runs.
@@ -32,7 +36,7 @@ async def _bench(cfg, args) -> dict:
     from ..engine.client import EngineClient
     from ..engine.server import build_engine, start_server
 
-    engine = build_engine(cfg)
+    engine = build_engine(cfg, device=args.device)
     runner, url = await start_server(engine, "127.0.0.1", 0)
     vocab = cfg.model.arch().vocab_size
     try:
@@ -72,7 +76,10 @@ async def _bench(cfg, args) -> dict:
         engine.stop()
     return {
         "tokens_per_s_1": round(tps1, 1),
-        "tokens_per_s_32": round(tpsn, 1),
+        "tokens_per_s_concurrent": round(tpsn, 1),
+        "concurrency": args.concurrency,
+        "kv_slots": engine.max_running,
+        "device": str(engine.device),
         "ttft_ms": round(statistics.median(ttfts), 2),
         "batching_speedup": round(tpsn / tps1, 2),
         "engine_steps": stats.get("steps"),
@@ -89,11 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default engine.threads, else torch's)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engine runs")
     ap.add_argument("--sequential-requests", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ttft-samples", type=int, default=7)
     args = ap.parse_intermixed_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return 2
     overrides = list(args.overrides)
     if args.threads:
         overrides.append(f"engine.threads={args.threads}")
@@ -109,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "bench": "engine",
         "config": args.config,
-        "params": {"prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
+        "params": {"device": args.device, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
                    "concurrency": args.concurrency, "threads": torch.get_num_threads(), "dtype": cfg.engine.dtype},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
         "summary": summary,
     }
     if args.json:
@@ -122,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{p['threads']} torch threads")
         print(f"  {'concurrency':>12} {'tokens/s':>10}")
         print(f"  {1:>12} {summary['tokens_per_s_1']:>10.1f}")
-        print(f"  {args.concurrency:>12} {summary['tokens_per_s_32']:>10.1f}   ({summary['batching_speedup']:.1f}x)")
+        print(f"  {args.concurrency:>12} {summary['tokens_per_s_concurrent']:>10.1f}   ({summary['batching_speedup']:.1f}x)")
         print(f"  time to first token: {summary['ttft_ms']:.1f} ms")
     return 0
 

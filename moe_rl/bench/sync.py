@@ -326,6 +326,24 @@ class _HTTPSenders:
             self.proc.kill()
 
 
+def round_trip_identical(pack_plan, unpack_plan, tensors, outs) -> bool:
+    """A fresh pack + unpack with the plans the bench timed: the packed buffer must equal a
+    plain concatenation of ``tensors`` and every unpacked tensor its original, bit for bit.
+    Buffer and outputs start as NaN, so anything a plan leaves out or puts elsewhere shows."""
+    flat = torch.full((sum(t.numel() for t in tensors),), float("nan"), dtype=tensors[0].dtype,
+                      device=tensors[0].device)
+    pack_plan.pack(flat)
+    for o in outs:
+        o.fill_(float("nan"))
+    unpack_plan.unpack(flat)
+
+    def bits(t):
+        return t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+    packed_ok = torch.equal(bits(flat), bits(torch.cat([t.reshape(-1) for t in tensors])))
+    return packed_ok and all(torch.equal(bits(a), bits(b)) for a, b in zip(outs, tensors))
+
+
 def run_gpu(args) -> dict:
     """Triton pack/unpack vs a device-to-device copy of the same bytes vs a per-tensor loop."""
     from moe_rl.kernels.bucket_pack import BucketCopy, contiguous_offsets, pack, unpack
@@ -383,8 +401,7 @@ def run_gpu(args) -> dict:
         "loop_pack": timeit(loop_pack, inner=1),
         "loop_unpack": timeit(loop_unpack, inner=1),
     }
-    unpack_plan.unpack(flat.copy_(other))
-    identical = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(outs, tensors))
+    identical = round_trip_identical(pack_plan, unpack_plan, tensors, outs)
     # chunk size per program: the default against smaller and larger ones
     chunks = {}
     for cb in (4096, 16384, 65536):

@@ -65,17 +65,15 @@ class _Req:
 class _StepAttention:
     """The ``attend`` backend of one engine step (see the module docstring)."""
 
-    def __init__(self, k_cache, v_cache, segments, device):
+    def __init__(self, k_cache, v_cache, segments, dec_rows, dec_slots, dec_pos, lmax: int):
+        """``dec_*``: the decode rows' token rows, cache slots and positions, already on the
+        cache's device; ``lmax``: 1 + their largest position (known on the host: no sync)."""
         self.k_cache, self.v_cache = k_cache, v_cache
-        dec = [(i, s) for i, s in enumerate(segments) if s[2] == 1 and s[1] > 0]
         self.prefill = [s for s in segments if not (s[2] == 1 and s[1] > 0)]
-        self.dec_rows = torch.tensor([s[3] for _, s in dec], dtype=torch.long, device=device)
-        self.dec_slots = torch.tensor([s[0] for _, s in dec], dtype=torch.long, device=device)
-        self.dec_pos = torch.tensor([s[1] for _, s in dec], dtype=torch.long, device=device)
-        if dec:
-            self.lmax = int(self.dec_pos.max()) + 1
-            ar = torch.arange(self.lmax, device=device)
-            self.dec_mask = (ar[None, :] <= self.dec_pos[:, None])[:, None, None, :]  # [B,1,1,L]
+        self.dec_rows, self.dec_slots, self.dec_pos, self.lmax = dec_rows, dec_slots, dec_pos, lmax
+        if lmax:
+            ar = torch.arange(lmax, device=dec_pos.device)
+            self.dec_mask = (ar[None, :] <= dec_pos[:, None])[:, None, None, :]  # [B,1,1,L]
 
     def __call__(self, layer, q, k, v):
         kc, vc = self.k_cache[layer], self.v_cache[layer]
@@ -326,25 +324,38 @@ class Engine:
             ids.extend(toks)
             pos.extend(range(start, start + len(toks)))
             off += len(toks)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        last = torch.tensor([s[3] + s[2] - 1 for s in segments], dtype=torch.long, device=self.device)
-        attend = _StepAttention(self.k_cache, self.v_cache, segments, self.device)
+        dec = [s for s in segments if s[2] == 1 and s[1] > 0]
+        last = [s[3] + s[2] - 1 for s in segments]
+        # every index of the step in one host-to-device copy
+        host = torch.tensor(ids + pos + last + [s[3] for s in dec] + [s[0] for s in dec] + [s[1] for s in dec],
+                            dtype=torch.long)
+        idx = host.to(self.device, non_blocking=True).split([off, off, len(last), len(dec), len(dec), len(dec)])
+        input_ids, positions, last_rows = idx[0], idx[1], idx[2]
+        lmax = max(s[1] for s in dec) + 1 if dec else 0
+        attend = _StepAttention(self.k_cache, self.v_cache, segments, idx[3], idx[4], idx[5], lmax)
         record: list[torch.Tensor] = []
         with self.model_lock:
             hidden = self.model.forward_tokens(input_ids, positions, attend, record=record)
-            logits = self.model.lm_head(hidden.index_select(0, last)).float()
+            logits = self.model.lm_head(hidden.index_select(0, last_rows)).float()
             version = self.weight_version
-        routing = None
-        if any(r.req.return_routed_experts for r, _, _ in batch):
-            routing = np.zeros((off, self.num_layers, self.top_k), dtype=np.int32)  # dense layers: 0
-            for layer, ids_l in zip(self.moe_layers, record):
-                routing[:, layer, :] = ids_l.to(torch.int32).cpu().numpy()
-
         temps = torch.tensor([r.params.logprob_temperature for r, _, _ in batch], dtype=torch.float32)
-        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-        tokens = self._sample_batch([r for r, _, _ in batch], logits, logp)
-        lps = logp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None]).squeeze(1).tolist()
+        logp = torch.log_softmax(logits / temps.to(self.device, non_blocking=True)[:, None], dim=-1)
+        tokens_dev = self._sample_batch([r for r, _, _ in batch], logits, logp)
+        lps_dev = logp.gather(1, tokens_dev[:, None]).squeeze(1)
+        # the step's one device-to-host copy: tokens, log-probs and the routing record (token
+        # and expert ids are exact in float64)
+        want_routing = any(r.req.return_routed_experts for r, _, _ in batch)
+        parts = [tokens_dev.double(), lps_dev.double()]
+        if want_routing and record:
+            parts.append(torch.stack(record, 1).reshape(-1).double())
+        flat = torch.cat(parts).cpu()
+        B = len(batch)
+        tokens, lps = flat[:B].long().tolist(), flat[B : 2 * B].tolist()
+        routing = None
+        if want_routing:
+            routing = np.zeros((off, self.num_layers, self.top_k), dtype=np.int32)  # dense layers: 0
+            if record:
+                routing[:, self.moe_layers, :] = flat[2 * B :].view(off, len(record), self.top_k).to(torch.int32).numpy()
 
         with self.cond:
             self.stats["steps"] += 1
@@ -380,27 +391,27 @@ class Engine:
                     r.on_update(self._response(r, None))
 
     @classmethod
-    def _sample_batch(cls, reqs: list[_Req], logits: torch.Tensor, logp: torch.Tensor) -> list[int]:
-        """One token per row. Plain temperature sampling (no top-k/top-p, the RL case) is done
-        for all such rows at once by inverse CDF, with one uniform draw from each request's own
-        generator, so a request's tokens depend on its seed and not on its batch-mates."""
-        tokens = [0] * len(reqs)
-        plain = []
-        for i, r in enumerate(reqs):
-            p = r.params
-            if not p.greedy and p.top_k <= 0 and p.top_p >= 1.0:
-                plain.append(i)
-            else:
-                tokens[i] = cls._sample(p, logits[i], logp[i], r.generator)
+    def _sample_batch(cls, reqs: list[_Req], logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """One token per row, as a long tensor on the logits' device. Plain temperature
+        sampling (no top-k/top-p, the RL case) is done for all such rows at once by inverse CDF
+        on the device, with one uniform draw from each request's own (CPU) generator, so a
+        request's tokens depend on its seed and not on its batch-mates or the device."""
+        device = logits.device
+        tokens = torch.zeros(len(reqs), dtype=torch.long, device=device)
+        is_plain = [not r.params.greedy and r.params.top_k <= 0 and r.params.top_p >= 1.0 for r in reqs]
+        plain = [i for i, p in enumerate(is_plain) if p]
+        other = [i for i, p in enumerate(is_plain) if not p]
         if plain:
-            rows = torch.tensor(plain, dtype=torch.long)
-            u = torch.stack([torch.rand((), generator=reqs[i].generator) for i in plain])
+            rows = torch.tensor(plain, dtype=torch.long).to(device, non_blocking=True)
+            u = torch.stack([torch.rand((), generator=reqs[i].generator) for i in plain]).to(device, non_blocking=True)
             cdf = logp.index_select(0, rows).exp().cumsum(dim=-1)
             # first index whose cdf exceeds u * total: token i with probability p_i exactly
             picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-            picked = picked.clamp_(max=logits.shape[1] - 1).tolist()
-            for i, t in zip(plain, picked):
-                tokens[i] = t
+            tokens[rows] = picked.clamp_(max=logits.shape[1] - 1)
+        if other:  # top-k / top-p / greedy rows: per row, on the host (their generators are CPU ones)
+            lg, lp = logits[other].cpu(), logp[other].cpu()
+            chosen = [cls._sample(reqs[i].params, lg[j], lp[j], reqs[i].generator) for j, i in enumerate(other)]
+            tokens[torch.tensor(other, dtype=torch.long).to(device)] = torch.tensor(chosen, dtype=torch.long).to(device)
         return tokens
 
     @staticmethod

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import threading
 
+import torch
 import torch.distributed as dist
 
 from moe_rl.gc_control import freeze_gc
@@ -30,7 +31,8 @@ def run_engine_host(cfg, groups) -> None:
     index = groups.layout.rollout_ranks.index(groups.rank)
     port = 0 if e.port == 0 else e.port + index
     loop = asyncio.new_event_loop()
-    engine = build_engine(cfg)
+    # the launcher set this rank's GPU from the placement (moe_rl.placement)
+    engine = build_engine(cfg, device=f"cuda:{torch.cuda.current_device()}" if cfg.train.device == "cuda" else None)
     freeze_gc()  # weight updates decode thousands of small lists: see moe_rl.gc_control
     runner, url = loop.run_until_complete(start_server(engine, e.host, port, e.api_key))
     thread = threading.Thread(target=loop.run_forever, name="engine-http", daemon=True)

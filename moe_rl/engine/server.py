@@ -46,11 +46,30 @@ def build_model(cfg):
     return model.to(_DTYPES[cfg.engine.dtype])
 
 
-def build_engine(cfg, model=None) -> Engine:
+def build_engine(cfg, model=None, device: str | torch.device | None = None) -> Engine:
+    """``device``: where the model and KV cache live (default: where ``model`` is, CPU for a
+    new one). On a GPU the KV cache holds as many requests as placement.mem_fraction_static
+    of its memory leaves after the weights (at most engine.max_running_requests)."""
     e = cfg.engine
+    model = model if model is not None else build_model(cfg)
+    if device is not None:
+        model = model.to(device)
+    max_running = e.max_running_requests
+    p = next(model.parameters())
+    if p.device.type == "cuda":
+        from ..placement import kv_cache_slots
+
+        max_running = kv_cache_slots(
+            model.arch, max_context=min(e.max_context, model.arch.max_position_embeddings),
+            max_running_requests=e.max_running_requests, element_size=p.element_size(),
+            weight_bytes=sum(t.numel() * t.element_size() for t in model.parameters()),
+            gpu_bytes=torch.cuda.get_device_properties(p.device).total_memory,
+            mem_fraction=cfg.placement.mem_fraction_static)
+        log.info("embedded engine on %s: KV cache for %d requests (placement.mem_fraction_static=%s)",
+                 p.device, max_running, cfg.placement.mem_fraction_static)
     return Engine(
-        model if model is not None else build_model(cfg),
-        max_running_requests=e.max_running_requests,
+        model,
+        max_running_requests=max_running,
         max_context=e.max_context,
         weight_version=e.weight_version,
         threads=e.threads,

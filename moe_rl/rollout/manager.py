@@ -311,6 +311,7 @@ class RolloutManager:
             else:
                 new = list(resp["output_ids"])
                 out += new
+                self.stats["generated_tokens"] += len(new)  # the run's rollout tokens/s (train loop)
                 logps += output_logprobs(meta)
                 tv = token_weight_versions(meta)
                 versions += [_version_number(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))]

@@ -54,8 +54,8 @@ class SyncGroup:
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"weight-sync backend must be gloo or nccl, not {backend!r}")
+        if backend not in ("gloo", "nccl", "ipc"):
+            raise ValueError(f"weight-sync backend must be gloo, nccl or ipc, not {backend!r}")
         if backend == "nccl" and not torch.cuda.is_available():
             raise RuntimeError("weight-sync backend nccl needs a CUDA device")
         if not group_name:
@@ -78,10 +78,14 @@ class SyncGroup:
         inner = dist.PrefixStore("cpu/" if backend == "gloo" else "cuda/", dist.PrefixStore(f"{group_name}/", self.store))
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(inner, rank, world_size, self.timeout)
-        else:
+        elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
             self.pg = dist.ProcessGroupNCCL(inner, rank, world_size, opts)
+        else:  # same machine, shared memory (CUDA IPC), moe-rl's own: see moe_rl.sync.ipc
+            from .ipc import IpcGroup
+
+            self.pg = IpcGroup(inner, rank, world_size)
         self.closed = False
         log.debug("weight-sync group %s: rank %d/%d (%s)", group_name, rank, world_size, backend)
 
@@ -89,6 +93,8 @@ class SyncGroup:
         """Starts a broadcast from ``src``; returns the work handle (``wait_work`` it)."""
         if self.closed:
             raise RuntimeError(f"weight-sync group {self.group_name!r} is closed")
+        if self.backend == "ipc":
+            return self.pg.broadcast(tensor, src)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0

@@ -184,7 +184,8 @@ class WeightSender:
             model, engines=engines, bucket_mb=sync_cfg.bucket_mb, verify=sync_cfg.verify,
             group_name=sync_cfg.group_name, master_address=sync_cfg.master_address, port=sync_cfg.port,
             timeout_s=sync_cfg.timeout_s, pause_mode=sync_cfg.pause_mode, wire_dtype=wire_dtype,
-            bind_params=sync_cfg.bind_params, skip_down_engines=sync_cfg.skip_down_engines, **g, **kw,
+            bind_params=sync_cfg.bind_params, skip_down_engines=sync_cfg.skip_down_engines,
+            backend=None if sync_cfg.backend == "auto" else sync_cfg.backend, **g, **kw,
         )
 
     # --- who packs what ---------------------------------------------------------------------

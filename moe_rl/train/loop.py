@@ -135,6 +135,7 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.run_dir = Path(cfg.output_dir)
         self.backend = build_backend(cfg, groups)
+        self._rollout_mark = (0, 0.0)  # (generated tokens, wall s) at the last logged step
         self.arch = self.backend.arch
         self.ref = build_backend(cfg, groups) if cfg.algo.kl_coef > 0 else None  # frozen initial policy
         self.task = task_from_config(cfg)
@@ -368,6 +369,10 @@ class Trainer:
             **{k: v for k, v in info.items() if k.startswith("dyn_")},
             "wall_s": wall,
         }
+        gen = self.manager.stats["generated_tokens"]  # every token the engines returned, kept or not
+        prev_gen, prev_wall = self._rollout_mark
+        self._rollout_mark = (gen, wall)
+        row["rollout_tokens_per_s"] = (gen - prev_gen) / max(wall - prev_wall, 1e-9)
         self.tracker.log(self.step, row, histograms={"staleness": st})
 
     def _checkpoint(self):

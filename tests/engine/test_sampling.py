@@ -17,7 +17,7 @@ def test_batched_sampling_matches_the_distribution():
     logits = probs.clamp_min(1e-30).log().expand(4000, -1).contiguous()
     logits[:, [1, 5]] = -float("inf")
     logp = torch.log_softmax(logits, dim=-1)
-    tokens = torch.tensor(Engine._sample_batch(_reqs(4000), logits, logp))
+    tokens = Engine._sample_batch(_reqs(4000), logits, logp)
     freq = torch.bincount(tokens, minlength=6).float() / 4000
     assert freq[1] == 0 and freq[5] == 0  # zero-probability tokens are never drawn
     # 4000 draws: binomial std <= 0.008; 4 sigma

@@ -6,6 +6,11 @@ use, and dropout regions / activation recompute fork and restore CUDA RNG states
 ``cpu_megatron`` fixture shims exactly those (current device -> "cpu", RNG tracker and CUDA RNG
 state calls -> no-ops; dropout is 0) for this module, so everything else -- the GPTModel's
 attention, MoE routing and RouterReplay, token dispatch, experts, recompute -- runs unchanged.
+It also runs megatron's ``torch.compile``d helpers (``jit_fuser``, e.g. the router's
+``_apply_expert_bias`` in 0.19) eagerly: where CUDA is visible, TorchDynamo asks
+``torch.cuda.current_device()`` for the device index, gets the shim's "cpu" and fails
+(InternalTorchDynamoError, "list indices must be integers or slices, not str"). Eager and
+compiled compute the same; compilation is not what these tests check.
 The same checks on a GPU, without shims and also in bf16, are in test_megatron_gpu.py.
 """
 import contextlib
@@ -45,6 +50,7 @@ def cpu_megatron():
         mp.setenv("MASTER_ADDR", "127.0.0.1")
         mp.setenv("MASTER_PORT", str(free_port()))
         mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        mp.setattr(torch._dynamo.config, "disable", True)  # see the module docstring
         mp.setattr(tracker, "fork", lambda *a, **k: contextlib.nullcontext())
         mp.setattr(tracker, "get_states", lambda: {})
         mp.setattr(tracker, "set_states", lambda states: None)

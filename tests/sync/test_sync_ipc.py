@@ -1,0 +1,74 @@
+"""sync.backend=ipc: the receiver maps each bucket of the sender's memory (shared memory on CPU,
+CUDA IPC on a GPU) instead of receiving a broadcast; same staging, same atomic commit."""
+import pytest
+import torch
+
+from moe_rl.model import MoEForCausalLM
+from moe_rl.sync import WeightSender, WeightSyncError
+
+from . import helpers as H
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    with H.spawn_receiver(0) as r:
+        yield r
+
+
+def expected_hashes(seed: int) -> dict[str, str]:
+    return H.model_hashes(MoEForCausalLM(H.arch()).init_weights(seed))
+
+
+def _sync(model, ctl, version):
+    sender = WeightSender(model, engines=[ctl], bucket_mb=H.BUCKET_MB, timeout_s=30, backend="ipc")
+    try:
+        assert len(sender.plan.buckets) > 2
+        return sender.sync(version)
+    finally:
+        sender.close()
+
+
+def test_ipc_sync_is_bit_identical_and_a_bad_update_leaves_the_old_weights(receiver):
+    _, ctl, _ = receiver
+    for seed in (1, 2):  # twice: the second update reuses the group's store keys and shared buckets
+        _sync(MoEForCausalLM(H.arch()).init_weights(seed), ctl, f"ipc{seed}")
+        assert ctl.call("hashes")["result"] == expected_hashes(seed)
+        assert ctl.call("state")["result"]["version"] == f"ipc{seed}"
+    # wider experts than the engine's: rejected after the first bucket is mapped and copied
+    with pytest.raises(WeightSyncError, match="shape mismatch"):
+        _sync(MoEForCausalLM(H.arch(moe_intermediate_size=24)).init_weights(5), ctl, "bad")
+    assert ctl.call("hashes")["result"] == expected_hashes(2)
+    state = ctl.call("state")["result"]
+    assert state["version"] == "ipc2" and "parameters unchanged (still version ipc2)" in state["last_error"]
+
+
+@pytest.mark.gpu
+def test_ipc_round_trip_of_a_cuda_bucket_to_another_process():
+    """The CUDA path of moe_rl.sync.ipc: a CUDA buffer mapped and copied by a second process."""
+    import torch.multiprocessing as mp
+
+    from moe_rl.sync.group import SyncGroup, free_port
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_cuda_receiver, args=(port, q), daemon=True)
+    p.start()
+    g = SyncGroup("127.0.0.1", port, 0, 2, "ipc-test", "ipc", 60)
+    try:
+        src = torch.arange(1 << 20, dtype=torch.float32, device="cuda") * 0.5
+        g.wait_work(g.broadcast(src, src=0))
+        assert q.get(timeout=60) == float(src.sum())
+    finally:
+        p.join(30)
+        g.close()
+
+
+def _cuda_receiver(port, q):
+    from moe_rl.sync.group import SyncGroup
+
+    g = SyncGroup("127.0.0.1", port, 1, 2, "ipc-test", "ipc", 60)
+    buf = torch.full((1 << 20,), float("nan"), device="cuda")
+    g.wait_work(g.broadcast(buf, src=0))
+    q.put(float(buf.sum()))
+    g.close()
