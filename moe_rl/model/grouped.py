@@ -1,0 +1,78 @@
+"""Grouped expert compute: rows sorted by expert, one grouped GEMM per projection.
+
+``dispatch`` turns a flat list of expert ids into the permutation the grouped GEMM needs
+(one stable sort, group end offsets by a searchsorted, optional per-group padding), all on
+the device with no host sync and nothing that loops over experts in Python.
+``grouped_mm`` runs ``torch._grouped_mm`` (CUTLASS on sm90+ bf16; torch's own per-group
+fallback in C++ on CPU and elsewhere), which has an autograd formula, so the backward is
+three more grouped GEMMs per projection instead of one full-size weight gradient per expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Dispatch:
+    """Where each (token, slot) row goes.
+
+    ``order`` [M]: flat row index of each expert-sorted row; ``slot`` [M]: padded-buffer row
+    of each flat row (its inverse permutation, plus padding); ``offs`` int32 [E]: end row of
+    each expert's group in the padded buffer, the last one equal to ``rows``; ``rows``: the
+    padded buffer's length, a static bound (M + E * (align - 1)) so that no host sync is needed.
+    """
+
+    order: torch.Tensor
+    slot: torch.Tensor
+    offs: torch.Tensor
+    rows: int
+
+
+def group_align(x: torch.Tensor) -> int:
+    """Rows per group a multiple of this: CUTLASS's grouped GEMM wants 16-byte aligned group
+    starts, also along the token dim that the weight gradient contracts over. CPU needs none."""
+    return 16 // x.element_size() if x.device.type == "cuda" else 1
+
+
+def dispatch(ids: torch.Tensor, num_experts: int, align: int = 1) -> Dispatch:
+    """ids [M] (int64, each in [0, num_experts)) -> the sort/padding plan for ``ids``' rows."""
+    M = ids.shape[0]
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    bounds = torch.arange(1, num_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
+    ends = torch.searchsorted(sorted_ids, bounds)  # end of each expert's run in the sorted rows
+    if align == 1:
+        slot = torch.empty_like(order).scatter_(0, order, torch.arange(M, device=ids.device))
+        return Dispatch(order, slot, ends.to(torch.int32), M)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_counts = (counts + align - 1) // align * align
+    padded_ends = padded_counts.cumsum(0)
+    rows = M + num_experts * (align - 1)
+    # sorted row i of expert e moves from e's sorted start to e's padded start
+    shift = (padded_ends - padded_counts) - (ends - counts)
+    pos = torch.arange(M, device=ids.device) + shift[sorted_ids]
+    slot = torch.empty_like(order).scatter_(0, order, pos)
+    # the last group absorbs the tail of the buffer (zero rows), so every row lies in a group
+    offs = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), rows)]).to(torch.int32)
+    return Dispatch(order, slot, offs, rows)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] grouped by ``offs`` (int32 group ends), w [E, N, K] (nn.Linear layout per
+    group) -> [rows, N], row r of group e being x[r] @ w[e].T."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
+def permute(x: torch.Tensor, d: Dispatch, k: int = 1) -> torch.Tensor:
+    """The padded, expert-grouped rows of a flat list whose row f is x[f // k] -> [d.rows, H]."""
+    src = x.index_select(0, d.order // k if k > 1 else d.order)
+    if d.rows == d.order.shape[0]:
+        return src
+    return x.new_zeros(d.rows, x.shape[1]).index_copy(0, d.slot[d.order], src)
+
+
+def unpermute(y: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    """Grouped rows [d.rows, H] back in the flat order [M, H] (padding dropped)."""
+    return y.index_select(0, d.slot)
