@@ -4,7 +4,7 @@
 (one stable sort, group end offsets by a searchsorted, optional per-group padding), all on
 the device with no host sync and nothing that loops over experts in Python.
 ``grouped_mm`` runs ``torch._grouped_mm`` (CUTLASS on sm90+ bf16; torch's own per-group
-fallback in C++ on CPU and elsewhere), which has an autograd formula, so the backward is
+C++ loop on CPU), or elsewhere a padded batched matmul, which has an autograd formula, so the backward is
 three more grouped GEMMs per projection instead of one full-size weight gradient per expert.
 """
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 @dataclass
@@ -60,9 +63,37 @@ def dispatch(ids: torch.Tensor, num_experts: int, align: int = 1) -> Dispatch:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] grouped by ``offs`` (int32 group ends), w [E, N, K] (nn.Linear layout per
-    group) -> [rows, N], row r of group e being x[r] @ w[e].T."""
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    """x [rows, K] grouped by ``offs`` (int32 group ends, the last = rows), w [E, N, K]
+    (nn.Linear layout per group) -> [rows, N], row r of group e being x[r] @ w[e].T."""
+    if native_grouped_mm(x):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return padded_grouped_mm(x, w, offs)
+
+
+def native_grouped_mm(x: torch.Tensor) -> bool:
+    """Where ``torch._grouped_mm`` is known to run: CPU (torch's per-group C++ loop, any float
+    dtype) and CUDA bf16 on sm_90+ (CUTLASS). Elsewhere (CUDA fp32/fp16, older GPUs):
+    ``padded_grouped_mm``."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return _TORCH >= (2, 13)  # the CPU kernel, with autograd, checked on 2.13 (older: not known)
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The same as one batched matmul over groups padded to the largest one. Reading that size
+    is a host sync, the price of this fallback."""
+    E, rows = w.shape[0], x.shape[0]
+    ends = offs.long()
+    starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
+    cap = int((ends - starts).max()) if rows else 0
+    r = torch.arange(rows, device=x.device)
+    group = torch.searchsorted(ends, r, right=True)
+    slot = group * cap + (r - starts[group])
+    xp = x.new_zeros(E * cap, x.shape[1]).index_copy(0, slot, x).view(E, cap, x.shape[1])
+    return torch.bmm(xp, w.transpose(1, 2)).reshape(E * cap, w.shape[1]).index_select(0, slot)
 
 
 def permute(x: torch.Tensor, d: Dispatch, k: int = 1) -> torch.Tensor:

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_rl.model import MoEArch
+from moe_rl.model import grouped as grouped_ops
 from moe_rl.model import qwen3_moe
 from moe_rl.model.qwen3_moe import SparseMoE
 
@@ -54,13 +55,16 @@ def grouped(moe, x, replay):
     return moe(x, replay)
 
 
+@pytest.mark.parametrize("kernel", ["grouped_mm", "padded"])
 @pytest.mark.parametrize("align", [1, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_replay", [False, True])
-def test_grouped_equals_per_expert_reference(monkeypatch, align, dtype, use_replay):
+def test_grouped_equals_per_expert_reference(monkeypatch, kernel, align, dtype, use_replay):
     """fp32: within 1e-5. bf16: the bf16 model against the fp32 reference on the same (bf16-valued)
     weights, within 2^-6 of each tensor's largest magnitude (the bf16 reference itself is ~0.6% off)."""
     monkeypatch.setattr(qwen3_moe, "group_align", lambda x: align)  # the CUDA padding path, on CPU
+    if kernel == "padded":  # the fallback used where torch._grouped_mm does not run
+        monkeypatch.setattr(grouped_ops, "native_grouped_mm", lambda x: False)
     moe = make_moe(dtype=dtype)
     ref_moe = make_moe(dtype=dtype).float()
     x = torch.randn(37, 32, generator=torch.Generator().manual_seed(2)).to(dtype)
