@@ -4,8 +4,8 @@
 (one stable sort, group end offsets by a searchsorted, optional per-group padding), all on
 the device with no host sync and nothing that loops over experts in Python.
 ``grouped_mm`` runs ``torch._grouped_mm`` (CUTLASS on sm90+ bf16; torch's own per-group
-C++ loop on CPU), or elsewhere a padded batched matmul, which has an autograd formula, so the backward is
-three more grouped GEMMs per projection instead of one full-size weight gradient per expert.
+C++ loop on CPU), or elsewhere a padded batched matmul. Both have autograd formulas, so the
+backward is grouped/batched GEMMs too, not one full-size weight gradient per expert.
 """
 from __future__ import annotations
 
