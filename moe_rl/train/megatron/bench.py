@@ -145,6 +145,8 @@ def _compare(args) -> int:
               f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')")
     cmd = [sys.executable, "-c", driver, "bench", "--preset", args.preset, "--device", args.device, "--dtype",
            args.dtype, "--backends", "native", "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
     runs = {"this": [], "baseline": []}
     for r in range(args.rounds):
         for side in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
@@ -160,7 +162,8 @@ def _compare(args) -> int:
     # per-round ratios is the figure to quote; the medians of each side are printed beside it
     med = {k: statistics.median(v) for k, v in runs.items()}
     ratios = [a / b for a, b in zip(runs["this"], runs["baseline"])]
-    result = dict(preset=args.preset, device=args.device, dtype=args.dtype, baseline=args.baseline, runs=runs,
+    result = dict(preset=args.preset, device=args.device, dtype=args.dtype, threads=args.threads,
+                  baseline=args.baseline, runs=runs,
                   median_tokens_per_s=med, round_ratios=ratios, speedup=statistics.median(ratios),
                   load=os.getloadavg())
     print(json.dumps(result, indent=2) if args.json else
@@ -184,12 +187,15 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, help="dense peak for MFU (default: by device name on CUDA)")
     ap.add_argument("--baseline", help="another checkout's root: compare its native tokens/s with this one's")
     ap.add_argument("--rounds", type=int, default=3, help="--baseline: alternating runs per side")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared machine)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the JSON result here")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     args.preset = args.preset or ("medium" if cuda else "small")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if cuda and not torch.cuda.is_available():
         print("bench: --device cuda needs a CUDA GPU (use --device cpu)", file=sys.stderr)
         return 2
@@ -208,6 +214,7 @@ def main(argv=None) -> int:
     device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = args.peak_tflops or (peak_tflops(device_name) if cuda else None)
     result = dict(device=device_name, torch=torch.__version__, preset=args.preset, dtype=args.dtype,
+                  threads=torch.get_num_threads(),
                   recompute=args.recompute, steps=args.steps, arch=preset["arch"], model_flops=flops,
                   peak_tflops=peak)
     if "megatron" in backends:
