@@ -86,22 +86,49 @@ class PaddedCausal:
 
 
 class PackedCausal:
-    """Causal attention inside each packed sequence of a [1, total] batch (cu_seqlens)."""
+    """Causal attention inside each packed sequence of a [1, total] batch (cu_seqlens).
+
+    The sequences are laid out as a right-padded [S, L_max] batch and attended with
+    ``is_causal`` (S x L_max^2 work instead of total^2, and the fast causal kernels); when
+    padding would exceed the packed length (very uneven lengths) a [total, total] block mask
+    is used instead. Reading L_max is one host read per micro-batch, not per layer."""
 
     def __init__(self, cu_seqlens: torch.Tensor, total: int):
+        self.cu_seqlens, self.total = cu_seqlens, total
+        pos = packed_positions(cu_seqlens, total)
+        num_seqs = max(cu_seqlens.shape[0] - 1, 1)
+        longest = int(pos.max()) + 1 if total else 0
+        self.padded = total > 0 and num_seqs * longest <= 2 * total
+        if self.padded:
+            seq_id = torch.searchsorted(cu_seqlens[1:-1], torch.arange(total, device=cu_seqlens.device), right=True)
+            self.shape = (num_seqs, longest)
+            self.slot = seq_id * longest + pos  # row of each token in the padded [S * L_max]
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[total, total] bool, True where attention is allowed (same sequence, not ahead)."""
+        total, cu_seqlens = self.total, self.cu_seqlens
         seq_id = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
         bounds = cu_seqlens[1:-1]
         if bounds.numel():
             seq_id[bounds[bounds < total]] = 1
         seq_id = seq_id.cumsum(0)
         pos = torch.arange(total, device=cu_seqlens.device)
-        allowed = (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
-        self.mask = allowed
+        return (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
 
     def __call__(self, layer, q, k, v):
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = _sdpa(q, k, v, mask=self.mask)
-        return out.squeeze(0).transpose(0, 1)
+        if not self.padded:
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out = _sdpa(q, k, v, mask=self.mask)
+            return out.squeeze(0).transpose(0, 1)
+        S, L = self.shape
+
+        def pad(t):  # [total, heads, D] -> [S, heads, L, D], zero rows after each sequence
+            buf = t.new_zeros(S * L, t.shape[1], t.shape[2]).index_copy(0, self.slot, t)
+            return buf.view(S, L, t.shape[1], t.shape[2]).transpose(1, 2)
+
+        out = _sdpa(pad(q), pad(k), pad(v), is_causal=True)
+        return out.transpose(1, 2).reshape(S * L, out.shape[1], out.shape[3]).index_select(0, self.slot)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
