@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import MoEArch
+from .grouped import dispatch, group_align, grouped_mm, permute, unpermute
 
 
 class RoutingError(ValueError):
@@ -85,22 +86,49 @@ class PaddedCausal:
 
 
 class PackedCausal:
-    """Causal attention inside each packed sequence of a [1, total] batch (cu_seqlens)."""
+    """Causal attention inside each packed sequence of a [1, total] batch (cu_seqlens).
+
+    The sequences are laid out as a right-padded [S, L_max] batch and attended with
+    ``is_causal`` (S x L_max^2 work instead of total^2, and the fast causal kernels); when
+    padding would exceed the packed length (very uneven lengths) a [total, total] block mask
+    is used instead. Reading L_max is one host read per micro-batch, not per layer."""
 
     def __init__(self, cu_seqlens: torch.Tensor, total: int):
+        self.cu_seqlens, self.total = cu_seqlens, total
+        pos = packed_positions(cu_seqlens, total)
+        num_seqs = max(cu_seqlens.shape[0] - 1, 1)
+        longest = int(pos.max()) + 1 if total else 0
+        self.padded = total > 0 and num_seqs * longest <= 2 * total
+        if self.padded:
+            seq_id = torch.searchsorted(cu_seqlens[1:-1], torch.arange(total, device=cu_seqlens.device), right=True)
+            self.shape = (num_seqs, longest)
+            self.slot = seq_id * longest + pos  # row of each token in the padded [S * L_max]
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[total, total] bool, True where attention is allowed (same sequence, not ahead)."""
+        total, cu_seqlens = self.total, self.cu_seqlens
         seq_id = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
         bounds = cu_seqlens[1:-1]
         if bounds.numel():
             seq_id[bounds[bounds < total]] = 1
         seq_id = seq_id.cumsum(0)
         pos = torch.arange(total, device=cu_seqlens.device)
-        allowed = (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
-        self.mask = allowed
+        return (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
 
     def __call__(self, layer, q, k, v):
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = _sdpa(q, k, v, mask=self.mask)
-        return out.squeeze(0).transpose(0, 1)
+        if not self.padded:
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out = _sdpa(q, k, v, mask=self.mask)
+            return out.squeeze(0).transpose(0, 1)
+        S, L = self.shape
+
+        def pad(t):  # [total, heads, D] -> [S, heads, L, D], zero rows after each sequence
+            buf = t.new_zeros(S * L, t.shape[1], t.shape[2]).index_copy(0, self.slot, t)
+            return buf.view(S, L, t.shape[1], t.shape[2]).transpose(1, 2)
+
+        out = _sdpa(pad(q), pad(k), pad(v), is_causal=True)
+        return out.transpose(1, 2).reshape(S * L, out.shape[1], out.shape[3]).index_select(0, self.slot)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -160,7 +188,10 @@ class _AllToAll(torch.autograd.Function):
 
 
 class Experts(nn.Module):
-    """This rank's experts, stacked: gate/up [E_local, I, H], down [E_local, H, I]."""
+    """This rank's experts, stacked: gate/up [E_local, I, H], down [E_local, H, I].
+
+    The stacked parameters are read through the module attributes on every call (so a
+    parametrization, e.g. an expert LoRA delta, applies)."""
 
     def __init__(self, num_local: int, hidden: int, inter: int):
         super().__init__()
@@ -168,22 +199,20 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_local, inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden, inter))
 
-    def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """x [M, H] rows each bound for expert local_ids[M]; rows arrive sorted by expert."""
-        out = x.new_empty(x.shape)
-        counts = torch.bincount(local_ids, minlength=self.gate_proj.shape[0]).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                xs = x[start : start + n]
-                h = F.silu(xs @ self.gate_proj[e].t()) * (xs @ self.up_proj[e].t())
-                out[start : start + n] = h @ self.down_proj[e].t()
-                start += n
-        return out
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x [rows, H] grouped by expert (``offs``: int32 end row of each expert's group)."""
+        gate_up = grouped_mm(x, torch.cat((self.gate_proj, self.up_proj), dim=1), offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.down_proj, offs)
 
 
 class SparseMoE(nn.Module):
-    """Softmax top-k router + experts, optionally sharded over an expert-parallel group."""
+    """Softmax top-k router + experts, optionally sharded over an expert-parallel group.
+
+    The (token, slot) rows are sorted by expert once per layer, run through one grouped GEMM
+    for gate+up and one for down, and brought back with one gather and a weighted sum over
+    the k slots (a batched [1, k] x [k, H] product, deterministic unlike an atomic scatter-add).
+    """
 
     def __init__(self, arch: MoEArch, layer: int, ep_group=None):
         super().__init__()
@@ -216,54 +245,61 @@ class SparseMoE(nn.Module):
         return ids, weights.to(x.dtype)
 
     def _check_replay(self, ids: torch.Tensor, n_tokens: int, device) -> torch.Tensor:
+        """Validates a replay record. A host-side record (the usual case: it comes from the
+        replay log) is checked on the host before it is copied over, so the device never syncs;
+        a device-resident one is checked by an asynchronous device assert."""
         where = f"replay record for MoE layer {self.layer}"
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise RoutingError(f"{where}: expected an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
         if tuple(ids.shape) != (n_tokens, self.top_k):
             raise RoutingError(f"{where}: shape {tuple(ids.shape)}, expected [tokens={n_tokens}, top_k={self.top_k}]")
-        ids = ids.to(device=device, dtype=torch.long)
-        if n_tokens:
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.num_experts:
-                raise RoutingError(f"{where}: expert id out of range [0, {self.num_experts}): min {lo}, max {hi}")
-            srt = ids.sort(dim=1).values
-            dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1)
-            if bool(dup.any()):
-                row = int(dup.nonzero()[0])
-                raise RoutingError(f"{where}: token {row} has a duplicate expert id: {ids[row].tolist()}")
-        return ids
+        if not n_tokens:
+            return ids.to(device=device, dtype=torch.long)
+        srt = ids.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1)
+        if ids.device.type != "cpu":
+            ok = (srt[:, 0] >= 0).all() & (srt[:, -1] < self.num_experts).all() & ~dup.any()
+            torch._assert_async(ok, f"{where}: expert id out of range [0, {self.num_experts}) or duplicated")
+            return ids.to(device=device, dtype=torch.long)
+        lo, hi = int(srt[:, 0].min()), int(srt[:, -1].max())
+        if lo < 0 or hi >= self.num_experts:
+            raise RoutingError(f"{where}: expert id out of range [0, {self.num_experts}): min {lo}, max {hi}")
+        if bool(dup.any()):
+            row = int(dup.nonzero()[0])
+            raise RoutingError(f"{where}: token {row} has a duplicate expert id: {ids[row].tolist()}")
+        return ids.to(device=device, dtype=torch.long, non_blocking=True)
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None):
         ids, weights = self.route(x, replay)
         N, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        token_of = order // k
-        rows = x[token_of]
         if self.ep_size == 1:
-            expert_out = self.experts(rows, flat[order])
+            d = dispatch(ids.reshape(-1), self.num_local, group_align(x))
+            expert_out = unpermute(self.experts(permute(x, d, k), d.offs), d)
         else:
-            expert_out = self._ep_compute(rows, flat[order])
-        expert_out = expert_out * weights.reshape(-1)[order, None]
-        out = torch.zeros_like(x).index_add(0, token_of, expert_out)
+            expert_out = self._ep_compute(x, ids)
+        out = torch.bmm(weights.unsqueeze(1), expert_out.view(N, k, x.shape[1])).squeeze(1)
         return out, ids
 
-    def _ep_compute(self, rows: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
-        """Sends each row to the rank owning its expert, computes there, and brings it back."""
-        dest = sorted_ids // self.num_local
-        send = torch.bincount(dest, minlength=self.ep_size)
+    def _ep_compute(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Sends each (token, slot) row to the rank owning its expert, computes there, brings
+        it back; returns [N * k, H] in the flat (token, slot) order. The split sizes of the
+        all-to-all are host integers, so this path syncs once per layer (as Megatron's does)."""
+        N, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # grouped by expert, hence by owning rank
+        sorted_ids = flat[order]
+        send = torch.bincount(sorted_ids // self.num_local, minlength=self.ep_size)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.ep_group)
         send, recv = send.tolist(), recv.tolist()
-        remote_rows = _AllToAll.apply(rows, recv, send, self.ep_group)
+        remote_rows = _AllToAll.apply(x.index_select(0, order // k), recv, send, self.ep_group)
         remote_ids = sorted_ids.new_empty(sum(recv))
         dist.all_to_all_single(remote_ids, sorted_ids.contiguous(), recv, send, group=self.ep_group)
-        local = remote_ids - self.ep_rank * self.num_local
-        # rows from each source rank are sorted by expert; sort across sources for the loop
-        order = torch.argsort(local, stable=True)
-        computed = torch.empty_like(remote_rows)
-        computed[order] = self.experts(remote_rows[order], local[order])
-        return _AllToAll.apply(computed, send, recv, self.ep_group)
+        d = dispatch(remote_ids - self.ep_rank * self.num_local, self.num_local, group_align(x))
+        computed = unpermute(self.experts(permute(remote_rows, d), d.offs), d)
+        back = _AllToAll.apply(computed, send, recv, self.ep_group)  # in `order`'s order
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+        return back.index_select(0, inverse)
 
 
 class DecoderLayer(nn.Module):

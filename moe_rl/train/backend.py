@@ -188,10 +188,3 @@ def all_reduce_sum(tensors: list[torch.Tensor], group) -> None:
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
 
-
-def build_backend(cfg, groups=None) -> TrainBackend:
-    if cfg.train.backend == "native":
-        return NativeBackend(cfg, groups)
-    from .megatron import MegatronBackend  # needs megatron-core (pip install 'moe-rl[megatron]')
-
-    return MegatronBackend(cfg, groups)

@@ -33,7 +33,8 @@ from moe_rl.rollout.manager import RolloutManager
 from moe_rl.sync.sender import WeightSender
 from moe_rl.tasks import task_from_config
 
-from .backend import MicroBatch, build_backend
+from .backend import MicroBatch
+from .factory import build_backend
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .tracking import Tracker
 

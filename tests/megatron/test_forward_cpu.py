@@ -215,3 +215,20 @@ def test_weight_sync_from_megatron_equals_the_native_weights(cpu_megatron):
         sender.close()
         assert ctl.call("hashes")["result"] == want
         assert ctl.call("state")["result"]["version"] == "3"
+
+
+def test_bf16_model_steps_fp32_main_params(cpu_megatron):
+    """bf16 model and grads, fp32 main params (megatron's distributed-optimizer precision): the
+    loss goes down and the model holds its main params rounded to bf16 after every step."""
+    from moe_rl.train.main_params import MainParamsOptimizer
+
+    meg, native = build(CPU_ARCH, "cpu", "bfloat16")
+    assert isinstance(meg.optimizer, MainParamsOptimizer)
+    assert sum(p.numel() for p in meg.model.parameters() if p.dtype == torch.bfloat16) > 0.9 * sum(
+        p.numel() for p in meg.model.parameters())  # megatron may keep a few (e.g. the router) in fp32
+    assert {m.dtype for m in meg.optimizer.main_params} == {torch.float32}
+    mbs, adv, n_tokens = replayed_batch(native, CPU_ARCH["vocab_size"], LENGTHS)
+    losses = [pg_step(meg, mbs, adv, n_tokens) for _ in range(4)]
+    assert losses[-1] < losses[0] - 1e-3, losses
+    for p, main in zip(meg.optimizer.model_params, meg.optimizer.main_params):
+        assert torch.equal(p.detach(), main.detach().to(p.dtype))

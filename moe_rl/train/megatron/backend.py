@@ -21,6 +21,7 @@ from moe_rl.kernels import fused_logprobs
 from moe_rl.model import MoEForCausalLM, PackedCausal, hf_state_dict, packed_positions, parse_expert_name
 from moe_rl.model.hf_io import _checkpoint_files
 from moe_rl.train.backend import DataParallelStep, all_reduce_sum
+from moe_rl.train.main_params import MainParamsOptimizer
 
 from .convert import MegatronLayout, hf_to_megatron, megatron_expert_owner, megatron_to_hf
 from .model import (
@@ -123,6 +124,11 @@ class MegatronBackend(DataParallelStep):
         self.model.to(self.device)
 
         self._setup_optimizer()
+        if self.dtype != torch.float32:
+            # as megatron's distributed optimizer: bf16 model and grads, fp32 main params and Adam state
+            t = cfg.train
+            self.optimizer = MainParamsOptimizer(self.dense_params + self.expert_params, lr=t.lr,
+                                                 betas=tuple(t.betas), weight_decay=t.weight_decay)
 
     # --- weights ------------------------------------------------------------------------
     def load_hf_state(self, hf) -> None:

@@ -1,11 +1,22 @@
-"""Tokens/s of one training step, native backend vs megatron backend, on one GPU.
+"""Tokens/s and MFU of one training step, native backend vs megatron backend.
 
-    python -m moe_rl.train.megatron.bench [--preset medium] [--json] [--out FILE]
+    python -m moe_rl.train.megatron.bench [--preset small|medium|large] [--backends native,megatron]
+        [--device cuda|cpu] [--recompute] [--json] [--out FILE]
+    python -m moe_rl.train.megatron.bench --device cpu --baseline /tmp/base --rounds 3   # A/B on CPU
 
 One step = forward (routing replayed from a fixed record), a policy-gradient surrogate loss,
 backward over every micro-batch, then ``optimizer_step``. Both backends start from the same
 weights (the native seeded init) and see the same batch; each is built, warmed up, timed and
-freed in turn. Figures go to docs/benchmarks.md ("Megatron backend (issue 8)").
+freed in turn. On CPU (fp32, native only by default) it prints tokens/s; ``--baseline DIR``
+runs the native step of another checkout (DIR on PYTHONPATH, this file as the driver) and of
+this one alternately in fresh processes and reports medians and their ratio.
+
+MFU = model FLOPs / (step time x the device's dense bf16 peak). Model FLOPs per step =
+6 x (active matmul parameters per token) x tokens + causal attention: 6 x L^2 x heads x head_dim
+per sequence of length L per layer (QK^T and PV, 2 FLOPs per MAC, the causal half, forward x 3
+for forward+backward). Active parameters: attention projections, the router, top_k experts'
+three projections (or the dense MLP), and the LM head; not the embedding (a lookup).
+Figures go to docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -13,8 +24,11 @@ import argparse
 import gc
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,7 +43,38 @@ PRESETS = {
                              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                              num_experts=32, num_experts_per_tok=4),
                    seq=512, seqs_per_micro=4, micro=4),
+    # Qwen3-30B-A3B's layer shapes (hidden 2048, expert width 768, top-8 of 64 here, GQA 32/4 x 128,
+    # its 151936 vocab), 6 layers: ~2.7B parameters, fits one 80 GB GPU with AdamW state; 16k tokens/step
+    "large": dict(arch=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                            num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            num_experts=64, num_experts_per_tok=8),
+                  seq=2048, seqs_per_micro=2, micro=4),
 }
+
+# dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from NVIDIA's data sheets; matched in order
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4),
+                    ("H20", 148.0), ("A100", 312.0), ("L40S", 362.0), ("B200", 2250.0)]
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in device_name:
+            return tflops
+    return None
+
+
+def model_flops(preset: dict) -> dict:
+    """Model FLOPs of one training step (see the module docstring for what is counted)."""
+    a = preset["arch"]
+    H, L = a["hidden_size"], a["num_hidden_layers"]
+    q, kv = a["num_attention_heads"] * a["head_dim"], a["num_key_value_heads"] * a["head_dim"]
+    attn = 2 * H * q + 2 * H * kv
+    moe = H * a["num_experts"] + a["num_experts_per_tok"] * 3 * H * a["moe_intermediate_size"]
+    active = L * (attn + moe) + H * a["vocab_size"]  # every layer MoE (the presets have no dense layers)
+    seqs = preset["seqs_per_micro"] * preset["micro"]
+    tokens = seqs * preset["seq"]
+    attention = 6 * preset["seq"] ** 2 * q * L * seqs
+    return dict(active_params=active, tokens=tokens, flops=6 * active * tokens + attention, attention_flops=attention)
 
 
 def _cfg(preset: dict, backend: str, dtype: str, recompute: bool, device: str = "cuda"):
@@ -63,7 +108,7 @@ def _batch(preset: dict):
     return mbs
 
 
-def _measure(backend, mbs, steps: int, warmup: int) -> dict:
+def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | None) -> dict:
     n_loss = sum(int((mb.labels != -100).sum()) for mb in mbs)
     tokens = sum(mb.num_tokens for mb in mbs)
     cuda = backend.device.type == "cuda"
@@ -81,68 +126,143 @@ def _measure(backend, mbs, steps: int, warmup: int) -> dict:
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         sync()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     mean = sum(times) / len(times)
+    # CPU seconds of this process: on a shared machine (other processes taking the cores) a
+    # steadier measure of the work a CPU step does than wall time
+    cpu_mean = sum(cpu_times) / len(cpu_times)
     return dict(tokens_per_step=tokens, step_s=mean, step_s_min=min(times), tokens_per_s=tokens / mean,
+                cpu_s=cpu_mean, tokens_per_cpu_s=tokens / cpu_mean,
+                model_tflops_per_s=flops / mean / 1e12, mfu=flops / mean / (peak * 1e12) if peak else None,
                 peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+
+
+def _compare(args) -> int:
+    """Native tokens/s of this checkout vs ``--baseline`` DIR, alternating fresh processes."""
+    here = str(Path(__file__).resolve().parents[3])
+    driver = ("import runpy, sys; sys.argv = sys.argv[1:]; "
+              f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')")
+    cmd = [sys.executable, "-c", driver, "bench", "--preset", args.preset, "--device", args.device, "--dtype",
+           args.dtype, "--backends", "native", "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    runs = {"this": [], "baseline": []}
+    cpu_runs = {"this": [], "baseline": []}
+    for r in range(args.rounds):
+        for side in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
+            env = dict(os.environ, PYTHONPATH=here if side == "this" else args.baseline)
+            out = subprocess.run(cmd, env=env, cwd="/tmp", capture_output=True, text=True)
+            if out.returncode:
+                print(out.stdout + out.stderr, file=sys.stderr)
+                return out.returncode
+            native = json.loads(out.stdout)["native"]
+            runs[side].append(native["tokens_per_s"])
+            cpu_runs[side].append(native["tokens_per_cpu_s"])
+            print(f"round {r}: {side:8s} {native['tokens_per_s']:8.1f} tok/s  "
+                  f"{native['tokens_per_cpu_s']:8.1f} tok/CPU-s  (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+    # the machine may be shared: each round's two runs are adjacent in time, so the median of the
+    # per-round ratios is the figure to quote; tokens per CPU-second (this process's CPU time)
+    # is steadier than wall time when other processes take the cores
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    ratios = [a / b for a, b in zip(runs["this"], runs["baseline"])]
+    cpu_ratios = [a / b for a, b in zip(cpu_runs["this"], cpu_runs["baseline"])]
+    result = dict(preset=args.preset, device=args.device, dtype=args.dtype, threads=args.threads,
+                  baseline=args.baseline, runs=runs, cpu_runs=cpu_runs, median_tokens_per_s=med,
+                  round_ratios=ratios, speedup=statistics.median(ratios), round_cpu_ratios=cpu_ratios,
+                  cpu_speedup=statistics.median(cpu_ratios), load=os.getloadavg())
+    print(json.dumps(result, indent=2) if args.json else
+          f"native tokens/s over {args.rounds} rounds: this {med['this']:.1f}, baseline {med['baseline']:.1f} "
+          f"(medians); per-round ratios {', '.join(f'{r:.2f}' for r in ratios)} -> median "
+          f"{result['speedup']:.2f}x; per CPU-second {', '.join(f'{r:.2f}' for r in cpu_ratios)} -> median "
+          f"{result['cpu_speedup']:.2f}x  (load {result['load'][0]:.2f})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="medium")
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: medium (cuda), small (cpu)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 (cuda), fp32 (cpu)")
+    ap.add_argument("--backends", default=None, help="comma list; default native,megatron (cuda), native (cpu)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--recompute", action="store_true", help="megatron: full activation recompute")
+    ap.add_argument("--peak-tflops", type=float, help="dense peak for MFU (default: by device name on CUDA)")
+    ap.add_argument("--baseline", help="another checkout's root: compare its native tokens/s with this one's")
+    ap.add_argument("--rounds", type=int, default=3, help="--baseline: alternating runs per side")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared machine)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the JSON result here")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench: needs a CUDA GPU", file=sys.stderr)
+    cuda = args.device == "cuda"
+    args.preset = args.preset or ("medium" if cuda else "small")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if cuda and not torch.cuda.is_available():
+        print("bench: --device cuda needs a CUDA GPU (use --device cpu)", file=sys.stderr)
         return 2
+    if args.baseline:
+        return _compare(args)
+    backends = (args.backends or ("native,megatron" if cuda else "native")).split(",")
 
     import torch.distributed as dist
 
     from moe_rl.model import MoEForCausalLM, hf_state_dict, iter_local_hf_tensors
     from moe_rl.train.backend import NativeBackend
-    from moe_rl.train.megatron import MegatronBackend
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    torch.cuda.set_device(0)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", rank=0, world_size=1)
     preset = PRESETS[args.preset]
     mbs = _batch(preset)
-    arch = _cfg(preset, "native", args.dtype, False).model.arch()
-    hf = hf_state_dict(MoEForCausalLM(arch).init_weights(0))
-    result = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, preset=args.preset,
-                  dtype=args.dtype, recompute=args.recompute, steps=args.steps, arch=preset["arch"])
-    try:
-        import megatron.core
+    flops = model_flops(preset)
+    device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    peak = args.peak_tflops or (peak_tflops(device_name) if cuda else None)
+    result = dict(device=device_name, torch=torch.__version__, preset=args.preset, dtype=args.dtype,
+                  threads=torch.get_num_threads(),
+                  recompute=args.recompute, steps=args.steps, arch=preset["arch"], model_flops=flops,
+                  peak_tflops=peak)
+    if "megatron" in backends:
+        from moe_rl.train.megatron import MegatronBackend
 
-        result["megatron_core"] = megatron.core.__version__
-    except Exception:
-        pass
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        if cuda:
+            torch.cuda.set_device(0)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+        try:
+            import megatron.core
 
-    native = NativeBackend(_cfg(preset, "native", args.dtype, False))
-    with torch.no_grad():
-        for name, t in iter_local_hf_tensors(native.model):
-            t.copy_(hf[name])
-    result["native"] = _measure(native, mbs, args.steps, args.warmup)
-    del native
-    gc.collect()
-    torch.cuda.empty_cache()
+            result["megatron_core"] = megatron.core.__version__
+        except Exception:
+            pass
+    arch = _cfg(preset, "native", args.dtype, False, args.device).model.arch()
+    hf = hf_state_dict(MoEForCausalLM(arch).init_weights(0)) if "megatron" in backends else None
 
-    meg = MegatronBackend(_cfg(preset, "megatron", args.dtype, args.recompute), None, hf_state=hf)
-    result["megatron_spec"] = "te" if meg.opts.use_te else "local"
-    result["megatron"] = _measure(meg, mbs, args.steps, args.warmup)
-    result["speedup"] = result["megatron"]["tokens_per_s"] / result["native"]["tokens_per_s"]
+    if "native" in backends:
+        native = NativeBackend(_cfg(preset, "native", args.dtype, False, args.device))
+        if hf is not None:
+            with torch.no_grad():
+                for name, t in iter_local_hf_tensors(native.model):
+                    t.copy_(hf[name])
+        result["native"] = _measure(native, mbs, args.steps, args.warmup, flops["flops"], peak)
+        del native
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    if "megatron" in backends:
+        meg = MegatronBackend(_cfg(preset, "megatron", args.dtype, args.recompute, args.device), None, hf_state=hf)
+        result["megatron_spec"] = "te" if meg.opts.use_te else "local"
+        result["megatron"] = _measure(meg, mbs, args.steps, args.warmup, flops["flops"], peak)
+        if "native" in result:
+            result["speedup"] = result["megatron"]["tokens_per_s"] / result["native"]["tokens_per_s"]
 
     text = json.dumps(result, indent=2)
     if args.out:
@@ -151,12 +271,19 @@ def main(argv=None) -> int:
     if args.json:
         print(text)
     else:
-        print(f"{result['device']}  preset={args.preset} dtype={args.dtype} tokens/step={result['native']['tokens_per_step']}")
-        for k in ("native", "megatron"):
+        print(f"{result['device']}  preset={args.preset} dtype={args.dtype} tokens/step={flops['tokens']} "
+              f"active params={flops['active_params'] / 1e6:.0f}M model TFLOP/step={flops['flops'] / 1e12:.2f} "
+              f"peak={peak or '?'} TFLOP/s")
+        for k in backends:
             r = result[k]
-            print(f"  {k:9s} {r['tokens_per_s']:>10.0f} tok/s  step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_mem_gib']:.1f} GiB")
-        print(f"  megatron/native: {result['speedup']:.2f}x  (megatron spec: {result['megatron_spec']})")
-    dist.destroy_process_group()
+            mfu = f"MFU {100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "MFU n/a (no --peak-tflops)"
+            mem = f"peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else ""
+            print(f"  {k:9s} {r['tokens_per_s']:>10.0f} tok/s  step {r['step_s'] * 1e3:8.1f} ms  "
+                  f"{r['model_tflops_per_s']:7.2f} TFLOP/s  {mfu}  {mem}")
+        if "speedup" in result:
+            print(f"  megatron/native: {result['speedup']:.2f}x  (megatron spec: {result['megatron_spec']})")
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

@@ -1,0 +1,109 @@
+"""Grouped expert compute: rows sorted by expert, one grouped GEMM per projection.
+
+``dispatch`` turns a flat list of expert ids into the permutation the grouped GEMM needs
+(one stable sort, group end offsets by a searchsorted, optional per-group padding), all on
+the device with no host sync and nothing that loops over experts in Python.
+``grouped_mm`` runs ``torch._grouped_mm`` (CUTLASS on sm90+ bf16; torch's own per-group
+C++ loop on CPU), or elsewhere a padded batched matmul. Both have autograd formulas, so the
+backward is grouped/batched GEMMs too, not one full-size weight gradient per expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@dataclass
+class Dispatch:
+    """Where each (token, slot) row goes.
+
+    ``order`` [M]: flat row index of each expert-sorted row; ``slot`` [M]: padded-buffer row
+    of each flat row (its inverse permutation, plus padding); ``offs`` int32 [E]: end row of
+    each expert's group in the padded buffer, the last one equal to ``rows``; ``rows``: the
+    padded buffer's length, a static bound (M + E * (align - 1)) so that no host sync is needed.
+    """
+
+    order: torch.Tensor
+    slot: torch.Tensor
+    offs: torch.Tensor
+    rows: int
+
+
+def group_align(x: torch.Tensor) -> int:
+    """Rows per group a multiple of this: CUTLASS's grouped GEMM wants 16-byte aligned group
+    starts, also along the token dim that the weight gradient contracts over. CPU needs none."""
+    return 16 // x.element_size() if x.device.type == "cuda" else 1
+
+
+def dispatch(ids: torch.Tensor, num_experts: int, align: int = 1) -> Dispatch:
+    """ids [M] (int64, each in [0, num_experts)) -> the sort/padding plan for ``ids``' rows."""
+    M = ids.shape[0]
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    bounds = torch.arange(1, num_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
+    ends = torch.searchsorted(sorted_ids, bounds)  # end of each expert's run in the sorted rows
+    if align == 1:
+        slot = torch.empty_like(order).scatter_(0, order, torch.arange(M, device=ids.device))
+        return Dispatch(order, slot, ends.to(torch.int32), M)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_counts = (counts + align - 1) // align * align
+    padded_ends = padded_counts.cumsum(0)
+    rows = M + num_experts * (align - 1)
+    # sorted row i of expert e moves from e's sorted start to e's padded start
+    shift = (padded_ends - padded_counts) - (ends - counts)
+    pos = torch.arange(M, device=ids.device) + shift[sorted_ids]
+    slot = torch.empty_like(order).scatter_(0, order, pos)
+    # the last group absorbs the tail of the buffer (zero rows), so every row lies in a group
+    offs = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), rows)]).to(torch.int32)
+    return Dispatch(order, slot, offs, rows)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] grouped by ``offs`` (int32 group ends, the last = rows), w [E, N, K]
+    (nn.Linear layout per group) -> [rows, N], row r of group e being x[r] @ w[e].T."""
+    if native_grouped_mm(x):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return padded_grouped_mm(x, w, offs)
+
+
+def native_grouped_mm(x: torch.Tensor) -> bool:
+    """Where ``torch._grouped_mm`` is known to run: CPU (torch's per-group C++ loop, any float
+    dtype) and CUDA bf16 on sm_90+ (CUTLASS). Elsewhere (CUDA fp32/fp16, older GPUs):
+    ``padded_grouped_mm``."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return _TORCH >= (2, 13)  # the CPU kernel, with autograd, checked on 2.13 (older: not known)
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The same as one batched matmul over groups padded to the largest one. Reading that size
+    is a host sync, the price of this fallback."""
+    E, rows = w.shape[0], x.shape[0]
+    ends = offs.long()
+    starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
+    cap = int((ends - starts).max()) if rows else 0
+    r = torch.arange(rows, device=x.device)
+    group = torch.searchsorted(ends, r, right=True)
+    slot = group * cap + (r - starts[group])
+    xp = x.new_zeros(E * cap, x.shape[1]).index_copy(0, slot, x).view(E, cap, x.shape[1])
+    return torch.bmm(xp, w.transpose(1, 2)).reshape(E * cap, w.shape[1]).index_select(0, slot)
+
+
+def permute(x: torch.Tensor, d: Dispatch, k: int = 1) -> torch.Tensor:
+    """The padded, expert-grouped rows of a flat list whose row f is x[f // k] -> [d.rows, H]."""
+    src = x.index_select(0, d.order // k if k > 1 else d.order)
+    if d.rows == d.order.shape[0]:
+        return src
+    return x.new_zeros(d.rows, x.shape[1]).index_copy(0, d.slot[d.order], src)
+
+
+def unpermute(y: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    """Grouped rows [d.rows, H] back in the flat order [M, H] (padding dropped)."""
+    return y.index_select(0, d.slot)
