@@ -27,6 +27,7 @@ from typing import Any, Callable
 from ..config import ConfigError, DataConfig
 from .answers import answers_match, extract_answer, math_reward, reference_answer
 from .base import DatasetError, Prompt, Task, cut_at_stop
+from .plugins import PluginError, PluginRewardTask, RewardError, is_plugin_path, load_task, reward_value
 from .jsonl import ByteTokenizer, JsonlMathTask, load_examples
 from .synthetic import PatternTask, long_tail_length
 
@@ -77,7 +78,10 @@ _NOT_TASK_ARGS = {"self", "name", "seed", "path", "model_path"}
 def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens: int = 16) -> Task:
     """The task ``data.task`` with ``data.task_args``; ``model_path`` is where an HF
     tokenizer is found (``model.path``), ``max_new_tokens`` the default response budget
-    (``rollout.max_new_tokens``) for tasks whose reward depends on it."""
+    (``rollout.max_new_tokens``) for tasks whose reward depends on it. A ``data.task`` of the
+    form ``package.module:factory`` is a plug-in (:mod:`.plugins`)."""
+    if is_plugin_path(data.task):
+        return load_task(data, model_path=model_path, max_new_tokens=max_new_tokens)
     if data.task not in _REGISTRY:
         close = difflib.get_close_matches(data.task, list(_REGISTRY), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -103,8 +107,10 @@ def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens:
 
 
 def task_from_config(cfg: Any) -> Task:
-    """``get_task`` for a whole ``ExperimentConfig``."""
-    return get_task(cfg.data, model_path=cfg.model.path, max_new_tokens=cfg.rollout.max_new_tokens)
+    """``get_task`` for a whole ``ExperimentConfig``, its reward replaced by ``reward.fn`` if set."""
+    task = get_task(cfg.data, model_path=cfg.model.path, max_new_tokens=cfg.rollout.max_new_tokens)
+    fn = getattr(getattr(cfg, "reward", None), "fn", None)
+    return PluginRewardTask(task, fn) if fn else task
 
 
 __all__ = [
@@ -126,4 +132,7 @@ __all__ = [
     "math_reward",
     "cut_at_stop",
     "ARITH_EXAMPLE",
+    "PluginError",
+    "RewardError",
+    "reward_value",
 ]
