@@ -109,7 +109,7 @@ class EpisodeRunner:
         want_routing = mgr.replay_log is not None
         while True:
             await mgr._ready.wait()
-            history = ep.prompt_ids + ep.ids + out
+            history = ep.prompt_ids + ep.ids  # holds this turn's tokens so far too
             start = ep.covered  # first routing row not covered yet
             sp = {"max_new_tokens": budget - len(out), "temperature": rc.temperature, "top_p": rc.top_p,
                   "top_k": rc.top_k, "stop_token_ids": list(self.task.stop_token_ids),

@@ -73,7 +73,7 @@ class RoutingEngines:
     version, decode at the version that sampled token p + 1)."""
 
     def __init__(self):
-        self.version, self.aborting, self.rids = 0, False, []
+        self.version, self.aborting, self.rids, self.partial_aborts = 0, False, [], 0
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, return_routed_experts=False, rid=None,
                        routed_experts_start_len=0):
@@ -90,6 +90,7 @@ class RoutingEngines:
             seq.append(tok)
             out.append(tok)
             versions.append(str(self.version))
+        self.partial_aborts += 0 < len(out) < sampling_params["max_new_tokens"]
         rows = [[[p, 100 + seq[p], 200 + fwd_version[p]]] for p in range(routed_experts_start_len, len(seq) - 1)]
         meta = {"finish_reason": {"type": "abort" if len(out) < sampling_params["max_new_tokens"] else "length"},
                 "weight_version": str(self.version), "output_token_weight_versions": versions,
@@ -176,6 +177,7 @@ def test_episode_across_a_weight_update(env_module, mode):
     assert spans_update >= 1, "no episode had model turns before and after the update"
     if mode == "abort":
         assert sum(s.resumes for s in samples) >= 1 and m.stats["resumed_requests"] >= 1
+        assert engines.partial_aborts >= 1, "no turn was cut short with tokens made (resume not exercised)"
     else:
         assert sum(s.resumes for s in samples) == 0
 
