@@ -74,6 +74,7 @@ class RoutingEngines:
 
     def __init__(self):
         self.version, self.aborting, self.rids, self.partial_aborts = 0, False, [], 0
+        self.made = {}  # rid -> tokens made so far
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, return_routed_experts=False, rid=None,
                        routed_experts_start_len=0):
@@ -90,6 +91,7 @@ class RoutingEngines:
             seq.append(tok)
             out.append(tok)
             versions.append(str(self.version))
+            self.made[rid] = len(out)
         self.partial_aborts += 0 < len(out) < sampling_params["max_new_tokens"]
         rows = [[[p, 100 + seq[p], 200 + fwd_version[p]]] for p in range(routed_experts_start_len, len(seq) - 1)]
         meta = {"finish_reason": {"type": "abort" if len(out) < sampling_params["max_new_tokens"] else "length"},
@@ -134,8 +136,9 @@ def test_episode_across_a_weight_update(env_module, mode):
     m.start()
     try:
         deadline = time.monotonic() + 30
-        while not any("-t1-" in r for r in engines.rids) and time.monotonic() < deadline:
-            time.sleep(0.002)  # episodes are in their second model turn
+        while not any("-t1-" in r and n >= 2 for r, n in list(engines.made.items())):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)  # until episodes are inside their second model turn
         m.begin_update()
         engines.aborting = mode == "abort"
         time.sleep(0.01)
