@@ -153,8 +153,26 @@ class PluginRewardTask:
                 out = asyncio.run(_awaited(out))
         except Exception as e:
             raise RewardError(f"{who}: raised {type(e).__name__}: {e}") from e
-        return reward_value(out, who)
+        r, metrics = reward_value(out, who)  # checked here, so the error names the plug-in
+        return {"reward": r, **metrics} if metrics else r
 
 
 async def _awaited(aw):
     return await aw
+
+
+def check_plugins(cfg) -> list[str]:
+    """Imports every plug-in the config names (``moe-rl validate``), checking the reward's
+    signature; PluginError on the first that cannot be used. Returns what was checked."""
+    checked = []
+    if is_plugin_path(cfg.data.task):
+        load_plugin(cfg.data.task, "data.task")
+        checked.append(f"data.task={cfg.data.task}")
+    if cfg.reward.fn:
+        fn = load_plugin(cfg.reward.fn, "reward.fn")
+        check_signature(fn, "reward.fn", cfg.reward.fn, Prompt(0, [1]), [1], "text")
+        checked.append(f"reward.fn={cfg.reward.fn}")
+    if cfg.env.factory:
+        load_plugin(cfg.env.factory, "env.factory")
+        checked.append(f"env.factory={cfg.env.factory}")
+    return checked
