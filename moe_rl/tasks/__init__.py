@@ -11,6 +11,8 @@ name           what                                                             
 ``reverse``    repeat the prompt's k symbols reversed, cyclically                   endless
 ``jsonl``      math-style JSONL at ``data.path``, rule-based 0/1 reward              the file's
 ``arith``      ``jsonl`` on the shipped ``data/arith_example.jsonl`` (48 problems)   48
+``guess``      guess the number, multi-turn with ``env.factory:                     endless
+               moe_rl.tasks.guess:GuessEnv`` (:mod:`.guess`)
 =============  ==================================================================  ==========
 
 ``data.task_args`` are the task's keyword arguments (documented in each module); an unknown
@@ -27,6 +29,7 @@ from typing import Any, Callable
 from ..config import ConfigError, DataConfig
 from .answers import answers_match, extract_answer, math_reward, reference_answer
 from .base import DatasetError, Prompt, Task, cut_at_stop
+from .guess import GuessEnv, GuessTask
 from .plugins import PluginError, PluginRewardTask, RewardError, is_plugin_path, load_task, reward_value
 from .jsonl import ByteTokenizer, JsonlMathTask, load_examples
 from .synthetic import PatternTask, long_tail_length
@@ -70,6 +73,8 @@ def _jsonl(path_override: Path | None, name: str) -> _Factory:
 for _n in ("echo", "copy", "reverse"):
     register_task(_n, _pattern(_n), PatternTask.__init__)
 register_task("jsonl", _jsonl(None, "jsonl"), JsonlMathTask.__init__)
+register_task("guess", lambda data, model_path, max_new_tokens, **args: GuessTask(seed=data.seed, **args),
+              GuessTask.__init__)
 register_task("arith", _jsonl(ARITH_EXAMPLE, "arith"), JsonlMathTask.__init__)
 
 _NOT_TASK_ARGS = {"self", "name", "seed", "path", "model_path"}
