@@ -133,9 +133,10 @@ class EpisodeRunner:
             out += new
             for t, lp, v in zip(new, logps, versions):
                 ep.add([t], mask=1, logp=lp, version=v)
-            ep.metas.append(meta)
-            ep.starts.append(start)
-            ep.covered = len(history) + len(new) - 1
+            if new:  # a request aborted before its first token may not have been forwarded at all
+                ep.metas.append(meta)
+                ep.starts.append(start)
+                ep.covered = len(history) + len(new) - 1
             finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
             if not (finish == "abort" and len(out) < budget and not mgr._stop):
                 return out
