@@ -19,6 +19,9 @@ names a symbol with probability about K / vocab, so it starts near 0.
 """
 from __future__ import annotations
 
+import asyncio
+import itertools
+
 from .base import Prompt, rng_for
 from .env import StepResult
 from .synthetic import BOS, EOS, FIRST_SYMBOL, SEP
@@ -56,10 +59,20 @@ class GuessTask:
 class GuessEnv:
     """One episode of guess-the-number (module docstring); ``task`` is the run's GuessTask."""
 
-    def __init__(self, task: GuessTask):
+    _episodes = itertools.count()  # distinct latency draws per episode
+
+    def __init__(self, task: GuessTask, *, latency_s: float = 0.0, latency_max_s: float = 2.0,
+                 latency_alpha: float = 1.0):
+        """``latency_s`` > 0 simulates a slow environment (``moe-rl bench async --multi-turn``):
+        each step sleeps a Pareto(``latency_alpha``) time, at least ``latency_s``, at most
+        ``latency_max_s`` -- mostly short, a few very long, as tool calls and sandboxes are."""
         if not isinstance(task, GuessTask):
             raise TypeError(f"GuessEnv needs data.task=guess, got {getattr(task, 'name', task)!r}")
+        if latency_s < 0 or latency_alpha <= 0 or latency_max_s < latency_s:
+            raise ValueError("env.args: need 0 <= latency_s <= latency_max_s and latency_alpha > 0")
         self.task = task
+        self.latency = (latency_s, latency_max_s, latency_alpha)
+        self.rng = rng_for(task.seed, next(self._episodes), 1)
         self.secret, self.turn, self.tried = None, 0, set()
 
     async def reset(self, prompt: Prompt) -> list[int]:
@@ -69,6 +82,9 @@ class GuessEnv:
     async def step(self, action_ids: list[int], action_text: str) -> StepResult:
         self.turn += 1
         t = self.task
+        lo, hi, alpha = self.latency
+        if lo > 0:
+            await asyncio.sleep(min(hi, lo * (1.0 - self.rng.random()) ** (-1.0 / alpha)))
         guess = action_ids[0] if action_ids else EOS
         if guess == self.secret:
             return StepResult([], 1.0 - 0.2 * (self.turn - 1), True, {"found": 1})
