@@ -214,6 +214,9 @@ class ExperimentConfig(Strict):
             raise ValueError("engine.kind=embedded needs pools.rollout >= 1")
         if self.engine.kind == "sglang" and not self.engine.urls and not self.engine.sglang_model_path:
             raise ValueError("engine.kind=sglang needs engine.urls (attach) or engine.sglang_model_path (launch)")
+        if self.reward.fn and self.env.factory:
+            raise ValueError("reward.fn and env.factory: an episode's reward is the sum of its environment's step "
+                             "rewards; score inside the environment (or drop env.factory)")
         if self.data.task == "jsonl" and not self.data.path:
             raise ValueError("data.task=jsonl needs data.path")
         return self

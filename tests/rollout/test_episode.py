@@ -236,3 +236,23 @@ def test_episode_concurrency_is_bounded(env_module):
     finally:
         m.stop()
     assert peak[0] == 3  # 8 episodes wanted to run at once
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.factory=my_envs:CounterEnv", "env.args.colour=1"], "env.factory (my_envs:CounterEnv) with env.args="),
+    (["env.factory=my_envs:Nope"], "env.factory (my_envs:Nope): module 'my_envs' has no attribute 'Nope'"),
+    (["env.factory=my_envs:asyncio"], "env.factory (my_envs:asyncio): module object is not callable"),
+    (["env.factory=my_envs:StepResult"], "env.factory (my_envs:StepResult) with env.args={}: StepResult.__init__()"),
+])
+def test_bad_environment_factories_name_their_key(env_module, overrides, message):
+    from moe_rl.tasks import PluginError
+
+    cfg = load_config("configs/tiny.yaml", overrides)
+    with pytest.raises(PluginError) as e:
+        RolloutManager(cfg, Task(), RoutingEngines(), RolloutBuffer())
+    assert message in str(e.value)
+
+
+def test_reward_fn_with_an_environment_is_refused():
+    with pytest.raises(ValueError, match="reward.fn and env.factory"):
+        load_config("configs/tiny.yaml", ["env.factory=a.b:C", "reward.fn=a.b:f"])
