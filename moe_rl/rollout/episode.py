@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from moe_rl.engine.protocol import output_logprobs, token_weight_versions
 from moe_rl.replay import record_from_responses
@@ -163,7 +162,6 @@ class _Episode:
         self.resumes = 0
         self.finish = "max_turns"
         self.failed: str | None = None
-        self.t0 = time.monotonic()
 
     def add(self, ids: list[int], *, mask: int, logp: float, version: int) -> None:
         self.ids += ids

@@ -137,6 +137,8 @@ __all__ = [
     "math_reward",
     "cut_at_stop",
     "ARITH_EXAMPLE",
+    "GuessTask",
+    "GuessEnv",
     "PluginError",
     "RewardError",
     "reward_value",

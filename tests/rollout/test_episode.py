@@ -3,7 +3,6 @@ episodes: one token sequence, loss mask, per-token versions, routing record (con
 import asyncio
 import base64
 import textwrap
-import threading
 import time
 
 import numpy as np

@@ -29,7 +29,7 @@ def play(task, secret_index, policy, max_turns=3):
 
 def test_binary_search_beats_every_policy_that_ignores_feedback():
     task = GuessTask(num_symbols=4)
-    H, L = task.HIGHER, task.LOWER
+    H = task.HIGHER
 
     def binary(history):
         lo, hi = 0, 3
