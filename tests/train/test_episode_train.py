@@ -8,6 +8,7 @@ import pytest
 from moe_rl.train.tracking import read_metrics
 
 
+@pytest.mark.slow  # a `moe-rl train` world each
 @pytest.mark.parametrize("eta, pause", [(0, "in_place"), (2, "abort")])
 def test_guess_number_world_trains_on_model_tokens_only(tmp_path, eta, pause):
     out = tmp_path / "run"
