@@ -255,3 +255,59 @@ def test_bad_environment_factories_name_their_key(env_module, overrides, message
 def test_reward_fn_with_an_environment_is_refused():
     with pytest.raises(ValueError, match="reward.fn and env.factory"):
         load_config("configs/tiny.yaml", ["env.factory=a.b:C", "reward.fn=a.b:f"])
+
+
+class ScriptedToolModel:
+    """A "model" on the byte tokenizer: its first turn calls the calculator, its second turn
+    boxes whatever the tool response in its context says (so the reward is 1 only if the tool's
+    result came back as the observation)."""
+
+    def __init__(self):
+        from moe_rl.tasks import ByteTokenizer
+
+        self.tok, self.inputs = ByteTokenizer(), []
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True, return_routed_experts=False, rid=None,
+                       routed_experts_start_len=0):
+        import re
+
+        self.inputs.append(list(input_ids))
+        context = self.tok.decode(input_ids)
+        seen = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
+        text = (f"The sum is \\boxed{{{seen[-1]}}}" if seen else
+                '<tool_call>{"name": "calculator", "arguments": {"expression": "5315 + 2481"}}</tool_call>')
+        out = self.tok.encode_text(text)[: sampling_params["max_new_tokens"] - 1] + [self.tok.EOS]
+        return {"output_ids": out, "meta_info": {"finish_reason": {"type": "stop"}, "weight_version": "0",
+                                                 "output_token_weight_versions": ["0"] * len(out),
+                                                 "output_token_logprobs": [[-0.1, t, None] for t in out]}}
+
+    async def close(self):
+        pass
+
+
+def test_tool_calling_episode_through_the_manager(tmp_path):
+    from moe_rl.tasks import task_from_config
+
+    data = tmp_path / "sum.jsonl"
+    data.write_text('{"prompt": "What is 5315 + 2481?", "answer": "7796"}\n')
+    cfg = load_config("configs/tiny.yaml", ["model.vocab_size=260", "data.task=jsonl", f"data.path={data}",
+                                             "data.task_args.tokenizer=byte", "env.factory=moe_rl.tasks.tools:ToolEnv",
+                                             "rollout.max_new_tokens=120", "rollout.prompts_per_step=1",
+                                             "rollout.group_size=2", "rollout.max_staleness=0"])
+    task, engines, buffer = task_from_config(cfg), ScriptedToolModel(), RolloutBuffer()
+    m = RolloutManager(cfg, task, engines, buffer)
+    m.start()
+    try:
+        (group,) = buffer.take(1, 0, timeout=30, alive=m.check)
+    finally:
+        m.stop()
+    for s in group.samples:
+        assert s.failed is None and s.turns == 2 and s.reward == 1.0 and s.finish_reason == "done"
+        model = [t for t, k in zip(s.response_ids, s.loss_mask) if k]
+        env = [t for t, k in zip(s.response_ids, s.loss_mask) if not k]
+        assert task.decode(env) == "\n<tool_response>\n7796\n</tool_response>\n"
+        assert "<tool_call>" in task.decode(model) and task.decode(model).endswith("\\boxed{7796}")
+    # the second turn's request is the first turn's exact ids plus the observation's: no re-tokenising
+    first, second = engines.inputs[0], engines.inputs[-1]
+    s = group.samples[-1]
+    assert second == s.prompt_ids + s.response_ids[: len(second) - len(s.prompt_ids)] and second[: len(first)] == first
