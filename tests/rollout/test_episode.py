@@ -234,7 +234,7 @@ def test_episode_concurrency_is_bounded(env_module):
         buffer.take(4, 0, timeout=30, alive=m.check)
     finally:
         m.stop()
-    assert peak[0] == 3  # 8 episodes wanted to run at once
+    assert 2 <= peak[0] <= 3  # 16 episodes wanted to run at once
 
 
 @pytest.mark.parametrize("overrides, message", [
