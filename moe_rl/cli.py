@@ -32,7 +32,12 @@ def _load(argv: list[str]):
 
 def cmd_validate(argv: list[str]) -> int:
     cfg = _load(argv)
+    from .tasks.plugins import check_plugins
+
+    checked = check_plugins(cfg)  # plug-ins named by import path must import (PluginError otherwise)
     print(dump_config(cfg), end="")
+    if checked:
+        print("# plug-ins import: " + ", ".join(checked))
     return 0
 
 

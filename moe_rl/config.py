@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .model.arch import MoEArch
 
@@ -155,10 +155,46 @@ class TrainConfig(Strict):
 
 
 class DataConfig(Strict):
-    task: str = "reverse"  # a shipped task name (moe_rl.tasks) or "jsonl"
+    task: str = "reverse"  # a shipped task name (moe_rl.tasks), "jsonl", or a plug-in 'package.module:factory'
     path: str | None = None  # JSONL file for file-backed tasks
     seed: int = 0
     task_args: dict[str, Any] = {}
+
+
+_PLUGIN_HELP = "an import path 'package.module:name'"
+
+
+def _check_plugin_path(value: str | None) -> str | None:
+    if value is not None:
+        mod, sep, name = value.partition(":")
+        if not sep or not mod or not name.isidentifier():
+            raise ValueError(f"{value!r} is not {_PLUGIN_HELP}")
+    return value
+
+
+class RewardConfig(Strict):
+    """A user's reward function (docs/environments.md): ``fn(prompt, response_ids, response_text)``,
+    sync or async, returning a float or a dict with a float ``reward`` and other numeric metrics."""
+
+    fn: str | None = Field(None, description=f"reward plug-in, {_PLUGIN_HELP}; replaces the task's reward")
+
+    _check = field_validator("fn")(classmethod(lambda cls, v: _check_plugin_path(v)))
+
+
+class EnvConfig(Strict):
+    """Multi-turn environments (docs/environments.md): every sample is an episode of model turns
+    and environment turns, kept as one token sequence."""
+
+    factory: str | None = Field(None, description=f"environment plug-in, {_PLUGIN_HELP}: called once per "
+                                "episode with env.args (and task=, if it takes one), returns the environment")
+    args: dict[str, Any] = {}
+    max_turns: int = Field(4, ge=1, description="model turns per episode")
+    max_new_tokens_per_turn: int | None = Field(None, ge=1, description="default: rollout.max_new_tokens")
+    max_episode_tokens: int | None = Field(None, ge=2, description="prompt + all turns; default: engine.max_context")
+    episode_timeout_s: float = Field(300.0, gt=0, description="an episode running longer is marked failed")
+    max_concurrent_episodes: int = Field(64, ge=1, description="episodes in flight at once (all groups)")
+
+    _check = field_validator("factory")(classmethod(lambda cls, v: _check_plugin_path(v)))
 
 
 class LoggingConfig(Strict):
@@ -188,6 +224,8 @@ class ExperimentConfig(Strict):
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    env: EnvConfig = EnvConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
@@ -212,6 +250,10 @@ class ExperimentConfig(Strict):
                              f"pools.trainer + pools.rollout)")
         if self.sync.backend == "ipc" and self.engine.kind != "embedded":
             raise ValueError("sync.backend=ipc is moe-rl's own same-machine transfer: it needs engine.kind=embedded")
+
+        if self.reward.fn and self.env.factory:
+            raise ValueError("reward.fn and env.factory: an episode's reward is the sum of its environment's step "
+                             "rewards; score inside the environment (or drop env.factory)")
         if self.data.task == "jsonl" and not self.data.path:
             raise ValueError("data.task=jsonl needs data.path")
         return self
@@ -272,7 +314,7 @@ def _describe(err: ValidationError, source: str) -> str:
         elif not loc:  # a cross-field check: its message names the keys itself
             lines.append("  " + e["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"  {key}: {e['msg']}")
+            lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')}")
     return "\n".join(lines)
 
 

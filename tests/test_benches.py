@@ -56,3 +56,12 @@ def test_bench_sync_round_trip_check_can_fail():
     assert not round_trip_identical(pack_plan, BucketCopy(outs, wrong, torch.bfloat16), tensors, outs)
     assert not round_trip_identical(BucketCopy(tensors, wrong, torch.bfloat16),
                                     BucketCopy(outs, offsets, torch.bfloat16), tensors, outs)
+
+@pytest.mark.slow  # two `moe-rl train` worlds
+def test_async_bench_multi_turn_variant_runs():
+    r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "bench", "async", "--json", "--multi-turn", "--steps", "2",
+                        "--env-latency-max", "0.1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["summary"]["workload"] == "multi-turn" and out["summary"]["speedup"] > 0
+    assert all(run["steps"] == 2 and run["samples"] == 2 * 8 * 8 for run in out["runs"].values())

@@ -5,6 +5,10 @@ The same task, model and sample budget, on a long-tailed response-length distrib
 each run as a real ``moe-rl train`` world (1 trainer rank + 1 embedded-engine rank). Reports
 samples/s, the busy fraction of each pool and the final reward (mean of the last quarter of
 steps) of each run.
+
+``--multi-turn``: the same comparison on multi-turn episodes (configs/guess_number.yaml) whose
+environment steps take a long-tailed time (``GuessEnv``'s Pareto latency, ``--env-latency``
+seconds at least, up to ``--env-latency-max``), the straggler pattern of agentic RL.
 """
 from __future__ import annotations
 
@@ -22,10 +26,11 @@ import numpy as np
 from moe_rl.train.tracking import read_metrics
 
 
-def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[str]) -> dict:
+def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[str],
+             workload: tuple[str, ...] = ("data.task_args.long_tail=true",)) -> dict:
     args = [sys.executable, "-m", "moe_rl.cli", "train", config, f"rollout.max_staleness={eta}",
             f"train.steps={steps}", f"output_dir={out_dir}", "logging.progress=false", "logging.tensorboard=false",
-            "data.task_args.long_tail=true", "checkpoint.every=0", *overrides]
+            *workload, "checkpoint.every=0", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     r = subprocess.run(args, capture_output=True, text=True, env=env)
@@ -59,14 +64,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--eta", type=int, default=2, help="staleness bound of the asynchronous run")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--multi-turn", action="store_true", help="multi-turn episodes with slow environment steps")
+    ap.add_argument("--env-latency", type=float, default=0.02, help="--multi-turn: least env step time (s)")
+    ap.add_argument("--env-latency-max", type=float, default=2.0, help="--multi-turn: most env step time (s)")
     ap.add_argument("overrides", nargs="*", help="config overrides for both runs")
     a = ap.parse_args(argv)
+    workload: tuple[str, ...] = ("data.task_args.long_tail=true",)
+    if a.multi_turn:
+        if a.config == ap.get_default("config"):
+            a.config = "configs/guess_number.yaml"
+        workload = (f"env.args.latency_s={a.env_latency}", f"env.args.latency_max_s={a.env_latency_max}")
     with tempfile.TemporaryDirectory(prefix="moe-rl-bench-async-") as tmp:
         runs = {}
         for name, eta in (("async", a.eta), ("sync", 0)):
             if not a.json:
                 print(f"running eta={eta} ({a.steps} steps) ...", file=sys.stderr, flush=True)
-            runs[name] = run_once(a.config, eta, a.steps, Path(tmp) / name, a.overrides)
+            runs[name] = run_once(a.config, eta, a.steps, Path(tmp) / name, a.overrides, workload)
     A, S = runs["async"], runs["sync"]
     summary = {
         "samples_per_s_async": A["samples_per_s"], "samples_per_s_sync": S["samples_per_s"],
@@ -74,7 +87,7 @@ def main(argv: list[str]) -> int:
         "busy_trainer_async": A["busy_trainer"], "busy_rollout_async": A["busy_rollout"],
         "busy_trainer_sync": S["busy_trainer"], "busy_rollout_sync": S["busy_rollout"],
         "final_reward_async": A["final_reward"], "final_reward_sync": S["final_reward"],
-        "device": "cpu",
+        "device": "cpu", "workload": "multi-turn" if a.multi_turn else "long-tail single-turn",
     }
     if a.json:
         print(json.dumps({"runs": runs, "summary": summary}))

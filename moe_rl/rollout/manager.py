@@ -35,8 +35,10 @@ import numpy as np
 from moe_rl.engine.client import EngineError, EngineHTTPError
 from moe_rl.engine.protocol import output_logprobs, token_weight_versions
 from moe_rl.replay import RoutingSpec, record_from_responses
+from moe_rl.tasks.plugins import reward_value
 
 from .buffer import RolloutBuffer
+from .episode import EpisodeRunner
 from .sample import Group, Sample
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ class RolloutManager:
         self._ready: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._stop = False
+        # env.factory set: every sample is a multi-turn episode (moe_rl/rollout/episode.py)
+        self.episodes = EpisodeRunner.from_config(cfg, task) if cfg.env.factory else None
 
     # --- control from the trainer thread --------------------------------------------------
     def start(self) -> "RolloutManager":
@@ -214,6 +218,8 @@ class RolloutManager:
                 self.busy_since = None
 
     async def _group(self, index: int, version: int) -> None:
+        if self.episodes is not None:
+            return await self.episodes.run_group(self, index, version)
         prompt = self.task.prompt(index)
         n = self.cfg.rollout.group_size
         # the group's first requests go in one batched /generate (one HTTP round trip);
@@ -263,9 +269,10 @@ class RolloutManager:
                     await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
 
     def _score(self, prompt, sample: Sample) -> tuple[float, str | None]:
-        try:
-            return float(self.task.reward(prompt, sample.response_ids)), None
-        except Exception as e:  # a raising reward marks the sample failed; the run goes on
+        try:  # a float, or a dict with 'reward' and extra metrics (reward.fn plug-ins)
+            r, sample.metrics = reward_value(self.task.reward(prompt, sample.response_ids), "reward")
+            return r, None
+        except Exception as e:  # a raising reward (or a bad value) marks the sample failed; the run goes on
             log.warning("reward function raised on sample %s: %r", sample.uid, e)
             return 0.0, f"reward raised {type(e).__name__}: {e}"
 

@@ -17,10 +17,26 @@ class Sample:
     failed: str | None = None  # why the sample cannot be trained on (reward raised, ...)
     has_routing: bool = False  # a record for uid is in the replay log
     resumes: int = 0  # times it was resubmitted with its prefix after a weight update
+    metrics: dict[str, float] = field(default_factory=dict)  # extra metrics of a reward.fn plug-in
+    # multi-turn episodes (moe_rl/rollout/episode.py): response_ids hold the model's and the
+    # environment's tokens in order; loss_mask is 1 on the model's, 0 on the environment's (None:
+    # all model tokens). behaviour_logprobs/versions of environment tokens are placeholders
+    # (0.0 / the version of the model token before them) and never trained on.
+    loss_mask: list[int] | None = None
+    turns: int = 1
+    turn_rewards: list[float] | None = None
+
+    @property
+    def model_versions(self) -> list[int]:
+        """The versions of the model's tokens (all response tokens of a single-turn sample)."""
+        if self.loss_mask is None:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
 
     @property
     def min_version(self) -> int:
-        return min(self.versions) if self.versions else 0
+        v = self.model_versions
+        return min(v) if v else 0
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +60,8 @@ class Group:
 
     @property
     def min_version(self) -> int:
-        return min(s.min_version for s in self.samples)
+        # a failed episode may hold no model token: it does not make its group stale
+        return min((s.min_version for s in self.samples if s.model_versions), default=self.submitted_version)
 
     @property
     def trainable(self) -> list[Sample]:

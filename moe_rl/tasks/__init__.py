@@ -11,6 +11,8 @@ name           what                                                             
 ``reverse``    repeat the prompt's k symbols reversed, cyclically                   endless
 ``jsonl``      math-style JSONL at ``data.path``, rule-based 0/1 reward              the file's
 ``arith``      ``jsonl`` on the shipped ``data/arith_example.jsonl`` (48 problems)   48
+``guess``      guess the number, multi-turn with ``env.factory:                     endless
+               moe_rl.tasks.guess:GuessEnv`` (:mod:`.guess`)
 =============  ==================================================================  ==========
 
 ``data.task_args`` are the task's keyword arguments (documented in each module); an unknown
@@ -27,6 +29,8 @@ from typing import Any, Callable
 from ..config import ConfigError, DataConfig
 from .answers import answers_match, extract_answer, math_reward, reference_answer
 from .base import DatasetError, Prompt, Task, cut_at_stop
+from .guess import GuessEnv, GuessTask
+from .plugins import PluginError, PluginRewardTask, RewardError, is_plugin_path, load_task, reward_value
 from .jsonl import ByteTokenizer, JsonlMathTask, load_examples
 from .synthetic import PatternTask, long_tail_length
 
@@ -69,6 +73,8 @@ def _jsonl(path_override: Path | None, name: str) -> _Factory:
 for _n in ("echo", "copy", "reverse"):
     register_task(_n, _pattern(_n), PatternTask.__init__)
 register_task("jsonl", _jsonl(None, "jsonl"), JsonlMathTask.__init__)
+register_task("guess", lambda data, model_path, max_new_tokens, **args: GuessTask(seed=data.seed, **args),
+              GuessTask.__init__)
 register_task("arith", _jsonl(ARITH_EXAMPLE, "arith"), JsonlMathTask.__init__)
 
 _NOT_TASK_ARGS = {"self", "name", "seed", "path", "model_path"}
@@ -77,7 +83,10 @@ _NOT_TASK_ARGS = {"self", "name", "seed", "path", "model_path"}
 def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens: int = 16) -> Task:
     """The task ``data.task`` with ``data.task_args``; ``model_path`` is where an HF
     tokenizer is found (``model.path``), ``max_new_tokens`` the default response budget
-    (``rollout.max_new_tokens``) for tasks whose reward depends on it."""
+    (``rollout.max_new_tokens``) for tasks whose reward depends on it. A ``data.task`` of the
+    form ``package.module:factory`` is a plug-in (:mod:`.plugins`)."""
+    if is_plugin_path(data.task):
+        return load_task(data, model_path=model_path, max_new_tokens=max_new_tokens)
     if data.task not in _REGISTRY:
         close = difflib.get_close_matches(data.task, list(_REGISTRY), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -103,8 +112,10 @@ def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens:
 
 
 def task_from_config(cfg: Any) -> Task:
-    """``get_task`` for a whole ``ExperimentConfig``."""
-    return get_task(cfg.data, model_path=cfg.model.path, max_new_tokens=cfg.rollout.max_new_tokens)
+    """``get_task`` for a whole ``ExperimentConfig``, its reward replaced by ``reward.fn`` if set."""
+    task = get_task(cfg.data, model_path=cfg.model.path, max_new_tokens=cfg.rollout.max_new_tokens)
+    fn = getattr(getattr(cfg, "reward", None), "fn", None)
+    return PluginRewardTask(task, fn) if fn else task
 
 
 __all__ = [
@@ -126,4 +137,9 @@ __all__ = [
     "math_reward",
     "cut_at_stop",
     "ARITH_EXAMPLE",
+    "GuessTask",
+    "GuessEnv",
+    "PluginError",
+    "RewardError",
+    "reward_value",
 ]

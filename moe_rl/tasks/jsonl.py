@@ -95,6 +95,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self.BOS] + [b + self.OFFSET for b in text.encode("utf-8")]
 
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` as plain ids (no BOS): an observation appended inside an episode."""
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
     def decode(self, ids: list[int]) -> str:
         return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size).decode("utf-8", errors="replace")
 
@@ -132,6 +136,11 @@ class HFTokenizer:
                 ids = ids["input_ids"]
             return list(ids)
         return list(self.tok.encode(text, add_special_tokens=True))
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` as plain ids, special tokens in it (<|im_start|>...) parsed, none added:
+        an observation appended inside an episode."""
+        return list(self.tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -216,12 +216,14 @@ class Trainer:
                                      self.cfg.algo) if ok else torch.zeros(0)
             batch = [dict(uid=s.uid, group_id=s.group_id, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
                           behaviour_logprobs=s.behaviour_logprobs, versions=s.versions, advantage=float(a),
-                          has_routing=s.has_routing) for s, a in zip(ok, adv.tolist())]
+                          has_routing=s.has_routing, loss_mask=s.loss_mask) for s, a in zip(ok, adv.tolist())]
             info = dict(
                 wait_s=wait_s, groups=[g.group_id for g in groups], rewards=[s.reward for s in samples],
                 failed=sum(s.failed is not None for s in samples), lengths=[len(s.response_ids) for s in samples],
                 resumes=sum(s.resumes for s in samples),
-                staleness=[self.version - v for s in ok for v in s.versions], **dyn,
+                staleness=[self.version - v for s in ok for v in s.model_versions], **dyn,
+                turns=[s.turns for s in samples],
+                reward_metrics=[s.metrics for s in samples if s.failed is None],
             )
             obj = [(batch, info)]
         if self.n_trainers > 1:
@@ -237,7 +239,7 @@ class Trainer:
         if self.reader is not None:
             self.reader.refresh()
         mbs_list = make_micro_batches(shard, mbs, n_micro, self.arch, self.reader, cfg.replay.enabled)
-        n_tok = sum(len(s["response_ids"]) for s in batch)
+        n_tok = sum(sum(_loss_mask(s)) for s in batch)  # trained tokens: the model's, not an environment's
         n_seq = sum(1 for s in batch if s["response_ids"])
         temp = cfg.rollout.temperature
         algo = cfg.algo
@@ -256,7 +258,7 @@ class Trainer:
             behav = torch.tensor([x for s in chunk for x in s["behaviour_logprobs"]], dtype=torch.float32)
             adv = torch.tensor([s["advantage"] for s in chunk for _ in s["response_ids"]], dtype=torch.float32)
             seq_ids = torch.tensor([i for i, s in enumerate(chunk) for _ in s["response_ids"]])
-            mask = torch.ones_like(adv)
+            mask = torch.tensor([m for s in chunk for m in _loss_mask(s)], dtype=torch.float32)
             ref_logp = None
             if self.ref is not None:
                 with torch.no_grad():
@@ -352,6 +354,9 @@ class Trainer:
             "samples": len(rewards),
             "failed_samples": info["failed"],
             "resumed_requests": info["resumes"],
+            **({"turns_mean": float(np.mean(info["turns"])),
+                "env_failures": self.manager.stats["env_failures"]} if self.cfg.env.factory else {}),
+            **_mean_metrics(info.get("reward_metrics") or []),
             "staleness_mean": float(st.mean()),
             "staleness_max": int(st.max()),
             **{f"staleness_hist_{k}": int((st == k).sum()) for k in range(int(st.max()) + 1)},
@@ -384,6 +389,18 @@ class Trainer:
                 self.writer.flush()
         save_checkpoint(self.run_dir, self.step, self.backend, self.groups,
                         {"step": self.step, "version": self.version}, rollout_state, self.cfg.checkpoint.keep)
+
+
+def _loss_mask(s: dict) -> list[int]:
+    """1 on the tokens trained on: all response tokens, or the model's tokens of an episode."""
+    m = s.get("loss_mask")
+    return [1] * len(s["response_ids"]) if m is None else m
+
+
+def _mean_metrics(rows: list[dict]) -> dict:
+    """Batch means of a reward.fn plug-in's extra metrics, as ``reward/<name>``."""
+    keys = sorted({k for r in rows for k in r})
+    return {f"reward/{k}": float(np.mean([r[k] for r in rows if k in r])) for k in keys}
 
 
 def run_trainer(cfg, groups) -> None:
