@@ -361,3 +361,57 @@ def load_peft(adapters: LoraAdapters, path: str | Path) -> LoraAdapters:
 def build_lora(model: MoEForCausalLM, cfg) -> LoraAdapters:
     """Adapters for ``cfg`` (the ``lora:`` config section), seeded."""
     return LoraAdapters(model, cfg.rank, cfg.alpha, cfg.targets, cfg.layers, cfg.dropout).init_weights(cfg.seed)
+
+
+class AdapterSource:
+    """The adapter tensors as a weight-sync source (``moe_rl.sync.source`` interface): an
+    adapter-only sync sends these, by name, through the same bucketed broadcast."""
+
+    def __init__(self, adapters: LoraAdapters):
+        model = adapters.model
+        if any(getattr(l.mlp, "ep_size", 1) > 1 for l in model.model.layers):
+            raise LoraError("lora.sync=adapter needs train.ep_size=1 (expert adapters are not gathered over EP yet)")
+        self.adapters, self.arch = adapters, model.arch
+        self.tensors = dict(adapters.hf_tensors())
+        self.device = next(iter(self.tensors.values())).device
+
+    def specs(self, wire_dtype: torch.dtype | None = None):
+        return [(n, tuple(t.shape), wire_dtype or t.dtype) for n, t in self.tensors.items()]
+
+    def begin(self) -> None:
+        pass
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name].detach()
+
+    def cache_key(self):
+        return tuple(t.data_ptr() for t in self.tensors.values())
+
+
+class AdapterServing:
+    """Engine side of adapter-only sync: the engine's model carries ``adapters``; an update
+    writes the adapter tensors, then the adapted weights are merged into the model's weights
+    (base + s*B@A, the same op as the trainer's forward, so the log-probs are the trainer's)."""
+
+    def __init__(self, model: MoEForCausalLM, rank: int, alpha: float, targets: list[str],
+                 layers: list[int] | None = None):
+        with torch.no_grad():
+            self.adapters = LoraAdapters(model, rank, alpha, targets, layers)
+        self.base = self.adapters.base_copy()
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: t.data for n, t in self.adapters.hf_tensors()}
+
+    def merge(self) -> None:
+        self.adapters.merge_into(self.base)
+
+    def load_peft(self, path) -> None:
+        load_peft(self.adapters, path)
+        self.merge()
+
+    def unload(self) -> None:
+        """Back to the base weights (adapters zeroed)."""
+        with torch.no_grad():
+            for p in self.adapters.parameters():
+                p.zero_()
+        self.merge()
