@@ -262,6 +262,32 @@ class LoraAdapters(nn.Module):
                 out[prefix + ".lora_B.weight"] = B.contiguous().clone()
         return out
 
+    def per_expert_state_dict(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """PEFT keys of per-expert modules (``experts.{e}.{gate,up,down}_proj``; transformers
+        4.x's layout, and what SGLang's LoRA loader reads for routed experts): gate and up
+        each get the shared A. Returns (state dict, target_modules)."""
+        _require_full(self.model)
+        out, modules = {}, set()
+        for s in self.sites:
+            A, B = self.A[_pkey(s.key)].detach(), self.B[_pkey(s.key)].detach()
+            if s.target == ROUTER_TARGET:
+                raise LoraError("the per-expert (SGLang) adapter layout has no router target; drop 'router' "
+                                "from lora.targets to serve through SGLang")
+            if A.dim() == 2:
+                out[f"base_model.model.{s.key}.lora_A.weight"] = A.contiguous().clone()
+                out[f"base_model.model.{s.key}.lora_B.weight"] = B.contiguous().clone()
+                modules.add(s.target)
+                continue
+            mod = _module_of(s)
+            parts = (("gate_proj", B[:, : s.split]), ("up_proj", B[:, s.split:])) if s.split is not None \
+                else (("down_proj", B),)
+            for proj, Bp in parts:
+                modules.add(proj)
+                for e in range(A.shape[0]):
+                    out[f"base_model.model.{mod}.{e}.{proj}.lora_A.weight"] = A[e].contiguous().clone()
+                    out[f"base_model.model.{mod}.{e}.{proj}.lora_B.weight"] = Bp[e].contiguous().clone()
+        return out, sorted(modules)
+
     def load_peft_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
         _require_full(self.model)
         mine = self.peft_state_dict()
@@ -312,16 +338,28 @@ def _require_full(model: MoEForCausalLM) -> None:
         raise LoraError("PEFT files hold every expert's adapter; gather the EP shards first (EP > 1)")
 
 
-def save_peft(adapters: LoraAdapters, path: str | Path, base_model: str | None = None) -> Path:
-    """Writes adapter_config.json + adapter_model.safetensors atomically (temp dir + rename)."""
+def save_peft(adapters: LoraAdapters, path: str | Path, base_model: str | None = None,
+              layout: str = "fused") -> Path:
+    """Writes adapter_config.json + adapter_model.safetensors atomically (temp dir + rename).
+    ``layout``: "fused" (PEFT ``target_parameters`` on transformers 5's 3-D experts) or
+    "per_expert" (one module per expert: SGLang's loader, transformers 4.x)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         cfg = adapters.peft_config()
         cfg["base_model_name_or_path"] = base_model
+        if layout == "fused":
+            sd = adapters.peft_state_dict()
+        elif layout == "per_expert":
+            sd, modules = adapters.per_expert_state_dict()
+            cfg.update(target_modules=modules, target_parameters=None)
+            if adapters.layers is not None:
+                cfg["layers_to_transform"] = adapters.layers
+        else:
+            raise ValueError(f"layout must be 'fused' or 'per_expert', got {layout!r}")
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-        save_file(adapters.peft_state_dict(), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         if path.exists():
             old = path.with_name(path.name + ".old")
             shutil.rmtree(old, ignore_errors=True)

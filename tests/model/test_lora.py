@@ -114,6 +114,37 @@ def test_peft_roundtrip(tmp_path):
         load_peft(other, tmp_path / "a")
 
 
+def test_per_expert_layout_is_the_same_adapter(tmp_path):
+    """The SGLang/transformers-4 layout: rebuilding every weight from its per-expert keys
+    by hand gives the merged model."""
+    from safetensors.torch import load_file
+
+    model, ad = make(["o_proj", "experts.gate_up_proj", "experts.down_proj"], layers=[0, 2])
+    save_peft(ad, tmp_path / "pe", layout="per_expert")
+    sd = load_file(tmp_path / "pe" / "adapter_model.safetensors")
+    cfg = json.loads((tmp_path / "pe" / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["down_proj", "gate_proj", "o_proj", "up_proj"] and cfg["layers_to_transform"] == [0, 2]
+    m = copy.deepcopy(model)
+    s = ad.alpha / ad.rank
+    with torch.no_grad():
+        for k in sd:
+            if not k.endswith("lora_A.weight"):
+                continue
+            mod = k[len("base_model.model."):-len(".lora_A.weight")]
+            d = s * sd[k.replace("lora_A", "lora_B")] @ sd[k]
+            parts = mod.split(".")
+            if parts[-3] == "experts":
+                getattr(m.get_submodule(".".join(parts[:-2])), parts[-1])[int(parts[-2])] += d
+            else:
+                m.get_submodule(mod).weight += d
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad(), ad.applied():
+        torch.testing.assert_close(m(ids), model(ids), atol=1e-6, rtol=0)
+    _, with_router = make(["router"])
+    with pytest.raises(LoraError, match="router"):
+        save_peft(with_router, tmp_path / "r", layout="per_expert")
+
+
 # PEFT adapts transformers 5's fused 3-D experts ([E, out, in]) with target_parameters from
 # peft 0.19 (0.17 added target_parameters for [E, in, out] experts only); transformers < 5 has
 # per-expert modules instead.
