@@ -42,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from .hf_io import iter_local_hf_tensors, parse_expert_name
 from .qwen3_moe import MoEForCausalLM
 
 # target name -> where it sits in a decoder layer
@@ -162,15 +163,8 @@ class LoraAdapters(nn.Module):
     def delta_weights(self) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
         """(module, parameter name, adapted weight) for every adapted weight, differentiable
         in A and B. One addmm / baddbmm per weight, all experts of a layer at once."""
-        s_ = self.scaling
         for s in self.sites:
-            A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
-            if A.dim() == 2:
-                yield s.module, "weight", torch.addmm(s.module.weight, B, A, alpha=s_)
-                continue
-            parts = (B[:, : s.split], B[:, s.split:]) if s.split is not None else (B,)
-            for attr, Bp in zip(s.attrs, parts):
-                yield s.module, attr, torch.baddbmm(getattr(s.module, attr), Bp, A, alpha=s_)
+            yield from self._site_deltas(s)
 
     @contextlib.contextmanager
     def applied(self):
@@ -190,6 +184,47 @@ class LoraAdapters(nn.Module):
                 module._parameters[attr] = orig
 
     @torch.no_grad()
+    def merged_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of the model with the adapters merged, in canonical order, without
+        touching the model: an adapted weight (a layer's expert stack) is made when its first
+        name comes, and dropped when the next layer starts (a few stacks alive at a time)."""
+        sites = {(id(s.module), a): s for s in self.sites for a in s.attrs}
+        made: dict[tuple[int, str], torch.Tensor] = {}
+        layer_of_made = None
+        for name, t in iter_local_hf_tensors(self.model):
+            parsed = parse_expert_name(name)
+            if parsed is not None:
+                layer, expert, attr = parsed
+                moe = self.model.model.layers[layer].mlp
+                module, index = moe.experts, expert - moe.ep_rank * moe.num_local
+            else:
+                layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+                module, attr, index = self.model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], None
+            site = sites.get((id(module), attr))
+            if site is None:
+                yield name, t
+                continue
+            if layer != layer_of_made:
+                made, layer_of_made = {}, layer
+            key = (id(module), attr)
+            if key not in made:
+                made.update({(id(m), a): w for m, a, w in self._site_deltas(site)})
+            w = made[key]
+            yield name, (w if index is None else w[index])
+
+    def _site_deltas(self, s: _Site, base=None):
+        """(module, attr, base + s*B@A) for one site; ``base`` overrides the model's weights."""
+        def w(attr):
+            return getattr(s.module, attr) if base is None else base[id(s.module), attr]
+        A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
+        if A.dim() == 2:
+            yield s.module, "weight", torch.addmm(w("weight"), B, A, alpha=self.scaling)
+            return
+        parts = (B[:, : s.split], B[:, s.split:]) if s.split is not None else (B,)
+        for attr, Bp in zip(s.attrs, parts):
+            yield s.module, attr, torch.baddbmm(w(attr), Bp, A, alpha=self.scaling)
+
+    @torch.no_grad()
     def merge_into(self, base: dict[tuple[int, str], torch.Tensor]) -> None:
         """Writes base + s*B@A into the model's parameters (the engine's merged serving form);
         ``base`` holds the unadapted weights keyed by (id(module), attr), see ``base_copy``."""
@@ -197,15 +232,8 @@ class LoraAdapters(nn.Module):
             getattr(module, attr).copy_(w)
 
     def _deltas_over(self, base):
-        s_ = self.scaling
         for s in self.sites:
-            A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
-            if A.dim() == 2:
-                yield s.module, "weight", torch.addmm(base[id(s.module), "weight"], B, A, alpha=s_)
-                continue
-            parts = (B[:, : s.split], B[:, s.split:]) if s.split is not None else (B,)
-            for attr, Bp in zip(s.attrs, parts):
-                yield s.module, attr, torch.baddbmm(base[id(s.module), attr], Bp, A, alpha=s_)
+            yield from self._site_deltas(s, base)
 
     def base_copy(self) -> dict[tuple[int, str], torch.Tensor]:
         """A copy of every weight an adapter changes (what ``merge_into`` adds to)."""

@@ -180,8 +180,7 @@ class NativeBackend(DataParallelStep):
         return self._merged_hf_tensors()
 
     def _merged_hf_tensors(self):
-        with torch.no_grad(), self.lora.applied():
-            yield from iter_local_hf_tensors(self.model)
+        return self.lora.merged_hf_tensors()
 
     def hf_source(self):
         """This rank's weights for the weight-sync sender (views of the parameters); with

@@ -70,6 +70,23 @@ def test_applied_equals_hand_merge_and_grads_reach_adapters_only(targets, layers
         torch.testing.assert_close(model(ids), base, atol=0, rtol=0)
 
 
+def test_merged_hf_tensors_leave_the_model_alone():
+    from moe_rl.model import iter_local_hf_tensors
+
+    model, ad = make(layers=[0, 2])
+    expected = dict(iter_local_hf_tensors(merged_by_hand(model, ad)))
+    before = {n: t.clone() for n, t in iter_local_hf_tensors(model)}
+    got = ad.merged_hf_tensors()
+    first = next(got)  # a consumer that stops early leaves nothing swapped
+    assert first[0] == next(iter(expected))
+    got = dict(ad.merged_hf_tensors())
+    assert list(got) == list(expected)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], atol=1e-6, rtol=0)
+    for n, t in iter_local_hf_tensors(model):
+        assert torch.equal(t, before[n]) and isinstance(model.lm_head.weight, torch.nn.Parameter)
+
+
 def test_router_adapter_routes_and_replays():
     """The record is of the adapted router; replaying it reproduces the adapted forward."""
     model, ad = make(["router"])
