@@ -162,6 +162,14 @@ def test_per_expert_layout_is_the_same_adapter(tmp_path):
         save_peft(with_router, tmp_path / "r", layout="per_expert")
 
 
+def test_bench_adapter_size_arithmetic_matches_the_adapters():
+    from moe_rl.bench.sync_lora import adapter_numel
+
+    for targets in (ALL, ["experts.down_proj", "k_proj"]):
+        _, ad = make(targets)
+        assert adapter_numel(ARCH, 4, targets) == sum(p.numel() for p in ad.parameters())
+
+
 # PEFT adapts transformers 5's fused 3-D experts ([E, out, in]) with target_parameters from
 # peft 0.19 (0.17 added target_parameters for [E, in, out] experts only); transformers < 5 has
 # per-expert modules instead.
@@ -189,3 +197,4 @@ def test_peft_loads_adapter_on_hf_base(tmp_path, targets, layers):
     assert sorted(sd) == sorted(ad.peft_state_dict())
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["peft_type"] == "LORA"
+
