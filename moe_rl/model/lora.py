@@ -155,10 +155,6 @@ class LoraAdapters(nn.Module):
                 self.B[_pkey(s.key)].zero_()
         return self
 
-    def is_expert(self, name: str) -> bool:
-        """Whether an adapter parameter (a ``named_parameters`` name) belongs to experts."""
-        return "experts" in name
-
     # --- applying ---------------------------------------------------------------------------
     def delta_weights(self) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
         """(module, parameter name, adapted weight) for every adapted weight, differentiable

@@ -79,7 +79,8 @@ class DataParallelStep:
         cfg = self.cfg
         lora = getattr(self, "lora", None)
         named = list(lora.named_parameters() if lora is not None else self.model.named_parameters())
-        self.expert_params = [p for n, p in named if "experts" in n]
+        # model names: "...mlp.experts.gate_proj"; adapter names: "A.model__layers__0__mlp__experts__..."
+        self.expert_params = [p for n, p in named if ".experts." in n or "__experts__" in n]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for _, p in named if id(p) not in expert_ids]
         self.optimizer = torch.optim.AdamW(
