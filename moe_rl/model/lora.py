@@ -312,6 +312,29 @@ class LoraAdapters(nn.Module):
                     out[f"base_model.model.{mod}.{e}.{proj}.lora_B.weight"] = Bp[e].contiguous().clone()
         return out, sorted(modules)
 
+    def load_per_expert_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
+        """Inverse of ``per_expert_state_dict``. Gate and up must share A (this form's adapter)."""
+        mine, _ = self.per_expert_state_dict()
+        missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
+        if missing or extra:
+            raise LoraError(f"{where}: keys do not match this lora config: missing {missing[:3]}, unexpected {extra[:3]}")
+        with torch.no_grad():
+            for s in self.sites:
+                A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
+                if A.dim() == 2:
+                    A.copy_(sd[f"base_model.model.{s.key}.lora_A.weight"])
+                    B.copy_(sd[f"base_model.model.{s.key}.lora_B.weight"])
+                    continue
+                mod, projs = _module_of(s), (("gate_proj", "up_proj") if s.split is not None else ("down_proj",))
+                E = A.shape[0]
+                a = {p: torch.stack([sd[f"base_model.model.{mod}.{e}.{p}.lora_A.weight"] for e in range(E)]) for p in projs}
+                if len(projs) == 2 and not torch.equal(a["gate_proj"], a["up_proj"]):
+                    raise LoraError(f"{where}: {mod}: gate_proj and up_proj adapters have different A; moe-rl's "
+                                    "experts.gate_up_proj target shares one A (PEFT's fused form)")
+                A.copy_(a[projs[0]])
+                B.copy_(torch.cat([torch.stack([sd[f"base_model.model.{mod}.{e}.{p}.lora_B.weight"] for e in range(E)])
+                                   for p in projs], dim=1))
+
     def load_peft_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
         _require_full(self.model)
         mine = self.peft_state_dict()
@@ -411,12 +434,17 @@ def read_peft(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def load_peft(adapters: LoraAdapters, path: str | Path) -> LoraAdapters:
-    """Loads a PEFT adapter written by ``save_peft`` (or by PEFT for the same targets)."""
+    """Loads a PEFT adapter written by ``save_peft`` in either layout (or by PEFT for the same
+    targets)."""
     cfg, sd = read_peft(path)
     if int(cfg.get("r", -1)) != adapters.rank or float(cfg.get("lora_alpha", -1)) != adapters.alpha:
         raise LoraError(f"{path}/adapter_config.json: r={cfg.get('r')}, lora_alpha={cfg.get('lora_alpha')}; "
                         f"the lora config has rank={adapters.rank}, alpha={adapters.alpha}")
-    adapters.load_peft_state_dict(sd, where=str(Path(path) / "adapter_model.safetensors"))
+    where = str(Path(path) / "adapter_model.safetensors")
+    if any(".experts.0." in k for k in sd):  # the per-expert layout (save_peft(layout="per_expert"))
+        adapters.load_per_expert_state_dict(sd, where)
+    else:
+        adapters.load_peft_state_dict(sd, where)
     return adapters
 
 

@@ -157,6 +157,10 @@ def test_per_expert_layout_is_the_same_adapter(tmp_path):
     ids = torch.randint(0, 97, (2, 9))
     with torch.no_grad(), ad.applied():
         torch.testing.assert_close(m(ids), model(ids), atol=1e-6, rtol=0)
+    _, back = make(["o_proj", "experts.gate_up_proj", "experts.down_proj"], layers=[0, 2], seed=9)
+    load_peft(back, tmp_path / "pe")
+    for (n, x), (_, y) in zip(ad.named_parameters(), back.named_parameters()):
+        assert torch.equal(x, y), n
     _, with_router = make(["router"])
     with pytest.raises(LoraError, match="router"):
         save_peft(with_router, tmp_path / "r", layout="per_expert")
