@@ -209,6 +209,22 @@ class CheckpointConfig(Strict):
     keep: int = Field(2, ge=1)
 
 
+class LoraConfig(Strict):
+    """LoRA adapters (moe_rl.model.lora): base weights frozen, only adapters trained and synced."""
+
+    enabled: bool = False
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapters are applied as weight deltas")
+    targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
+                          "experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                   "experts.gate_up_proj", "experts.down_proj"]
+    layers: list[int] | None = None  # decoder layers to adapt; None = all
+    seed: int = 0
+    sync: Literal["adapter", "merged"] = Field("merged", description="what a weight sync sends: the adapter "
+                                               "tensors only, or the full merged weights")
+
+
 class ExperimentConfig(Strict):
     name: str = "moe-rl"
     output_dir: str = "runs/default"
@@ -228,6 +244,7 @@ class ExperimentConfig(Strict):
     env: EnvConfig = EnvConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    lora: LoraConfig = LoraConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
@@ -254,6 +271,12 @@ class ExperimentConfig(Strict):
         if self.reward.fn and self.env.factory:
             raise ValueError("reward.fn and env.factory: an episode's reward is the sum of its environment's step "
                              "rewards; score inside the environment (or drop env.factory)")
+
+        if self.lora.enabled and self.train.backend != "native":
+            raise ValueError("lora.enabled: only train.backend=native has LoRA so far")
+        if self.lora.enabled and self.lora.layers is not None and any(
+                not 0 <= i < self.model.num_hidden_layers for i in self.lora.layers):
+            raise ValueError(f"lora.layers {self.lora.layers}: indices must be in [0, model.num_hidden_layers)")
         if self.data.task == "jsonl" and not self.data.path:
             raise ValueError("data.task=jsonl needs data.path")
         return self

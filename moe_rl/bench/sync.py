@@ -437,8 +437,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind", choices=["on", "off"], default="on",
                     help="(c) with parameters living in the buckets on both sides (sync.bind_params; the engine "
                          "commits by swapping storage), or packed and copied every sync")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="only the LoRA row: full vs adapter-only sync at this rank (moe_rl.bench.sync_lora)")
+    ap.add_argument("--lora-layers", type=int, default=1, help="layers of the Qwen3-30B-A3B-width set for --lora")
     args = ap.parse_args(argv)
 
+    if args.lora:
+        from .sync_lora import print_lora, run_lora
+
+        res = run_lora(args.lora, args.lora_layers, args.reps, max(args.buckets))
+        print(json.dumps(res) if args.json else print_lora(res))
+        return 0
     gpu = None
     if args.gpu in ("on", "only") or (args.gpu == "auto" and torch.cuda.is_available()):
         gpu = run_gpu(args)

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from moe_rl.gc_control import freeze_gc, paused_gc
 
+from . import lora
 from . import protocol as P
 from .engine import Engine
 from .protocol import RequestError
@@ -67,7 +68,7 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None) -> E
             mem_fraction=cfg.placement.mem_fraction_static)
         log.info("embedded engine on %s: KV cache for %d requests (placement.mem_fraction_static=%s)",
                  p.device, max_running, cfg.placement.mem_fraction_static)
-    return Engine(
+    engine = Engine(
         model,
         max_running_requests=max_running,
         max_context=e.max_context,
@@ -75,6 +76,8 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None) -> E
         threads=e.threads,
         model_path=cfg.model.path,
     )
+    lora.attach(engine, cfg)  # LoRA serving: moe_rl.engine.lora
+    return engine
 
 
 # --- the HTTP application --------------------------------------------------------------------
@@ -140,6 +143,7 @@ class EngineServer:
         r.add_get("/model_info", self.get_model_info)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
+        lora.register_routes(self, app)
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -158,6 +162,9 @@ class EngineServer:
     # --- generation ------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
+        bad_lora = lora.check_lora_path(self.engine, body.get("lora_path") if isinstance(body, dict) else None)
+        if bad_lora:
+            return _error(400, bad_lora)
         limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context,
                       eos_token_ids=self.eos_token_ids)
         if P.is_batch(body):  # SGLang's batch form: a list in, a list out
@@ -234,8 +241,12 @@ class EngineServer:
             from ..sync.receiver import WeightReceiver
 
             model = self.engine.model
-            self.receiver = WeightReceiver(dict(iter_local_hf_tensors(model)),
-                                           rebind=lambda staged: bind_hf_views(model, staged))
+            adapter_params = lora.receiver_params(self.engine)
+            if adapter_params is not None:  # LoRA serving: updates carry the adapter tensors only
+                self.receiver = WeightReceiver(adapter_params)
+            else:
+                self.receiver = WeightReceiver(dict(iter_local_hf_tensors(model)),
+                                               rebind=lambda staged: bind_hf_views(model, staged))
         return self.receiver
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -350,7 +361,8 @@ class EngineServer:
                     req.load_format, req.weight_version, req.checksum,
                 )
                 if complete:
-                    await asyncio.to_thread(self.engine.commit_weights, self.receiver.commit, req.weight_version)
+                    await asyncio.to_thread(self.engine.commit_weights, lora.commit(self.engine, self.receiver.commit),
+                                            req.weight_version)
                 return complete, None
             except Exception as e:
                 log.exception("update_weights_from_distributed failed")

@@ -8,6 +8,7 @@ checkpoint writer consume.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -73,18 +74,22 @@ class DataParallelStep:
     ``optimizer``, ``dense_params``, ``expert_params``, ``cfg``, ``ep_size`` and ``_ep_group()``."""
 
     def _setup_optimizer(self) -> None:
-        """Splits expert from dense parameters (they reduce over different groups); AdamW."""
+        """Splits expert from dense parameters (they reduce over different groups); AdamW.
+        With LoRA (``self.lora``) only the adapters train: the base weights are frozen."""
         cfg = self.cfg
-        self.expert_params = [p for n, p in self.model.named_parameters() if ".experts." in n]
+        lora = getattr(self, "lora", None)
+        named = list(lora.named_parameters() if lora is not None else self.model.named_parameters())
+        # model names: "...mlp.experts.gate_proj"; adapter names: "A.model__layers__0__mlp__experts__..."
+        self.expert_params = [p for n, p in named if ".experts." in n or "__experts__" in n]
         expert_ids = {id(p) for p in self.expert_params}
-        self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        self.dense_params = [p for _, p in named if id(p) not in expert_ids]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+            self.dense_params + self.expert_params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
             weight_decay=cfg.train.weight_decay,
         )
 
     def optimizer_step(self) -> dict[str, float]:
-        for p in self.model.parameters():
+        for p in self.dense_params + self.expert_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._reduce_grads()
@@ -105,7 +110,7 @@ class DataParallelStep:
             dist.all_reduce(expert_sq, group=self._ep_group())
         norm = (dense_sq + expert_sq).sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.model.parameters():
+        for p in self.dense_params + self.expert_params:
             p.grad.mul_(scale)
         return norm
 
@@ -131,9 +136,22 @@ class NativeBackend(DataParallelStep):
             self.model.init_weights(cfg.model.init_seed, std=cfg.model.init_std)
         self.device = torch.device(cfg.train.device)
         self.model.to(device=self.device, dtype=DTYPES[cfg.model.dtype])
+        self.lora = None
+        if cfg.lora.enabled:
+            from moe_rl.model.lora import build_lora
+
+            self.lora = build_lora(self.model, cfg.lora)
         self._setup_optimizer()
 
+    def _adapted(self):
+        """The forward runs on the adapted weights (LoRA), else on the parameters as they are."""
+        return self.lora.applied() if self.lora is not None else contextlib.nullcontext()
+
     def logprobs(self, mb, temperature, with_entropy=False, record=None):
+        with self._adapted():
+            return self._logprobs(mb, temperature, with_entropy, record)
+
+    def _logprobs(self, mb, temperature, with_entropy, record):
         hidden = self.model.hidden_states(
             mb.input_ids.to(self.device), cu_seqlens=mb.cu_seqlens.to(self.device),
             replay=None if mb.replay is None else [r.to(self.device) for r in mb.replay], record=record,
@@ -157,22 +175,42 @@ class NativeBackend(DataParallelStep):
         return self.groups.ep
 
     def hf_tensors(self):
-        return iter_local_hf_tensors(self.model)
+        """With LoRA: the merged weights (base + s*B@A), made afresh."""
+        if self.lora is None:
+            return iter_local_hf_tensors(self.model)
+        return self._merged_hf_tensors()
+
+    def _merged_hf_tensors(self):
+        return self.lora.merged_hf_tensors()
 
     def hf_source(self):
-        """This rank's weights for the weight-sync sender (views of the parameters)."""
-        from moe_rl.sync.source import ModelSource
+        """This rank's weights for the weight-sync sender (views of the parameters); with
+        LoRA the merged weights (lora.sync=merged) or the adapter tensors only (adapter)."""
+        from moe_rl.sync.source import ModelSource, StreamSource
 
-        return ModelSource(self.model)
+        if self.lora is None:
+            return ModelSource(self.model)
+        if self.cfg.lora.sync == "adapter":
+            from moe_rl.model.lora import AdapterSource
+
+            return AdapterSource(self.lora)
+        return StreamSource(self.arch, self.device, DTYPES[self.cfg.model.dtype], self._merged_hf_tensors)
 
     def owner_ep_rank(self, name: str) -> int | None:
         return expert_owner(name, self.arch, self.ep_size)
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.lora is not None:
+            out["lora"] = self.lora.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
+        if self.lora is not None:
+            if "lora" not in state:
+                raise KeyError("checkpoint has no LoRA adapters but lora.enabled=true")
+            self.lora.load_state_dict(state["lora"])
         self.optimizer.load_state_dict(state["optimizer"])
 
 

@@ -1,6 +1,6 @@
 """Checkpoints: HF weights (loadable by transformers) + trainer state for an exact resume.
 
-Layout: ``<output_dir>/checkpoints/step_<N>/{hf/, trainer_rank<r>.pt, rollout.pt}`` and a
+Layout: ``<output_dir>/checkpoints/step_<N>/{hf/, adapter/ (LoRA, PEFT format), trainer_rank<r>.pt, rollout.pt}`` and a
 ``latest`` file naming the newest complete one, written last (atomically), so a crash while
 saving leaves the previous checkpoint in charge.
 """
@@ -58,7 +58,15 @@ def save_checkpoint(run_dir: Path, step: int, backend, groups, trainer_state: di
     state = gather_hf_state(backend, groups)
     if rank == 0:
         ckpt.mkdir(parents=True, exist_ok=True)
-        save_hf(state, ckpt / "hf", arch=backend.arch)
+        save_hf(state, ckpt / "hf", arch=backend.arch)  # with LoRA: the merged model
+        if getattr(backend, "lora", None) is not None:
+            if backend.ep_size == 1:
+                from moe_rl.model.lora import save_peft
+
+                save_peft(backend.lora, ckpt / "adapter", base_model=backend.cfg.model.path)
+            else:
+                log.warning("checkpoint %s: the PEFT adapter file needs EP=1; the adapters are in the trainer "
+                            "state only", ckpt)
         _atomic_torch_save(rollout_state, ckpt / "rollout.pt")
     _barrier(groups)
     _atomic_torch_save({"backend": backend.state_dict(), **trainer_state}, ckpt / f"trainer_rank{rank}.pt")

@@ -1,0 +1,106 @@
+"""LoRA serving for the embedded engine: adapter-only weight updates and SGLang's LoRA
+endpoints (``/load_lora_adapter``, ``/unload_lora_adapter``, ``lora_path`` on ``/generate``).
+
+The engine serves one adapter, merged into its weights (``moe_rl.model.lora.AdapterServing``),
+so generation runs at the base model's speed and its log-probs are the trainer's merged
+model's. The server calls three hooks: ``attach`` when the engine is built, ``commit`` around a
+weight update's commit, and ``register_routes`` when its application is made.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from moe_rl.model.lora import AdapterServing, read_peft
+
+log = logging.getLogger(__name__)
+
+
+def attach(engine, cfg) -> None:
+    """lora.enabled with lora.sync=adapter: the engine's model carries the adapters and weight
+    updates carry only the adapter tensors."""
+    engine.adapter = None
+    engine.adapter_name = None
+    if cfg.lora.enabled and cfg.lora.sync == "adapter":
+        lc = cfg.lora
+        engine.adapter = AdapterServing(engine.model, lc.rank, lc.alpha, lc.targets, lc.layers)
+        engine.adapter_name = "default"
+        log.info("engine serves LoRA rank %d on %s (adapter-only weight updates)", lc.rank, lc.targets)
+
+
+def receiver_params(engine):
+    """The tensors a weight update writes: the adapter tensors when the engine serves one."""
+    adapter = getattr(engine, "adapter", None)
+    return None if adapter is None else adapter.named_tensors()
+
+
+def commit(engine, receiver_commit):
+    """The commit to run under the engine's model lock: write the staged tensors, then merge."""
+    adapter = getattr(engine, "adapter", None)
+    if adapter is None:
+        return receiver_commit
+
+    def run():
+        receiver_commit()
+        adapter.merge()
+    return run
+
+
+def register_routes(server, app: web.Application) -> None:
+    r = app.router
+    r.add_post("/load_lora_adapter", lambda req: _load(server, req))
+    r.add_post("/unload_lora_adapter", lambda req: _unload(server, req))
+
+
+def _fail(msg: str, status: int = 400) -> web.Response:
+    return web.json_response({"success": False, "error_message": msg}, status=status)
+
+
+async def _load(server, request: web.Request) -> web.Response:
+    """SGLang's LoadLoRAAdapterReqInput: {lora_name, lora_path, pinned?}; a PEFT directory."""
+    engine = server.engine
+    body = await request.json()
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not name or not path:
+        return _fail("lora_name and lora_path are required")
+    adapter = getattr(engine, "adapter", None)
+    if adapter is None:
+        return _fail("this engine was started without LoRA (lora.enabled=true, lora.sync=adapter)")
+    try:
+        read_peft(path)  # fail before pausing on a missing or malformed directory
+
+        def load():
+            with engine.model_lock:
+                adapter.load_peft(path)
+        await asyncio.to_thread(load)
+    except Exception as e:  # noqa: BLE001 - reported to the client
+        return _fail(f"{type(e).__name__}: {e}")
+    engine.adapter_name = name
+    return web.json_response({"success": True, "error_message": "", "loaded_adapters": {name: path}})
+
+
+async def _unload(server, request: web.Request) -> web.Response:
+    engine = server.engine
+    body = await request.json()
+    name = body.get("lora_name")
+    if getattr(engine, "adapter", None) is None or name != engine.adapter_name:
+        return _fail(f"no LoRA adapter named {name!r} is loaded")
+
+    def unload():
+        with engine.model_lock:
+            engine.adapter.unload()
+    await asyncio.to_thread(unload)
+    engine.adapter_name = None
+    return web.json_response({"success": True, "error_message": "", "loaded_adapters": {}})
+
+
+def check_lora_path(engine, lora_path) -> str | None:
+    """An error for a /generate whose lora_path names an adapter this engine does not serve."""
+    if lora_path is None:
+        return None
+    name = lora_path[0] if isinstance(lora_path, list) and lora_path else lora_path
+    if name != getattr(engine, "adapter_name", None):
+        return f"lora_path: adapter {name!r} is not loaded (loaded: {getattr(engine, 'adapter_name', None)!r})"
+    return None

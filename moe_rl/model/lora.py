@@ -1,0 +1,507 @@
+"""LoRA adapters for the native Qwen3-MoE model: attention, router and routed experts.
+
+An adapter on a weight W [out, in] is a pair A [r, in], B [out, r]; the adapted weight is
+W + (alpha / r) * B @ A. On a layer's experts (stacked [E, out, in]) there is one pair per
+expert, A [E, r, in], B [E, out, r], and all experts are adapted by one batched matmul
+(``baddbmm``), never a loop over experts.
+
+Form: the adapters are applied as *weight deltas*. ``LoraAdapters.applied()`` computes each
+adapted weight once per forward and puts it in place of the base parameter for the duration
+of the forward, so whatever compute path reads the (stacked) expert weights -- the loop, a
+grouped GEMM -- runs unchanged on the adapted weights, and the router's record/replay sees
+the adapted router. Trade-off: per adapted tensor one full-size weight is materialised per
+forward (and its gradient in backward, which autograd then contracts to dA, dB); compute is
+E * out * in * r per layer, independent of the token count. Dropout on the adapter's input has
+no weight-delta equivalent, so ``dropout`` must be 0 (PEFT refuses it for 3-D expert
+parameters for the same reason). The activation form, x @ A^T then @ B^T per expert group,
+would go into the experts' grouped GEMM (one extra grouped GEMM pair per projection over the
+same expert-sorted rows, then added before the activation); it avoids materialising W' and
+scales with tokens instead of with E * out * in.
+
+Names: HF (transformers >= 5) fuses an expert's gate and up projections into
+``experts.gate_up_proj`` [E, 2I, H]; PEFT adapts that 3-D parameter with ``target_parameters``
+and one A per expert shared by gate and up. The native model keeps gate and up apart, so the
+``experts.gate_up_proj`` target holds one A [E, r, H] and one B [E, 2I, r], whose first I rows
+adapt ``gate_proj`` and last I rows ``up_proj``: the same function as PEFT's adapter, so it
+saves and loads losslessly in PEFT's file format (``save_peft`` / ``load_peft``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .hf_io import iter_local_hf_tensors, parse_expert_name
+from .qwen3_moe import MoEForCausalLM
+
+# target name -> where it sits in a decoder layer
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+ROUTER_TARGET = "router"
+TARGETS = ATTENTION_TARGETS + (ROUTER_TARGET,) + EXPERT_TARGETS
+
+
+class LoraError(ValueError):
+    """An adapter file or setting that does not fit this model."""
+
+
+@dataclass
+class _Site:
+    """One adapted weight (or, for gate_up, a pair of weights sharing A)."""
+
+    key: str  # HF module path, e.g. model.layers.0.self_attn.q_proj / model.layers.0.mlp.experts
+    target: str  # one of TARGETS
+    layer: int
+    module: nn.Module
+    attrs: tuple[str, ...]  # parameter names on ``module`` this adapter changes
+    split: int | None  # for gate_up: rows of B for the first attr
+
+
+def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) -> list[_Site]:
+    sites = []
+    for i, layer in enumerate(model.model.layers):
+        if layers is not None and i not in layers:
+            continue
+        p = f"model.layers.{i}."
+        for t in targets:
+            if t in ATTENTION_TARGETS:
+                sites.append(_Site(p + "self_attn." + t, t, i, getattr(layer.self_attn, t), ("weight",), None))
+            elif not layer.is_moe:
+                continue  # router and experts exist only in MoE layers
+            elif t == ROUTER_TARGET:
+                sites.append(_Site(p + "mlp.gate", t, i, layer.mlp.gate, ("weight",), None))
+            elif t == "experts.gate_up_proj":
+                ex = layer.mlp.experts
+                sites.append(_Site(p + "mlp.experts.gate_up_proj", t, i, ex, ("gate_proj", "up_proj"),
+                                   ex.gate_proj.shape[1]))
+            elif t == "experts.down_proj":
+                sites.append(_Site(p + "mlp.experts.down_proj", t, i, layer.mlp.experts, ("down_proj",), None))
+            else:
+                raise LoraError(f"lora.targets: unknown target {t!r}; valid: {list(TARGETS)}")
+    return sites
+
+
+def _ab_shapes(site: _Site, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    ws = [getattr(site.module, a) for a in site.attrs]
+    if ws[0].dim() == 2:
+        out, inp = ws[0].shape
+        return (rank, inp), (out, rank)
+    E, _, inp = ws[0].shape
+    out = sum(w.shape[1] for w in ws)
+    return (E, rank, inp), (E, out, rank)
+
+
+class LoraAdapters(nn.Module):
+    """The adapters of one model (this EP rank's experts). Not a submodule of the model: the
+    model keeps its HF parameter names and its state dict; adapters have their own."""
+
+    def __init__(self, model: MoEForCausalLM, rank: int, alpha: float, targets: list[str],
+                 layers: list[int] | None = None, dropout: float = 0.0):
+        super().__init__()
+        if dropout:
+            raise LoraError("lora.dropout: must be 0; adapters are applied as weight deltas (W + s*B@A), "
+                            "where dropout on the adapter's input has no equivalent")
+        if rank < 1:
+            raise LoraError(f"lora.rank: must be >= 1, got {rank}")
+        bad = [t for t in targets if t not in TARGETS]
+        if bad:
+            raise LoraError(f"lora.targets: unknown {bad}; valid: {list(TARGETS)}")
+        n = model.arch.num_hidden_layers
+        if layers is not None and any(not 0 <= i < n for i in layers):
+            raise LoraError(f"lora.layers: indices must be in [0, {n}), got {layers}")
+        object.__setattr__(self, "model", model)  # not a submodule
+        self.rank, self.alpha, self.targets = rank, float(alpha), list(targets)
+        self.layers = None if layers is None else sorted(set(layers))
+        self.scaling = self.alpha / rank
+        self.sites = _sites(model, self.targets, self.layers)
+        if not self.sites:
+            raise LoraError(f"lora: targets {targets} on layers {layers} select no weight of this model")
+        ref = getattr(self.sites[0].module, self.sites[0].attrs[0])
+        self.A = nn.ParameterDict()
+        self.B = nn.ParameterDict()
+        for s in self.sites:
+            a, b = _ab_shapes(s, rank)
+            self.A[_pkey(s.key)] = nn.Parameter(torch.zeros(a, device=ref.device, dtype=ref.dtype))
+            self.B[_pkey(s.key)] = nn.Parameter(torch.zeros(b, device=ref.device, dtype=ref.dtype))
+        for p in model.parameters():
+            p.requires_grad_(False)
+
+    # --- init / layout -------------------------------------------------------------------
+    def init_weights(self, seed: int) -> "LoraAdapters":
+        """PEFT's default: A ~ kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0.
+        Expert A's are this rank's slice of one global draw (EP=1 and EP=n agree)."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for s in self.sites:
+                A = self.A[_pkey(s.key)]
+                bound = 1.0 / math.sqrt(A.shape[-1])
+                if A.dim() == 2:
+                    A.copy_(torch.empty(A.shape).uniform_(-bound, bound, generator=g))
+                else:
+                    moe = self.model.model.layers[s.layer].mlp
+                    full = torch.empty((moe.num_experts,) + tuple(A.shape[1:])).uniform_(-bound, bound, generator=g)
+                    A.copy_(full[moe.ep_rank * moe.num_local:][: moe.num_local])
+                self.B[_pkey(s.key)].zero_()
+        return self
+
+    # --- applying ---------------------------------------------------------------------------
+    def delta_weights(self) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+        """(module, parameter name, adapted weight) for every adapted weight, differentiable
+        in A and B. One addmm / baddbmm per weight, all experts of a layer at once."""
+        for s in self.sites:
+            yield from self._site_deltas(s)
+
+    @contextlib.contextmanager
+    def applied(self):
+        """Within the block the model computes with W + s*B@A in place of each adapted W
+        (autograd reaches A and B; the base parameters are untouched and restored after).
+        Under ``torch.no_grad`` the adapted weights are frozen Parameters, so code that looks
+        parameters up by name (``local_hf_tensor``) reads the merged weights."""
+        swapped = []
+        grad = torch.is_grad_enabled()
+        try:
+            for module, attr, w in list(self.delta_weights()):
+                swapped.append((module, attr, module._parameters[attr]))
+                module._parameters[attr] = w if grad else nn.Parameter(w, requires_grad=False)
+            yield
+        finally:
+            for module, attr, orig in reversed(swapped):
+                module._parameters[attr] = orig
+
+    @torch.no_grad()
+    def merged_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of the model with the adapters merged, in canonical order, without
+        touching the model: an adapted weight (a layer's expert stack) is made when its first
+        name comes, and dropped when the next layer starts (a few stacks alive at a time)."""
+        sites = {(id(s.module), a): s for s in self.sites for a in s.attrs}
+        made: dict[tuple[int, str], torch.Tensor] = {}
+        layer_of_made = None
+        for name, t in iter_local_hf_tensors(self.model):
+            parsed = parse_expert_name(name)
+            if parsed is not None:
+                layer, expert, attr = parsed
+                moe = self.model.model.layers[layer].mlp
+                module, index = moe.experts, expert - moe.ep_rank * moe.num_local
+            else:
+                layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+                module, attr, index = self.model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], None
+            site = sites.get((id(module), attr))
+            if site is None:
+                yield name, t
+                continue
+            if layer != layer_of_made:
+                made, layer_of_made = {}, layer
+            key = (id(module), attr)
+            if key not in made:
+                made.update({(id(m), a): w for m, a, w in self._site_deltas(site)})
+            w = made[key]
+            yield name, (w if index is None else w[index])
+
+    def _site_deltas(self, s: _Site, base=None):
+        """(module, attr, base + s*B@A) for one site; ``base`` overrides the model's weights."""
+        def w(attr):
+            return getattr(s.module, attr) if base is None else base[id(s.module), attr]
+        A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
+        if A.dim() == 2:
+            yield s.module, "weight", torch.addmm(w("weight"), B, A, alpha=self.scaling)
+            return
+        parts = (B[:, : s.split], B[:, s.split:]) if s.split is not None else (B,)
+        for attr, Bp in zip(s.attrs, parts):
+            yield s.module, attr, torch.baddbmm(w(attr), Bp, A, alpha=self.scaling)
+
+    @torch.no_grad()
+    def merge_into(self, base: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Writes base + s*B@A into the model's parameters (the engine's merged serving form);
+        ``base`` holds the unadapted weights keyed by (id(module), attr), see ``base_copy``."""
+        for module, attr, w in self._deltas_over(base):
+            getattr(module, attr).copy_(w)
+
+    def _deltas_over(self, base):
+        for s in self.sites:
+            yield from self._site_deltas(s, base)
+
+    def base_copy(self) -> dict[tuple[int, str], torch.Tensor]:
+        """A copy of every weight an adapter changes (what ``merge_into`` adds to)."""
+        return {(id(s.module), a): getattr(s.module, a).detach().clone() for s in self.sites for a in s.attrs}
+
+    # --- wire names ---------------------------------------------------------------------------
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every adapter tensor, native layout: ``<site>.lora_A`` /
+        ``<site>.lora_B`` (experts: this rank's [E_local, ...] stack)."""
+        for s in self.sites:
+            yield s.key + ".lora_A", self.A[_pkey(s.key)]
+            yield s.key + ".lora_B", self.B[_pkey(s.key)]
+
+    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, t in self.hf_tensors():
+                if name not in tensors:
+                    raise LoraError(f"adapter tensors lack {name!r}")
+                t.copy_(tensors[name])
+
+    # --- PEFT format ----------------------------------------------------------------------
+    def peft_config(self) -> dict:
+        modules, params = [], []
+        for s in self.sites:
+            if s.target in ATTENTION_TARGETS:
+                modules.append(s.key)
+            elif s.target == ROUTER_TARGET:
+                params.append(s.key + ".weight")
+            else:
+                params.append(s.key)
+        return {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "target_modules": modules, "target_parameters": params or None,
+            "base_model_name_or_path": None, "revision": None, "modules_to_save": None,
+        }
+
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        """PEFT's keys and layouts (EP=1 model). On one module PEFT nests the wrappers of
+        several target parameters in list order: the first sits under ``base_layer``."""
+        _require_full(self.model)
+        out = {}
+        for sites in _group_by_module(self.sites):
+            mod = _module_of(sites[0])
+            for depth, s in enumerate(sites):
+                prefix = "base_model.model." + mod + ".base_layer" * (len(sites) - 1 - depth)
+                A, B = self.A[_pkey(s.key)].detach(), self.B[_pkey(s.key)].detach()
+                if A.dim() == 3:  # PEFT: A [E*r, in] expert-major; B [out, r*E] with expert fastest
+                    E, r, inp = A.shape
+                    A = A.reshape(E * r, inp)
+                    B = B.permute(1, 2, 0).reshape(B.shape[1], r * E)
+                out[prefix + ".lora_A.weight"] = A.contiguous().clone()
+                out[prefix + ".lora_B.weight"] = B.contiguous().clone()
+        return out
+
+    def per_expert_state_dict(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """PEFT keys of per-expert modules (``experts.{e}.{gate,up,down}_proj``; transformers
+        4.x's layout, and what SGLang's LoRA loader reads for routed experts): gate and up
+        each get the shared A. Returns (state dict, target_modules)."""
+        _require_full(self.model)
+        out, modules = {}, set()
+        for s in self.sites:
+            A, B = self.A[_pkey(s.key)].detach(), self.B[_pkey(s.key)].detach()
+            if s.target == ROUTER_TARGET:
+                raise LoraError("the per-expert (SGLang) adapter layout has no router target; drop 'router' "
+                                "from lora.targets to serve through SGLang")
+            if A.dim() == 2:
+                out[f"base_model.model.{s.key}.lora_A.weight"] = A.contiguous().clone()
+                out[f"base_model.model.{s.key}.lora_B.weight"] = B.contiguous().clone()
+                modules.add(s.target)
+                continue
+            mod = _module_of(s)
+            parts = (("gate_proj", B[:, : s.split]), ("up_proj", B[:, s.split:])) if s.split is not None \
+                else (("down_proj", B),)
+            for proj, Bp in parts:
+                modules.add(proj)
+                for e in range(A.shape[0]):
+                    out[f"base_model.model.{mod}.{e}.{proj}.lora_A.weight"] = A[e].contiguous().clone()
+                    out[f"base_model.model.{mod}.{e}.{proj}.lora_B.weight"] = Bp[e].contiguous().clone()
+        return out, sorted(modules)
+
+    def load_per_expert_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
+        """Inverse of ``per_expert_state_dict``. Gate and up must share A (this form's adapter)."""
+        mine, _ = self.per_expert_state_dict()
+        missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
+        if missing or extra:
+            raise LoraError(f"{where}: keys do not match this lora config: missing {missing[:3]}, unexpected {extra[:3]}")
+        with torch.no_grad():
+            for s in self.sites:
+                A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
+                if A.dim() == 2:
+                    A.copy_(sd[f"base_model.model.{s.key}.lora_A.weight"])
+                    B.copy_(sd[f"base_model.model.{s.key}.lora_B.weight"])
+                    continue
+                mod, projs = _module_of(s), (("gate_proj", "up_proj") if s.split is not None else ("down_proj",))
+                E = A.shape[0]
+                a = {p: torch.stack([sd[f"base_model.model.{mod}.{e}.{p}.lora_A.weight"] for e in range(E)]) for p in projs}
+                if len(projs) == 2 and not torch.equal(a["gate_proj"], a["up_proj"]):
+                    raise LoraError(f"{where}: {mod}: gate_proj and up_proj adapters have different A; moe-rl's "
+                                    "experts.gate_up_proj target shares one A (PEFT's fused form)")
+                A.copy_(a[projs[0]])
+                B.copy_(torch.cat([torch.stack([sd[f"base_model.model.{mod}.{e}.{p}.lora_B.weight"] for e in range(E)])
+                                   for p in projs], dim=1))
+
+    def load_peft_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
+        _require_full(self.model)
+        mine = self.peft_state_dict()
+        missing = sorted(set(mine) - set(sd))
+        extra = sorted(set(sd) - set(mine))
+        if missing or extra:
+            raise LoraError(f"{where}: keys do not match this lora config: missing {missing[:3]}, unexpected {extra[:3]}")
+        # invert the layout by position: peft_state_dict lists sites in the same order
+        keys = iter(mine)
+        by_key = {}
+        for mod_sites in _group_by_module(self.sites):
+            for s in mod_sites:
+                by_key[s.key] = (next(keys), next(keys))
+        with torch.no_grad():
+            for s in self.sites:
+                ka, kb = by_key[s.key]
+                A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
+                a, b = sd[ka], sd[kb]
+                if A.dim() == 3:
+                    E, r, inp = A.shape
+                    a = a.reshape(E, r, inp)
+                    b = b.reshape(b.shape[0], r, E).permute(2, 0, 1)
+                if tuple(a.shape) != tuple(A.shape) or tuple(b.shape) != tuple(B.shape):
+                    raise LoraError(f"{where}: {ka} / {kb} shapes {tuple(sd[ka].shape)} / {tuple(sd[kb].shape)} "
+                                    f"do not fit rank {self.rank}")
+                A.copy_(a)
+                B.copy_(b)
+
+
+def _group_by_module(sites: list[_Site]) -> list[list[_Site]]:
+    groups: dict[str, list[_Site]] = {}
+    for s in sites:
+        groups.setdefault(_module_of(s), []).append(s)
+    return list(groups.values())
+
+
+def _module_of(s: _Site) -> str:
+    """The HF module PEFT wraps: experts' two targets share ``mlp.experts``."""
+    return s.key.rsplit(".", 1)[0] if s.target in EXPERT_TARGETS else s.key
+
+
+def _pkey(key: str) -> str:
+    return key.replace(".", "__")
+
+
+def _require_full(model: MoEForCausalLM) -> None:
+    if any(getattr(l.mlp, "ep_size", 1) > 1 for l in model.model.layers):
+        raise LoraError("PEFT files hold every expert's adapter; gather the EP shards first (EP > 1)")
+
+
+def save_peft(adapters: LoraAdapters, path: str | Path, base_model: str | None = None,
+              layout: str = "fused") -> Path:
+    """Writes adapter_config.json + adapter_model.safetensors atomically (temp dir + rename).
+    ``layout``: "fused" (PEFT ``target_parameters`` on transformers 5's 3-D experts) or
+    "per_expert" (one module per expert: SGLang's loader, transformers 4.x)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        cfg = adapters.peft_config()
+        cfg["base_model_name_or_path"] = base_model
+        if layout == "fused":
+            sd = adapters.peft_state_dict()
+        elif layout == "per_expert":
+            sd, modules = adapters.per_expert_state_dict()
+            cfg.update(target_modules=modules, target_parameters=None)
+            if adapters.layers is not None:
+                cfg["layers_to_transform"] = adapters.layers
+        else:
+            raise ValueError(f"layout must be 'fused' or 'per_expert', got {layout!r}")
+        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        if path.exists():
+            old = path.with_name(path.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_peft(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    path = Path(path)
+    cfg_file, st_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    for f in (cfg_file, st_file):
+        if not f.exists():
+            raise FileNotFoundError(f"{f}: missing (not a PEFT adapter directory)")
+    cfg = json.loads(cfg_file.read_text())
+    with safe_open(str(st_file), framework="pt") as sf:
+        sd = {k: sf.get_tensor(k) for k in sf.keys()}
+    return cfg, sd
+
+
+def load_peft(adapters: LoraAdapters, path: str | Path) -> LoraAdapters:
+    """Loads a PEFT adapter written by ``save_peft`` in either layout (or by PEFT for the same
+    targets)."""
+    cfg, sd = read_peft(path)
+    if int(cfg.get("r", -1)) != adapters.rank or float(cfg.get("lora_alpha", -1)) != adapters.alpha:
+        raise LoraError(f"{path}/adapter_config.json: r={cfg.get('r')}, lora_alpha={cfg.get('lora_alpha')}; "
+                        f"the lora config has rank={adapters.rank}, alpha={adapters.alpha}")
+    where = str(Path(path) / "adapter_model.safetensors")
+    if any(".experts.0." in k for k in sd):  # the per-expert layout (save_peft(layout="per_expert"))
+        adapters.load_per_expert_state_dict(sd, where)
+    else:
+        adapters.load_peft_state_dict(sd, where)
+    return adapters
+
+
+def build_lora(model: MoEForCausalLM, cfg) -> LoraAdapters:
+    """Adapters for ``cfg`` (the ``lora:`` config section), seeded."""
+    return LoraAdapters(model, cfg.rank, cfg.alpha, cfg.targets, cfg.layers, cfg.dropout).init_weights(cfg.seed)
+
+
+class AdapterSource:
+    """The adapter tensors as a weight-sync source (``moe_rl.sync.source`` interface): an
+    adapter-only sync sends these, by name, through the same bucketed broadcast."""
+
+    def __init__(self, adapters: LoraAdapters):
+        model = adapters.model
+        if any(getattr(l.mlp, "ep_size", 1) > 1 for l in model.model.layers):
+            raise LoraError("lora.sync=adapter needs train.ep_size=1 (expert adapters are not gathered over EP yet)")
+        self.adapters, self.arch = adapters, model.arch
+        self.tensors = dict(adapters.hf_tensors())
+        self.device = next(iter(self.tensors.values())).device
+
+    def specs(self, wire_dtype: torch.dtype | None = None):
+        return [(n, tuple(t.shape), wire_dtype or t.dtype) for n, t in self.tensors.items()]
+
+    def begin(self) -> None:
+        pass
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name].detach()
+
+    def cache_key(self):
+        return tuple(t.data_ptr() for t in self.tensors.values())
+
+
+class AdapterServing:
+    """Engine side of adapter-only sync: the engine's model carries ``adapters``; an update
+    writes the adapter tensors, then the adapted weights are merged into the model's weights
+    (base + s*B@A, the same op as the trainer's forward, so the log-probs are the trainer's)."""
+
+    def __init__(self, model: MoEForCausalLM, rank: int, alpha: float, targets: list[str],
+                 layers: list[int] | None = None):
+        with torch.no_grad():
+            self.adapters = LoraAdapters(model, rank, alpha, targets, layers)
+        self.base = self.adapters.base_copy()
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: t.data for n, t in self.adapters.hf_tensors()}
+
+    def merge(self) -> None:
+        self.adapters.merge_into(self.base)
+
+    def load_peft(self, path) -> None:
+        load_peft(self.adapters, path)
+        self.merge()
+
+    def unload(self) -> None:
+        """Back to the base weights (adapters zeroed)."""
+        with torch.no_grad():
+            for p in self.adapters.parameters():
+                p.zero_()
+        self.merge()

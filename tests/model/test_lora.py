@@ -1,0 +1,204 @@
+"""LoRA adapters (moe_rl.model.lora) against independent references: a per-expert merge
+written out in plain torch here, and the real ``peft`` package on HF transformers' model."""
+import copy
+import json
+
+import pytest
+import torch
+
+from moe_rl.model import MoEArch, MoEForCausalLM, save_hf
+from moe_rl.model.lora import LoraAdapters, LoraError, load_peft, save_peft
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj", "experts.down_proj"]
+ARCH = MoEArch(vocab_size=97, hidden_size=32, moe_intermediate_size=16, intermediate_size=48, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
+               mlp_only_layers=[1], rope_theta=10000.0)
+
+
+def make(targets=ALL, layers=None, rank=4, alpha=8.0, seed=0):
+    model = MoEForCausalLM(ARCH).init_weights(seed, std=0.1)
+    ad = LoraAdapters(model, rank, alpha, targets, layers).init_weights(seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():  # B = 0 at init; random B makes every adapter count
+        for b in ad.B.values():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    return model, ad
+
+
+def merged_by_hand(model, ad):
+    """A second, independent merge: one expert at a time, gate/up split by hand."""
+    m = copy.deepcopy(model)
+    s = ad.alpha / ad.rank
+    with torch.no_grad():
+        for name, A in ad.A.items():
+            key = name.replace("__", ".")
+            B = ad.B[name]
+            if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
+                ex = m.get_submodule(key.rsplit(".", 1)[0])
+                I = ex.gate_proj.shape[1]
+                for e in range(A.shape[0]):
+                    d = s * (B[e] @ A[e])
+                    if key.endswith("gate_up_proj"):
+                        ex.gate_proj[e] += d[:I]
+                        ex.up_proj[e] += d[I:]
+                    else:
+                        ex.down_proj[e] += d
+            else:
+                m.get_submodule(key).weight += s * (B @ A)
+    return m
+
+
+@pytest.mark.parametrize("targets,layers", [(ALL, None), (["experts.down_proj", "router"], [2]),
+                                            (["q_proj", "experts.gate_up_proj"], [0, 1])])
+def test_applied_equals_hand_merge_and_grads_reach_adapters_only(targets, layers):
+    model, ad = make(targets, layers)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    ref = merged_by_hand(model, ad)
+    with torch.no_grad():
+        expected = ref(ids)
+        base = model(ids)
+    with ad.applied():
+        got = model(ids)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert (got - base).abs().max() > 1e-3  # the adapters changed the model
+    got.square().mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ad.parameters())
+    # the base parameters are back in place after the block
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), base, atol=0, rtol=0)
+
+
+def test_merged_hf_tensors_leave_the_model_alone():
+    from moe_rl.model import iter_local_hf_tensors
+
+    model, ad = make(layers=[0, 2])
+    expected = dict(iter_local_hf_tensors(merged_by_hand(model, ad)))
+    before = {n: t.clone() for n, t in iter_local_hf_tensors(model)}
+    got = ad.merged_hf_tensors()
+    first = next(got)  # a consumer that stops early leaves nothing swapped
+    assert first[0] == next(iter(expected))
+    got = dict(ad.merged_hf_tensors())
+    assert list(got) == list(expected)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], atol=1e-6, rtol=0)
+    for n, t in iter_local_hf_tensors(model):
+        assert torch.equal(t, before[n]) and isinstance(model.lm_head.weight, torch.nn.Parameter)
+
+
+def test_router_adapter_routes_and_replays():
+    """The record is of the adapted router; replaying it reproduces the adapted forward."""
+    model, ad = make(["router"])
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(4))
+    rec_base, rec_lora = [], []
+    with torch.no_grad():
+        model(ids, record=rec_base)
+        with ad.applied():
+            out = model(ids, record=rec_lora)
+            replayed = model(ids, replay=rec_lora)
+        ref = merged_by_hand(model, ad)
+        rec_ref = []
+        ref(ids, record=rec_ref)
+    assert any((a != b).any() for a, b in zip(rec_base, rec_lora)), "router adapter changed no routing"
+    for a, b in zip(rec_lora, rec_ref):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(replayed, out, atol=0, rtol=0)
+
+
+def test_bad_settings_are_named():
+    model = MoEForCausalLM(ARCH)
+    with pytest.raises(LoraError, match="lora.dropout"):
+        LoraAdapters(model, 4, 8, ALL, dropout=0.1)
+    with pytest.raises(LoraError, match="lora.targets"):
+        LoraAdapters(model, 4, 8, ["gate_proj"])
+    with pytest.raises(LoraError, match="lora.layers"):
+        LoraAdapters(model, 4, 8, ALL, layers=[7])
+    with pytest.raises(LoraError, match="select no weight"):
+        LoraAdapters(model, 4, 8, ["router"], layers=[1])  # layer 1 is dense
+
+
+def test_peft_roundtrip(tmp_path):
+    model, ad = make()
+    save_peft(ad, tmp_path / "a")
+    _, ad2 = make(seed=5)
+    ad2.model.load_state_dict(model.state_dict())
+    load_peft(ad2, tmp_path / "a")
+    for (n, a), (_, b) in zip(ad.named_parameters(), ad2.named_parameters()):
+        assert torch.equal(a, b), n
+    _, other = make(rank=2)
+    with pytest.raises(LoraError, match="r=4"):
+        load_peft(other, tmp_path / "a")
+
+
+def test_per_expert_layout_is_the_same_adapter(tmp_path):
+    """The SGLang/transformers-4 layout: rebuilding every weight from its per-expert keys
+    by hand gives the merged model."""
+    from safetensors.torch import load_file
+
+    model, ad = make(["o_proj", "experts.gate_up_proj", "experts.down_proj"], layers=[0, 2])
+    save_peft(ad, tmp_path / "pe", layout="per_expert")
+    sd = load_file(tmp_path / "pe" / "adapter_model.safetensors")
+    cfg = json.loads((tmp_path / "pe" / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["down_proj", "gate_proj", "o_proj", "up_proj"] and cfg["layers_to_transform"] == [0, 2]
+    m = copy.deepcopy(model)
+    s = ad.alpha / ad.rank
+    with torch.no_grad():
+        for k in sd:
+            if not k.endswith("lora_A.weight"):
+                continue
+            mod = k[len("base_model.model."):-len(".lora_A.weight")]
+            d = s * sd[k.replace("lora_A", "lora_B")] @ sd[k]
+            parts = mod.split(".")
+            if parts[-3] == "experts":
+                getattr(m.get_submodule(".".join(parts[:-2])), parts[-1])[int(parts[-2])] += d
+            else:
+                m.get_submodule(mod).weight += d
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad(), ad.applied():
+        torch.testing.assert_close(m(ids), model(ids), atol=1e-6, rtol=0)
+    _, back = make(["o_proj", "experts.gate_up_proj", "experts.down_proj"], layers=[0, 2], seed=9)
+    load_peft(back, tmp_path / "pe")
+    for (n, x), (_, y) in zip(ad.named_parameters(), back.named_parameters()):
+        assert torch.equal(x, y), n
+    _, with_router = make(["router"])
+    with pytest.raises(LoraError, match="router"):
+        save_peft(with_router, tmp_path / "r", layout="per_expert")
+
+
+def test_bench_adapter_size_arithmetic_matches_the_adapters():
+    from moe_rl.bench.sync_lora import adapter_numel
+
+    for targets in (ALL, ["experts.down_proj", "k_proj"]):
+        _, ad = make(targets)
+        assert adapter_numel(ARCH, 4, targets) == sum(p.numel() for p in ad.parameters())
+
+
+# PEFT adapts transformers 5's fused 3-D experts ([E, out, in]) with target_parameters from
+# peft 0.19 (0.17 added target_parameters for [E, in, out] experts only); transformers < 5 has
+# per-expert modules instead.
+peft = pytest.importorskip("peft", minversion="0.19")
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+
+@pytest.mark.parametrize("targets,layers", [(ALL, None), (["experts.down_proj", "router", "v_proj"], [2])])
+def test_peft_loads_adapter_on_hf_base(tmp_path, targets, layers):
+    """PEFT's LoRA (target_modules + target_parameters on the fused 3-D experts) on
+    transformers' Qwen3MoeForCausalLM gives moe-rl's merged logits (fp32, 1e-5)."""
+    model, ad = make(targets, layers)
+    save_hf(model, tmp_path / "base")
+    save_peft(ad, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), ad.applied():
+        ours = model(ids)
+    with torch.no_grad():
+        theirs = pm(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    # and PEFT's own state dict is ours key for key
+    sd = peft.get_peft_model_state_dict(pm)
+    assert sorted(sd) == sorted(ad.peft_state_dict())
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["peft_type"] == "LORA"
+
