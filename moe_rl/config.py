@@ -149,6 +149,19 @@ class CheckpointConfig(Strict):
     keep: int = Field(2, ge=1)
 
 
+class SweepConfig(Strict):
+    """``moe-rl sweep``: arms = the cross product of ``grid`` (config key -> values), each run
+    once per seed (docs/experiments.md). ``moe-rl train`` ignores this section."""
+
+    grid: dict[str, list[Any]] = {}
+    seeds: int = Field(1, ge=1, description="runs per arm, seeds 0..seeds-1 (seed, train.seed, data.seed, model.init_seed)")
+    steps: int | None = Field(None, ge=1, description="train.steps of every run; None = the config's")
+    threshold: float = Field(0.5, description="reward whose first crossing (trailing mean) is 'steps to threshold'")
+    parallel: int = Field(1, ge=1, description="runs at a time (each is a whole torchrun world)")
+    output_dir: str | None = None  # default: <output_dir>/sweep
+    overrides: list[str] = []  # key=value applied to every run (e.g. the bench's long_tail task)
+
+
 class ExperimentConfig(Strict):
     name: str = "moe-rl"
     output_dir: str = "runs/default"
@@ -165,6 +178,7 @@ class ExperimentConfig(Strict):
     data: DataConfig = DataConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    sweep: SweepConfig = SweepConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
