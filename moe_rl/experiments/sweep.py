@@ -43,16 +43,14 @@ class Run:
 
 
 def parse_grid(items: list[str]) -> dict[str, list]:
-    """``["a.b=1,2", "c=x"]`` -> ``{"a.b": [1, 2], "c": ["x"]}`` (values parsed as YAML scalars)."""
+    """``["a.b=1,2", "c=x"]`` -> ``{"a.b": [1, 2], "c": ["x"]}`` (values parsed as YAML scalars);
+    ``"k="`` maps k to [] (removes k from the config's sweep.grid)."""
     grid: dict[str, list] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"--grid {item!r} is not of the form key.sub=V1,V2")
         key, raw = item.split("=", 1)
-        vals = [yaml.safe_load(v) for v in raw.split(",") if v.strip() != ""]
-        if not vals:
-            raise ConfigError(f"--grid {item!r}: no values")
-        grid[key.strip()] = vals
+        grid[key.strip()] = [yaml.safe_load(v) for v in raw.split(",") if v.strip() != ""]
     return grid
 
 
@@ -224,6 +222,25 @@ def plot(curves: dict[str, list[list[dict]]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # The reward logged at a step was earned by the policy that sampled the batch, staleness_mean
+    # versions older than the trainer's: reward_by_version.png puts each point at the samples that
+    # policy had been trained on, so runs with different staleness compare policy for policy.
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for arm, rr in curves.items():
+        n = min(len(r) for r in rr)
+        per_step = np.mean([_col(r[:n], "samples") for r in rr])
+        x = np.mean([(_col(r[:n], "step") - 1 - np.nan_to_num(_col(r[:n], "staleness_mean"))) * per_step
+                     for r in rr], axis=0)
+        y = np.array([_col(r[:n], "reward_mean") for r in rr])
+        line, = ax.plot(x, np.nanmean(y, 0), label=f"{arm} (n={len(rr)})")
+        ax.fill_between(x, np.nanmin(y, 0), np.nanmax(y, 0), color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("samples the sampling policy had been trained on")
+    ax.set_ylabel("reward (batch mean)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "reward_by_version.png")
+    plt.close(fig)
     for key, ylabel, fname in (("reward_mean", "reward (batch mean)", "reward.png"),
                                ("mismatch_k3", "train/infer mismatch, k3 KL", "mismatch_kl.png")):
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
@@ -235,6 +252,8 @@ def plot(curves: dict[str, list[list[dict]]], out: Path) -> None:
         ax.set_ylabel(ylabel)
         if key == "mismatch_k3" and ax.dataLim.ymin > 0:
             ax.set_yscale("log")
+        if key == "mismatch_k3":
+            ax.set_title("mean over seeds, band = min..max (staleness drift included when eta > 0)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         ax.set_title("mean over seeds, band = min..max")
@@ -260,7 +279,7 @@ def main(argv: list[str]) -> int:
     a = ap.parse_intermixed_args(argv)
     cfg = load_config(a.config, a.overrides)
     sw = cfg.sweep
-    grid = {**sw.grid, **parse_grid(a.grid)}
+    grid = {k: v for k, v in {**sw.grid, **parse_grid(a.grid)}.items() if v}
     seeds = a.seeds or sw.seeds
     if seeds < 1:
         raise ConfigError("--seeds must be >= 1")
@@ -287,7 +306,7 @@ def main(argv: list[str]) -> int:
             list(pool.map(one, todo))
     table = summarise(runs, out, threshold)
     print((out / "summary.md").read_text())
-    print(f"written: {out}/summary.md, summary.csv, summary.json, reward.png, mismatch_kl.png", file=sys.stderr)
+    print(f"written: {out}/summary.md, summary.csv, summary.json, reward.png, reward_by_version.png, mismatch_kl.png", file=sys.stderr)
     if failures:
         print(f"error: {len(failures)} run(s) failed; re-run the same command to retry them", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
 def test_grid_and_plan_validate_every_arm(tmp_path):
-    assert parse_grid(["a.b=1,2", "c=x,true"]) == {"a.b": [1, 2], "c": ["x", True]}
+    assert parse_grid(["a.b=1,2", "c=x,true", "d="]) == {"a.b": [1, 2], "c": ["x", True], "d": []}
     cfg = load_config(TINY)
     runs = plan(TINY, cfg, {"rollout.max_staleness": [0, 2], "replay.enabled": [True, False]}, 3, 5, tmp_path, [])
     assert len(runs) == 12 and len({r.dir for r in runs}) == 12
@@ -57,7 +57,7 @@ def test_summary_mean_std_over_seeds(tmp_path):
     std = (sum((x - mean) ** 2 for x in finals) / 2) ** 0.5
     assert row["final_reward_mean"] == pytest.approx(mean) and row["final_reward_std"] == pytest.approx(std)
     assert row["reached_threshold"] == 1 and row["steps_to_threshold_mean"] == 1
-    assert (tmp_path / "reward.png").stat().st_size > 0 and "± " in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "reward_by_version.png").stat().st_size > 0 and (tmp_path / "reward.png").stat().st_size > 0 and "± " in (tmp_path / "summary.md").read_text()
 
 
 def test_tiny_sweep_runs_and_resumes(tmp_path):
