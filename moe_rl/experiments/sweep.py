@@ -147,7 +147,20 @@ def _mean_std(xs: list) -> tuple[float | None, float | None, int]:
     return float(vals.mean()), float(vals.std(ddof=1)) if len(vals) > 1 else 0.0, len(vals)
 
 
-FIGURES = ("final_reward", "steps_to_threshold", "mismatch_k3", "routing_match", "tokens_per_s",
+def gen_versions(rows: list[dict]) -> np.ndarray:
+    """The (mean) policy version that sampled each step's batch: the trainer is at version
+    step - 1 when it takes the batch, whose tokens are staleness_mean versions older."""
+    return _col(rows, "step") - 1 - np.nan_to_num(_col(rows, "staleness_mean"))
+
+
+def reward_in_versions(rows: list[dict], lo: float, hi: float) -> float | None:
+    """Mean batch reward over the steps whose batch was sampled by a policy version in [lo, hi]."""
+    v = gen_versions(rows)
+    sel = (v >= lo) & (v <= hi)
+    return float(np.nanmean(_col(rows, "reward_mean")[sel])) if sel.any() else None
+
+
+FIGURES = ("final_reward", "final_reward_by_version", "steps_to_threshold", "mismatch_k3", "routing_match", "tokens_per_s",
            "samples_per_s", "icepop_frac")
 
 
@@ -162,6 +175,15 @@ def summarise(runs: list[Run], out: Path, threshold: float) -> list[dict]:
         if rows:
             arms.setdefault(r.arm, []).append(run_stats(rows, threshold))
             curves.setdefault(r.arm, []).append(rows)
+    # final reward by version: the same window of sampling-policy versions for every run (the last
+    # quarter of versions that every run has sampled with), so a stale run is not charged its lag
+    if curves:
+        all_rows = [rows for rr in curves.values() for rows in rr]
+        hi = min(float(gen_versions(rows).max()) for rows in all_rows)
+        lo = min(float(rows[-1]["step"]) for rows in all_rows) * 0.75 - 1
+        for arm, rr in curves.items():
+            for st, rows in zip(arms[arm], rr):
+                st["final_reward_by_version"] = reward_in_versions(rows, lo, hi)
     table = []
     for arm, stats in arms.items():
         row = {"arm": arm, "seeds": len(stats)}
@@ -190,19 +212,22 @@ def _pm(m, sd, digits: int) -> str:
 
 
 def markdown(table: list[dict], threshold: float) -> str:
-    head = ("| arm | seeds | final reward | steps to reward ≥ %g | mismatch k3 KL | routing match "
-            "| train tokens/s | samples/s | IcePop-masked |" % threshold)
-    lines = [head, "|" + "---|" * 9]
+    head = ("| arm | seeds | final reward | final reward by version | steps to reward ≥ %g | mismatch k3 KL "
+            "| routing match | train tokens/s | samples/s | IcePop-masked |" % threshold)
+    lines = [head, "|" + "---|" * 10]
     for r in table:
         reach = ("-" if r["steps_to_threshold_mean"] is None else
                  f"{r['steps_to_threshold_mean']:.0f} ± {r['steps_to_threshold_std']:.0f} ({r['reached_threshold']}/{r['seeds']})")
         lines.append(
-            f"| {r['arm']} | {r['seeds']} | {_pm(r['final_reward_mean'], r['final_reward_std'], 3)} | {reach} "
+            f"| {r['arm']} | {r['seeds']} | {_pm(r['final_reward_mean'], r['final_reward_std'], 3)} "
+            f"| {_pm(r['final_reward_by_version_mean'], r['final_reward_by_version_std'], 3)} | {reach} "
             f"| {_pm(r['mismatch_k3_mean'], r['mismatch_k3_std'], 5)} | {_pm(r['routing_match_mean'], r['routing_match_std'], 3)} "
             f"| {_pm(r['tokens_per_s_mean'], r['tokens_per_s_std'], 0)} | {_pm(r['samples_per_s_mean'], r['samples_per_s_std'], 1)} "
             f"| {_pm(r['icepop_frac_mean'], r['icepop_frac_std'], 4)} |")
     lines.append("")
-    lines.append("mean ± sample std over seeds; final reward = mean of the last quarter of steps; "
+    lines.append("mean ± sample std over seeds; final reward = mean batch reward of the last quarter of steps; "
+                 "by version = mean batch reward of the steps whose batch was sampled by a policy version in "
+                 "the same window for every run (the last quarter of the versions all runs sampled with); "
                  "steps to threshold over the seeds that reached it (reached/seeds).")
     return "\n".join(lines) + "\n"
 

@@ -79,3 +79,13 @@ def test_tiny_sweep_runs_and_resumes(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "2 already done, 0 to run" in r.stderr
     assert (out / "enabled=true" / "seed0" / "done.json").stat().st_mtime_ns == stamp
+
+
+def test_reward_by_version_shifts_by_staleness():
+    from moe_rl.experiments.sweep import gen_versions, reward_in_versions
+
+    rows = [{"step": t, "reward_mean": float(t), "staleness_mean": 2.0 if t > 2 else 0.0} for t in range(1, 9)]
+    # step t was sampled by version t-1-2 (t > 2): versions 0,1,0,1,2,3,4,5
+    assert list(gen_versions(rows)) == [0, 1, 0, 1, 2, 3, 4, 5]
+    assert reward_in_versions(rows, 4, 5) == pytest.approx((7 + 8) / 2)
+    assert reward_in_versions(rows, 9, 10) is None
