@@ -64,7 +64,8 @@ def test_tiny_sweep_runs_and_resumes(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "moe_rl.cli", "sweep", TINY, "--grid", "replay.enabled=true,false",
            "--seeds", "1", "--steps", "2", "--out", str(out), "rollout.prompts_per_step=2", "rollout.group_size=2",
-           "rollout.max_new_tokens=4", "train.micro_batch_size=4"]
+           "rollout.max_new_tokens=4", "train.micro_batch_size=4",
+           "engine.dtype=bfloat16"]  # the mismatch case: a bf16 engine is sent bf16 weights by the fp32 trainer
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "summary.csv")))
