@@ -58,10 +58,25 @@ def _fmt(v) -> str:
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
+def _overrides(key: str, value) -> list[str]:
+    """A grid value that is a mapping sets several keys of the section ``key`` together
+    (``algo: [{policy_loss: ppo}, {policy_loss: gspo, loss_agg: sequence}]``)."""
+    if isinstance(value, dict):
+        return [f"{key}.{k}={_fmt(v)}" for k, v in value.items()]
+    return [f"{key}={_fmt(value)}"]
+
+
+def _label(key: str, value) -> str:
+    if isinstance(value, dict):  # named by its first entry
+        k, v = next(iter(value.items()))
+        return f"{k}={_fmt(v)}"
+    return f"{key.split('.')[-1]}={_fmt(value)}"
+
+
 def arm_name(values: tuple[tuple[str, object], ...]) -> str:
     if not values:
         return "base"
-    name = "__".join(f"{k.split('.')[-1]}={_fmt(v)}" for k, v in values)
+    name = "__".join(_label(k, v) for k, v in values)
     return re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
 
 
@@ -76,7 +91,7 @@ def plan(config: str, cfg: ExperimentConfig, grid: dict[str, list], seeds: int, 
         arm = arm_name(values)
         for seed in range(seeds):
             d = out / arm / f"seed{seed}"
-            ov = [*RUN_DEFAULTS, *extra, *(f"{k}={_fmt(v)}" for k, v in values),
+            ov = [*RUN_DEFAULTS, *extra, *(o for k, v in values for o in _overrides(k, v)),
                   *(f"{k}={seed}" for k in SEED_KEYS), f"output_dir={d}"]
             if steps:
                 ov.append(f"train.steps={steps}")

@@ -22,6 +22,10 @@ def test_grid_and_plan_validate_every_arm(tmp_path):
     assert len(runs) == 12 and len({r.dir for r in runs}) == 12
     r = runs[0]
     assert r.arm == "max_staleness=0__enabled=true" and "train.steps=5" in r.overrides and "data.seed=0" in r.overrides
+    # a mapping value sets several keys of a section together, named by its first entry
+    (ppo, wide) = plan(TINY, cfg, {"algo": [{"clip_low": 0.2}, {"clip_low": 3e-4, "clip_high": 4e-4}]}, 1, None,
+                       tmp_path, [])
+    assert wide.arm == "clip_low=0.0003" and {"algo.clip_low=0.0003", "algo.clip_high=0.0004"} <= set(wide.overrides)
     with pytest.raises(ConfigError, match="algo.bogus: unknown key"):
         plan(TINY, cfg, {"algo.bogus": [1]}, 1, None, tmp_path, [])
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
