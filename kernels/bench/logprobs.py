@@ -26,6 +26,12 @@ sum of the individual CPU allocations and frees (c10 allocator) that ``torch.pro
 records with ``profile_memory=True``, in time order, minus the outputs; memory that bypasses
 the c10 allocator (oneDNN/BLAS internal workspaces, Python objects) is not seen.
 
+Accuracy (unless ``--no-accuracy``), at every shape: the fused log-probs, entropy and both
+gradients against an fp64 reference (row-chunked, so it fits next to the 150k vocabulary),
+with the test suite's tolerances; ``accuracy_ok`` per shape and in the summary. ``--profile DIR``
+writes torch.profiler op tables, Chrome traces and a per-kernel breakdown (``profile.json``) of
+one fused forward and one forward+backward at the largest shape.
+
 ``--json`` prints one object: ``{"device", "software", "rows": [...], "summary": {...}}``,
 the summary for the largest shape run: ``fwd_vs_gemm`` (fused fwd / bare GEMM fwd),
 ``fwd_bwd_vs_gemm`` (fused fwd+bwd / three GEMMs), ``extra_mem_fraction`` (the larger of the
@@ -220,18 +226,128 @@ def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_lige
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if accuracy:
-        with torch.no_grad():
-            z = (hidden.float() @ weight.float().T) / temperature
-            ref = torch.log_softmax(z, dim=-1)
-            ref_ent = -(ref.exp() * ref).sum(-1)
-            ref_logp = ref.gather(1, labels[:, None])[:, 0]
-            del z, ref
-            logp, ent = fused_logprobs(hidden, weight, labels, temperature, return_entropy=True)
+        acc = check_accuracy(hidden, weight, labels, temperature)
         for row in rows:
             if row["provider"] == "fused" and row["pass"] == "fwd":
-                row["max_abs_err_logp"] = float((logp - ref_logp).abs().max())
-                row["max_abs_err_entropy"] = float((ent - ref_ent).abs().max())
+                row.update(acc)
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# accuracy against an fp64 reference
+# ----------------------------------------------------------------------------------------------
+# dtype -> (log-prob max abs error, entropy max abs error, gradient relative L2 error); the same
+# bounds as tests/kernels/test_fused_logprobs.py
+TOLERANCES = {torch.float32: (1e-5, 1e-5, 1e-5), torch.bfloat16: (2e-3, 5e-3, 1e-2)}
+
+
+def fp64_reference(hidden, weight, labels, temperature, g_logp, g_ent, rows_per_chunk=1024):
+    """Exact-ish log-probs, entropy and the gradients of sum(g_logp*logp + g_ent*ent) w.r.t.
+    hidden and weight, in fp64, materialising at most ``rows_per_chunk`` rows of logits."""
+    w64 = weight.detach().double().requires_grad_()
+    logp, ent, d_hidden = [], [], []
+    for lo in range(0, hidden.shape[0], rows_per_chunk):
+        h64 = hidden[lo:lo + rows_per_chunk].detach().double().requires_grad_()
+        y = labels[lo:lo + rows_per_chunk]
+        z = (h64 @ w64.T) / temperature
+        lp_all = torch.log_softmax(z, dim=-1)
+        del z
+        e = -(lp_all.exp() * lp_all).sum(-1)
+        lp = lp_all.gather(1, y.clamp(min=0)[:, None])[:, 0]
+        keep = y != -100
+        lp, e = torch.where(keep, lp, 0.0), torch.where(keep, e, 0.0)
+        ((g_logp[lo:lo + rows_per_chunk].double() * lp).sum() +
+         (g_ent[lo:lo + rows_per_chunk].double() * e).sum()).backward()
+        del lp_all
+        logp.append(lp.detach())
+        ent.append(e.detach())
+        d_hidden.append(h64.grad)
+    return torch.cat(logp), torch.cat(ent), torch.cat(d_hidden), w64.grad
+
+
+def accuracy_report(ref, got, dtype) -> dict:
+    """Errors of ``got`` = (logp, entropy, d_hidden, d_weight) against ``ref`` (fp64), and
+    whether each is within the tolerance for the input dtype."""
+    def rel(a, b):
+        return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
+
+    tol_lp, tol_ent, tol_grad = TOLERANCES[dtype]
+    out = {
+        "max_abs_err_logp": float((got[0].double() - ref[0]).abs().max()),
+        "max_abs_err_entropy": float((got[1].double() - ref[1]).abs().max()),
+        "rel_err_d_hidden": rel(got[2], ref[2]),
+        "rel_err_d_weight": rel(got[3], ref[3]),
+    }
+    out["accuracy_ok"] = bool(out["max_abs_err_logp"] <= tol_lp and
+                              out["max_abs_err_entropy"] <= tol_ent and
+                              out["rel_err_d_hidden"] <= tol_grad and
+                              out["rel_err_d_weight"] <= tol_grad)
+    return out
+
+
+def check_accuracy(hidden, weight, labels, temperature) -> dict:
+    """The fused op's outputs and gradients against the fp64 reference."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    g_logp = torch.randn(hidden.shape[0], generator=gen).to(hidden.device)
+    g_ent = torch.randn(hidden.shape[0], generator=gen).to(hidden.device)
+    hg = hidden.detach().clone().requires_grad_()
+    wg = weight.detach().clone().requires_grad_()
+    logp, ent = fused_logprobs(hg, wg, labels, temperature, return_entropy=True)
+    d_hidden, d_weight = torch.autograd.grad((g_logp * logp).sum() + (g_ent * ent).sum(),
+                                             [hg, wg])
+    got = (logp.detach(), ent.detach(), d_hidden, d_weight)
+    del hg, wg
+    ref = fp64_reference(hidden, weight, labels, temperature, g_logp, g_ent)
+    return accuracy_report(ref, got, hidden.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# profile: where a fused call's time goes
+# ----------------------------------------------------------------------------------------------
+def profile_fused(n, h, v, dtype, temperature, device, out_dir) -> dict:
+    """One fused forward and one forward+backward under torch.profiler. Writes the op table
+    (sorted by device time on CUDA, CPU time otherwise), a Chrome trace per pass and
+    ``profile.json``: per pass, every kernel/op with its call count and total time."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen).to(device=device, dtype=dtype)
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(device=device, dtype=dtype)
+    labels = torch.randint(0, v, (n,), generator=gen).to(device)
+    fwd, fwd_bwd = _providers(hidden, weight, labels, temperature, device, False, False)["fused"]
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    summary = {"shape": [n, h, v], "dtype": str(dtype).replace("torch.", ""),
+               "temperature": temperature, "device": _device_name(device), "passes": {}}
+    for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        fn()  # compile / autotune outside the trace
+        _sync(device)
+        with profile(activities=activities) as prof:
+            fn()
+            _sync(device)
+        (out / f"{name}_table.txt").write_text(
+            prof.key_averages().table(sort_by=sort_by, row_limit=40))
+        prof.export_chrome_trace(str(out / f"{name}_trace.json"))
+        ops = []
+        for e in prof.key_averages():
+            dev_us = getattr(e, "self_device_time_total", None)
+            if dev_us is None:
+                dev_us = getattr(e, "self_cuda_time_total", 0.0)
+            ops.append({"name": e.key, "count": e.count, "self_cpu_us": e.self_cpu_time_total,
+                        "self_device_us": dev_us})
+        key = "self_device_us" if cuda else "self_cpu_us"
+        ops.sort(key=lambda o: o[key], reverse=True)
+        summary["passes"][name] = {"total_ms": sum(o[key] for o in ops) / 1e3,
+                                   "launches": sum(o["count"] for o in ops
+                                                   if cuda and o["self_device_us"] > 0),
+                                   "top": ops[:25]}
+    (out / "profile.json").write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 def _device_name(device) -> str:
@@ -275,6 +391,9 @@ def _summary(rows, device):
                   ("eager", "compile", "liger")}
         if fused and others:
             out[f"{pas}_faster_than"] = sorted(p for p, ms in others.items() if fused["ms"] < ms)
+    checked = [r["accuracy_ok"] for r in rows if "accuracy_ok" in r]
+    if checked:  # every benchmarked shape, not only the largest
+        out["accuracy_ok"] = all(checked)
     out["targets"] = TARGETS
     return out
 
@@ -296,7 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     parser.add_argument("--no-liger", action="store_true", help="skip the Liger row")
     parser.add_argument("--no-accuracy", action="store_true",
-                        help="skip the fp32 accuracy check of the fused output")
+                        help="skip the fp64 accuracy check of the fused outputs and gradients")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also profile one fused fwd and fwd+bwd at the largest shape with "
+                             "torch.profiler: op tables, Chrome traces and profile.json in DIR")
     args = parser.parse_args(argv)
 
     if args.device == "auto":
@@ -319,6 +441,14 @@ def main(argv: list[str] | None = None) -> int:
                             not args.no_compile, not args.no_liger, not args.no_accuracy)
         if not args.json:
             print(f"done {n}x{h}x{v}", file=sys.stderr)
+    if args.profile:
+        big = max(shapes, key=lambda s: s[0] * s[1] * s[2])
+        prof = profile_fused(*big, dtype, args.temperature, device, args.profile)
+        if not args.json:
+            for name, p in prof["passes"].items():
+                print(f"profile {name}: {p['total_ms']:.2f} ms, top: " +
+                      ", ".join(f"{o['name']} x{o['count']}" for o in p["top"][:5]),
+                      file=sys.stderr)
     result = {
         "device": _device_name(device),
         "software": {"torch": torch.__version__, "python": platform.python_version(),
