@@ -296,7 +296,8 @@ def plot(curves: dict[str, list[list[dict]]], out: Path) -> None:
             ax.set_title("mean over seeds, band = min..max (staleness drift included when eta > 0)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        ax.set_title("mean over seeds, band = min..max")
+        if key != "mismatch_k3":
+            ax.set_title("mean over seeds, band = min..max")
         fig.tight_layout()
         fig.savefig(out / fname)
         plt.close(fig)
