@@ -4,6 +4,8 @@
   moe-rl train CONFIG [key=value ...]      launch the local torchrun world for CONFIG
   moe-rl serve CONFIG [--host H] [--port N] [--api-key K]   an embedded engine, SGLang's HTTP API
   moe-rl bench NAME [--json] [...]         microbenchmarks: %s
+  moe-rl sweep CONFIG [--grid KEY=V1,V2 ...] [--seeds N] [--steps S] [--parallel P]
+                                           arms x seeds, each a `moe-rl train` run; summary + plots
 """
 from __future__ import annotations
 
@@ -94,7 +96,14 @@ def cmd_bench(argv: list[str]) -> int:
     return int(module.main(argv[1:]) or 0)
 
 
-COMMANDS = {"validate": cmd_validate, "train": cmd_train, "serve": cmd_serve, "bench": cmd_bench}
+def cmd_sweep(argv: list[str]) -> int:
+    from .experiments.sweep import main as sweep_main
+
+    return sweep_main(argv)
+
+
+COMMANDS = {"validate": cmd_validate, "train": cmd_train, "serve": cmd_serve, "bench": cmd_bench,
+            "sweep": cmd_sweep}
 
 
 def main(argv: list[str] | None = None) -> int:

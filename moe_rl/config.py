@@ -224,6 +224,18 @@ class LoraConfig(Strict):
     sync: Literal["adapter", "merged"] = Field("merged", description="what a weight sync sends: the adapter "
                                                "tensors only, or the full merged weights")
 
+class SweepConfig(Strict):
+    """``moe-rl sweep``: arms = the cross product of ``grid`` (config key -> values), each run
+    once per seed (docs/experiments.md). ``moe-rl train`` ignores this section."""
+
+    grid: dict[str, list[Any]] = {}
+    seeds: int = Field(1, ge=1, description="runs per arm, seeds 0..seeds-1 (seed, train.seed, data.seed, model.init_seed)")
+    steps: int | None = Field(None, ge=1, description="train.steps of every run; None = the config's")
+    threshold: float = Field(0.5, description="reward whose first crossing (trailing mean) is 'steps to threshold'")
+    parallel: int = Field(1, ge=1, description="runs at a time (each is a whole torchrun world)")
+    output_dir: str | None = None  # default: <output_dir>/sweep
+    overrides: list[str] = []  # key=value applied to every run (e.g. the bench's long_tail task)
+
 
 class ExperimentConfig(Strict):
     name: str = "moe-rl"
@@ -245,6 +257,8 @@ class ExperimentConfig(Strict):
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+
+    sweep: SweepConfig = SweepConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":

@@ -169,8 +169,10 @@ class Trainer:
             log.info("resumed from %s at step %d", ckpt, self.step)
         elif self.lead and (self.run_dir / "checkpoints").exists():
             log.warning("%s already holds checkpoints; starting afresh (resume=true continues)", self.run_dir)
+        # an embedded engine in another precision (bf16 engine, fp32 trainer) is sent its own dtype
+        wire = getattr(torch, cfg.engine.dtype) if cfg.engine.kind == "embedded" else None
         self.sender = WeightSender.from_config(self.backend.hf_source(), cfg.sync, self.groups,
-                                              engines=self.urls if self.lead else ())
+                                              engines=self.urls if self.lead else (), wire_dtype=wire)
         if self.record_routing:
             if self.lead:
                 if not cfg.resume and self.replay_dir.exists():
