@@ -94,13 +94,3 @@ async def _unload(server, request: web.Request) -> web.Response:
     await asyncio.to_thread(unload)
     engine.adapter_name = None
     return web.json_response({"success": True, "error_message": "", "loaded_adapters": {}})
-
-
-def check_lora_path(engine, lora_path) -> str | None:
-    """An error for a /generate whose lora_path names an adapter this engine does not serve."""
-    if lora_path is None:
-        return None
-    name = lora_path[0] if isinstance(lora_path, list) and lora_path else lora_path
-    if name != getattr(engine, "adapter_name", None):
-        return f"lora_path: adapter {name!r} is not loaded (loaded: {getattr(engine, 'adapter_name', None)!r})"
-    return None

@@ -182,7 +182,7 @@ class GenerateRequest:
                 "num_items_assigned", "need_wait_for_mm_inputs", "kv_hints", "return_bytes", "use_audio_in_video"}
     # fields that would change the output: accepted only with their no-op value; otherwise a 400
     _NEUTRAL = {"image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
-                "lora_path": None, "lora_id": None, "custom_logit_processor": None, "return_hidden_states": False,
+                "lora_id": None, "custom_logit_processor": None, "return_hidden_states": False,
                 "return_indexer_topk": False, "top_logprobs_num": 0, "token_ids_logprob": None,
                 "logprob_start_len": -1, "return_entropy": False, "return_sampling_mask": False,
                 "positional_embed_overrides": None, "mm_hashes": None, "mm_content_hashes": None,
@@ -195,15 +195,22 @@ class GenerateRequest:
 
     @classmethod
     def parse(cls, body: Any, *, vocab_size: int, max_context: int,
-              eos_token_ids: frozenset[int] = frozenset()) -> "GenerateRequest":
+              eos_token_ids: frozenset[int] = frozenset(), adapter: str | None = None) -> "GenerateRequest":
         """``eos_token_ids``: the model's EOS (its config / generation_config), which ends a
-        sequence as in SGLang unless ``sampling_params.ignore_eos``."""
+        sequence as in SGLang unless ``sampling_params.ignore_eos``. ``adapter``: the LoRA
+        adapter the engine serves (moe_rl.engine.lora), the only ``lora_path`` it accepts."""
         if not isinstance(body, dict):
             raise RequestError("body", "expected a JSON object")
         known = {"input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts",
                  "routed_experts_start_len", "stream", "text"}
         for key, value in body.items():
             if key in known or key in cls._IGNORED:
+                continue
+            if key == "lora_path":
+                names = value if isinstance(value, list) else [value]
+                wrong = [n for n in names if n is not None and n != adapter]
+                if wrong:
+                    raise RequestError(key, f"adapter {wrong[0]!r} is not loaded (loaded: {adapter!r})")
                 continue
             if key in cls._NEUTRAL:
                 neutral = cls._NEUTRAL[key]
@@ -260,7 +267,7 @@ def is_batch(body: Any) -> bool:
 
 
 def parse_batch(body: dict, *, vocab_size: int, max_context: int,
-                eos_token_ids: frozenset[int] = frozenset()) -> list[GenerateRequest]:
+                eos_token_ids: frozenset[int] = frozenset(), adapter: str | None = None) -> list[GenerateRequest]:
     """A batched /generate body -> one request per prompt. As in SGLang, ``sampling_params``
     and ``rid`` are either one value for all prompts or a list with one per prompt; other
     fields apply to all. Errors name the field and the prompt's index."""
@@ -280,7 +287,7 @@ def parse_batch(body: dict, *, vocab_size: int, max_context: int,
         item.update({k: v[i] for k, v in per_item.items()})
         try:
             out.append(GenerateRequest.parse(item, vocab_size=vocab_size, max_context=max_context,
-                                             eos_token_ids=eos_token_ids))
+                                             eos_token_ids=eos_token_ids, adapter=adapter))
         except RequestError as e:
             raise RequestError(f"prompt {i}: {e.field}", e.message) from None
     return out

@@ -162,11 +162,8 @@ class EngineServer:
     # --- generation ------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
-        bad_lora = lora.check_lora_path(self.engine, body.get("lora_path") if isinstance(body, dict) else None)
-        if bad_lora:
-            return _error(400, bad_lora)
         limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context,
-                      eos_token_ids=self.eos_token_ids)
+                      eos_token_ids=self.eos_token_ids, adapter=getattr(self.engine, "adapter_name", None))
         if P.is_batch(body):  # SGLang's batch form: a list in, a list out
             reqs = P.parse_batch(body, **limits)
             if not self.engine.alive:

@@ -6,6 +6,7 @@ HF names experts one tensor each: ``model.layers.{l}.mlp.experts.{e}.{gate,up,do
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -242,6 +243,29 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, ep_group=None) -
 
 
 # --- writing ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yields a temp directory beside ``path`` to fill; renames it into place when the block
+    ends (replacing an old ``path``), removes it when the block raises: a reader never sees a
+    half-written checkpoint or adapter."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = path.with_name(path.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     """Full HF state dict of an EP=1 model (contiguous copies, safe to serialise)."""
     if model.model.layers and any(getattr(l.mlp, "ep_size", 1) > 1 for l in model.model.layers):
@@ -258,24 +282,10 @@ def save_hf(state: dict[str, torch.Tensor] | MoEForCausalLM, path: str | Path, a
         state = hf_state_dict(state)
     if arch is None:
         raise ValueError("save_hf: arch is required when saving a state dict")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        dtypes = {t.dtype for t in state.values()}
-        cfg = arch.to_hf_dict()
-        cfg["dtype"] = str(next(iter(dtypes))).replace("torch.", "") if len(dtypes) == 1 else "float32"
+    dtypes = {t.dtype for t in state.values()}
+    cfg = arch.to_hf_dict()
+    cfg["dtype"] = str(next(iter(dtypes))).replace("torch.", "") if len(dtypes) == 1 else "float32"
+    with atomic_dir(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if path.exists():
-            old = path.with_name(path.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return Path(path)

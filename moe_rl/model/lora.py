@@ -30,9 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -42,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .hf_io import iter_local_hf_tensors, parse_expert_name
+from .hf_io import atomic_dir, iter_local_hf_tensors, parse_expert_name
 from .qwen3_moe import MoEForCausalLM
 
 # target name -> where it sits in a decoder layer
@@ -390,35 +387,21 @@ def save_peft(adapters: LoraAdapters, path: str | Path, base_model: str | None =
     """Writes adapter_config.json + adapter_model.safetensors atomically (temp dir + rename).
     ``layout``: "fused" (PEFT ``target_parameters`` on transformers 5's 3-D experts) or
     "per_expert" (one module per expert: SGLang's loader, transformers 4.x)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        cfg = adapters.peft_config()
-        cfg["base_model_name_or_path"] = base_model
-        if layout == "fused":
-            sd = adapters.peft_state_dict()
-        elif layout == "per_expert":
-            sd, modules = adapters.per_expert_state_dict()
-            cfg.update(target_modules=modules, target_parameters=None)
-            if adapters.layers is not None:
-                cfg["layers_to_transform"] = adapters.layers
-        else:
-            raise ValueError(f"layout must be 'fused' or 'per_expert', got {layout!r}")
+    cfg = adapters.peft_config()
+    cfg["base_model_name_or_path"] = base_model
+    if layout == "fused":
+        sd = adapters.peft_state_dict()
+    elif layout == "per_expert":
+        sd, modules = adapters.per_expert_state_dict()
+        cfg.update(target_modules=modules, target_parameters=None)
+        if adapters.layers is not None:
+            cfg["layers_to_transform"] = adapters.layers
+    else:
+        raise ValueError(f"layout must be 'fused' or 'per_expert', got {layout!r}")
+    with atomic_dir(path) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
         save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        if path.exists():
-            old = path.with_name(path.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return Path(path)
 
 
 def read_peft(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
