@@ -1,8 +1,12 @@
 """``moe-rl bench sync --lora RANK``: full vs adapter-only weight sync, in the same run.
 
 Both go through the same ``WeightSender`` (bucketed broadcast over gloo) to a receiver in a
-second process; the adapter-only receiver also merges the adapters into its model's weights
-(base + s*B@A, as the embedded engine does), and that merge is inside the timed sync.
+second process. The adapter-only receiver is the embedded engine's: it serves the adapter in its
+forward (unmerged), so its commit writes the adapter tensors and nothing else.
+
+``forward_costs`` measures the price of that choice in the same run: one forward of the set at
+a decode-sized and a prefill-sized token count, plain vs with the adapter in the forward, and
+what a merge (base + s*B@A for every adapted weight) would cost per sync instead.
 
 Parameter set: Qwen3-30B-A3B's widths (hidden 2048, 128 experts of moe_intermediate 768, 32/4
 heads of 128, bf16 on the wire) with fewer layers (``--lora-layers``) and a vocabulary shrunk
@@ -58,22 +62,8 @@ def _receiver(conn, layers: int, rank: int, adapter: bool):
     if not adapter:
         serve_receiver(conn, WeightReceiver(dict(iter_local_hf_tensors(model)), timeout_s=300))
         return
-    serving = AdapterServing(model, rank, 2.0 * rank, TARGETS)
-    rx = WeightReceiver(serving.named_tensors(), timeout_s=300)
-
-    merge_s = []
-
-    class Merging:  # the engine's commit: write the adapters, then merge them into the weights
-        def __getattr__(self, name):
-            return getattr(rx, name)
-
-        def commit(self):
-            rx.commit()
-            t0 = time.perf_counter()
-            serving.merge()
-            merge_s.append(time.perf_counter() - t0)
-
-    serve_receiver(conn, Merging(), {"merge_seconds": lambda: merge_s[-1]})
+    serving = AdapterServing(model, rank, 2.0 * rank, TARGETS)  # the embedded engine's: in its forward
+    serve_receiver(conn, WeightReceiver(serving.named_tensors(), timeout_s=300))
 
 
 def run_lora(rank: int, layers: int, reps: int, bucket_mb: float) -> dict:
@@ -104,29 +94,23 @@ def run_lora(rank: int, layers: int, reps: int, bucket_mb: float) -> dict:
             asyncio.run(s.push("warmup"))
             senders[kind] = s
         times = {k: [] for k in senders}
-        merges = []  # the engine-side merge inside each adapter sync
         for r in range(reps):  # each round measures both: a paired ratio cancels the shared machine's drift
             for kind, s in senders.items():
                 t0 = time.perf_counter()
                 st = asyncio.run(s.push(f"{kind}-{r}"))
                 times[kind].append(time.perf_counter() - t0)
                 out[f"{kind}_bytes"] = st.bytes
-                if kind == "adapter":
-                    merges.append(engines[1].call("merge_seconds")["result"])
         for kind in senders:
             out[f"{kind}_seconds"] = min(times[kind])
             out[f"{kind}_median_seconds"] = statistics.median(times[kind])
-        out["adapter_merge_median_seconds"] = statistics.median(merges)
         out["bytes_ratio"] = out["adapter_bytes"] / out["full_bytes"]
         out["speedup_paired"] = statistics.median(f / a for f, a in zip(times["full"], times["adapter"]))
-        # without the merge: what an engine that applies the adapter in its forward (SGLang) waits for
-        out["speedup_paired_transfer_only"] = statistics.median(
-            f / (a - m) for f, a, m in zip(times["full"], times["adapter"], merges))
         full48 = MoEArch(**QWEN3_30B_A3B)
         full_numel = sum(_numel(s) for _, s in hf_param_specs(full48))
         out["qwen3_30b_a3b_full_bytes_bf16"] = 2 * full_numel
         out["qwen3_30b_a3b_adapter_bytes_bf16"] = 2 * adapter_numel(full48, rank)
         out["qwen3_30b_a3b_bytes_ratio"] = adapter_numel(full48, rank) / full_numel
+        out.update(forward_costs(model, ad))
     finally:
         for s in senders.values():
             s.close()
@@ -139,6 +123,31 @@ def run_lora(rank: int, layers: int, reps: int, bucket_mb: float) -> dict:
             p.join(30)
             if p.is_alive():
                 p.kill()
+    return out
+
+
+def forward_costs(model: MoEForCausalLM, ad, tokens=(32, 512), reps: int = 3) -> dict:
+    """Seconds (best of ``reps``) of one forward without / with the unmerged adapter at each
+    token count, and of computing every merged weight once (what a merging engine pays per sync)."""
+    def best(fn):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+    out = {}
+    with torch.no_grad():
+        for n in tokens:
+            ids = torch.randint(0, model.arch.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+            out[f"forward_{n}_plain_seconds"] = best(lambda: model(ids))
+            with ad.in_forward():
+                out[f"forward_{n}_lora_seconds"] = best(lambda: model(ids))
+
+        def merge():
+            with ad.applied():
+                pass
+        out["merge_seconds"] = best(merge)
     return out
 
 
@@ -156,8 +165,12 @@ def print_lora(r: dict) -> str:
         lines.append(f"  {kind:<8} {r[f'{kind}_bytes'] / 2**20:10.1f} MiB  {r[f'{kind}_seconds']:.4f} s "
                      f"({r[f'{kind}_median_seconds']:.4f})")
     lines.append(f"  adapter/full bytes {100 * r['bytes_ratio']:.2f}%   full/adapter time (paired median) "
-                 f"{r['speedup_paired']:.1f}x with the engine's merge ({r['adapter_merge_median_seconds']:.4f} s), "
-                 f"{r['speedup_paired_transfer_only']:.1f}x without it")
+                 f"{r['speedup_paired']:.1f}x (end to end: the engine serves the adapter in its forward)")
+    for k in sorted(x for x in r if x.startswith("forward_") and x.endswith("_plain_seconds")):
+        n = k.split("_")[1]
+        lines.append(f"  forward of {n} tokens: {r[k]:.4f} s plain, {r[f'forward_{n}_lora_seconds']:.4f} s with the "
+                     f"adapter in the forward")
+    lines.append(f"  merging every adapted weight once (a merging engine, per sync): {r['merge_seconds']:.4f} s")
     lines.append(f"  whole 48-layer Qwen3-30B-A3B (by shapes): {r['qwen3_30b_a3b_full_bytes_bf16'] / 1e9:.1f} GB full, "
                  f"{r['qwen3_30b_a3b_adapter_bytes_bf16'] / 1e6:.0f} MB adapter = "
                  f"{100 * r['qwen3_30b_a3b_bytes_ratio']:.2f}%")

@@ -1,10 +1,11 @@
 """LoRA serving for the embedded engine: adapter-only weight updates and SGLang's LoRA
 endpoints (``/load_lora_adapter``, ``/unload_lora_adapter``, ``lora_path`` on ``/generate``).
 
-The engine serves one adapter, merged into its weights (``moe_rl.model.lora.AdapterServing``),
-so generation runs at the base model's speed and its log-probs are the trainer's merged
-model's. The server calls three hooks: ``attach`` when the engine is built, ``commit`` around a
-weight update's commit, and ``register_routes`` when its application is made.
+The engine serves one adapter in its forward, unmerged (``moe_rl.model.lora.AdapterServing``:
+y = x@W + s*(x@A)@B, experts through two more grouped GEMMs of rank r), so a weight update
+writes only the adapter tensors and never touches the base weights. The server calls three
+hooks: ``attach`` when the engine is built, ``commit`` around a weight update's commit, and
+``register_routes`` when its application is made.
 """
 from __future__ import annotations
 
@@ -37,15 +38,9 @@ def receiver_params(engine):
 
 
 def commit(engine, receiver_commit):
-    """The commit to run under the engine's model lock: write the staged tensors, then merge."""
-    adapter = getattr(engine, "adapter", None)
-    if adapter is None:
-        return receiver_commit
-
-    def run():
-        receiver_commit()
-        adapter.merge()
-    return run
+    """The commit to run under the engine's model lock. The adapter is read by the forward
+    itself, so writing the staged adapter tensors (the receiver's commit) is the whole update."""
+    return receiver_commit
 
 
 def register_routes(server, app: web.Application) -> None:

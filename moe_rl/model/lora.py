@@ -38,7 +38,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.nn import functional as F
 
+from .grouped import grouped_mm
 from .hf_io import atomic_dir, iter_local_hf_tensors, parse_expert_name
 from .qwen3_moe import MoEForCausalLM
 
@@ -217,20 +219,44 @@ class LoraAdapters(nn.Module):
         for attr, Bp in zip(s.attrs, parts):
             yield s.module, attr, torch.baddbmm(w(attr), Bp, A, alpha=self.scaling)
 
-    @torch.no_grad()
-    def merge_into(self, base: dict[tuple[int, str], torch.Tensor]) -> None:
-        """Writes base + s*B@A into the model's parameters (the engine's merged serving form);
-        ``base`` holds the unadapted weights keyed by (id(module), attr), see ``base_copy``."""
-        for module, attr, w in self._deltas_over(base):
-            getattr(module, attr).copy_(w)
-
-    def _deltas_over(self, base):
+    def attach(self):
+        """Serves the adapters in the model's forward, unmerged: y = x@W^T + s*(x@A^T)@B^T.
+        Dense targets get a forward hook on their ``nn.Linear``; expert targets an
+        ``ExpertLora`` on the layer's ``Experts`` (two grouped GEMMs of rank r per projection
+        over the expert-sorted rows, all experts at once). The hooks read A and B themselves, so
+        writing new values into them (a weight sync) changes what the model computes, and
+        autograd reaches them. Returns a function that detaches everything again."""
+        handles, experts = [], {}
         for s in self.sites:
-            yield from self._site_deltas(s, base)
+            A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
+            if A.dim() == 2:
+                handles.append(s.module.register_forward_hook(_linear_hook(A, B, self.scaling)))
+                continue
+            if id(s.module) not in experts:
+                experts[id(s.module)] = (s.module, ExpertLora(self.scaling))
+            lora = experts[id(s.module)][1]
+            if s.target == "experts.gate_up_proj":
+                lora.gate_up = (A, B)
+            else:
+                lora.down = (A, B)
+        for module, lora in experts.values():
+            module.lora = lora
 
-    def base_copy(self) -> dict[tuple[int, str], torch.Tensor]:
-        """A copy of every weight an adapter changes (what ``merge_into`` adds to)."""
-        return {(id(s.module), a): getattr(s.module, a).detach().clone() for s in self.sites for a in s.attrs}
+        def detach():
+            for h in handles:
+                h.remove()
+            for module, _ in experts.values():
+                del module.lora  # back to the class default (None)
+        return detach
+
+    @contextlib.contextmanager
+    def in_forward(self):
+        """Within the block the model computes with the adapters unmerged (``attach``)."""
+        detach = self.attach()
+        try:
+            yield
+        finally:
+            detach()
 
     # --- wire names ---------------------------------------------------------------------------
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -377,6 +403,32 @@ def _pkey(key: str) -> str:
     return key.replace(".", "__")
 
 
+def _linear_hook(A: torch.Tensor, B: torch.Tensor, scaling: float):
+    def hook(module, args, out):
+        return out + scaling * F.linear(F.linear(args[0], A), B)
+    return hook
+
+
+class ExpertLora:
+    """A layer's expert adapters in the experts' forward (``Experts.lora``). A plain object,
+    not a module: the model's parameters and state dict stay HF's."""
+
+    def __init__(self, scaling: float):
+        self.scaling = scaling
+        self.gate_up: tuple[torch.Tensor, torch.Tensor] | None = None  # A [E, r, H], B [E, 2I, r]
+        self.down: tuple[torch.Tensor, torch.Tensor] | None = None  # A [E, r, I], B [E, H, r]
+
+    def _rows(self, ab, x, offs):
+        A, B = ab
+        return self.scaling * grouped_mm(grouped_mm(x, A, offs), B, offs)
+
+    def add_gate_up(self, gate_up: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return gate_up if self.gate_up is None else gate_up + self._rows(self.gate_up, x, offs)
+
+    def add_down(self, out: torch.Tensor, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return out if self.down is None else out + self._rows(self.down, h, offs)
+
+
 def _require_full(model: MoEForCausalLM) -> None:
     if any(getattr(l.mlp, "ep_size", 1) > 1 for l in model.model.layers):
         raise LoraError("PEFT files hold every expert's adapter; gather the EP shards first (EP > 1)")
@@ -462,29 +514,34 @@ class AdapterSource:
 
 
 class AdapterServing:
-    """Engine side of adapter-only sync: the engine's model carries ``adapters``; an update
-    writes the adapter tensors, then the adapted weights are merged into the model's weights
-    (base + s*B@A, the same op as the trainer's forward, so the log-probs are the trainer's)."""
+    """Engine side of adapter-only sync: the engine's model serves ``adapters`` in its forward
+    (``LoraAdapters.attach``, unmerged), so an update only writes the adapter tensors; the
+    base weights are never touched."""
 
     def __init__(self, model: MoEForCausalLM, rank: int, alpha: float, targets: list[str],
                  layers: list[int] | None = None):
         with torch.no_grad():
             self.adapters = LoraAdapters(model, rank, alpha, targets, layers)
-        self.base = self.adapters.base_copy()
+        for p in self.adapters.parameters():
+            p.requires_grad_(False)
+        self.detach = self.adapters.attach()
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {n: t.data for n, t in self.adapters.hf_tensors()}
 
-    def merge(self) -> None:
-        self.adapters.merge_into(self.base)
-
     def load_peft(self, path) -> None:
-        load_peft(self.adapters, path)
-        self.merge()
+        """All or nothing: a file that fails half-way leaves the adapter that was served."""
+        old = {n: t.clone() for n, t in self.named_tensors().items()}
+        try:
+            load_peft(self.adapters, path)
+        except Exception:
+            with torch.no_grad():
+                for n, t in self.named_tensors().items():
+                    t.copy_(old[n])
+            raise
 
     def unload(self) -> None:
-        """Back to the base weights (adapters zeroed)."""
+        """Back to the base model (B = 0 makes every adapter's rows zero)."""
         with torch.no_grad():
             for p in self.adapters.parameters():
                 p.zero_()
-        self.merge()

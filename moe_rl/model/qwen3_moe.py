@@ -191,7 +191,11 @@ class Experts(nn.Module):
     """This rank's experts, stacked: gate/up [E_local, I, H], down [E_local, H, I].
 
     The stacked parameters are read through the module attributes on every call (so a
-    parametrization, e.g. an expert LoRA delta, applies)."""
+    parametrization, e.g. an expert LoRA delta, applies). ``lora``, when set, adds a LoRA
+    adapter's rows in the forward (``moe_rl.model.lora.ExpertLora``: two more grouped GEMMs
+    of rank r per projection over the same expert-sorted rows; W itself is not changed)."""
+
+    lora = None
 
     def __init__(self, num_local: int, hidden: int, inter: int):
         super().__init__()
@@ -202,8 +206,12 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [rows, H] grouped by expert (``offs``: int32 end row of each expert's group)."""
         gate_up = grouped_mm(x, torch.cat((self.gate_proj, self.up_proj), dim=1), offs)
+        if self.lora is not None:
+            gate_up = self.lora.add_gate_up(gate_up, x, offs)
         gate, up = gate_up.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj, offs)
+        h = F.silu(gate) * up
+        out = grouped_mm(h, self.down_proj, offs)
+        return out if self.lora is None else self.lora.add_down(out, h, offs)
 
 
 class SparseMoE(nn.Module):

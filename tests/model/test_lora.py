@@ -70,6 +70,33 @@ def test_applied_equals_hand_merge_and_grads_reach_adapters_only(targets, layers
         torch.testing.assert_close(model(ids), base, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("targets,layers", [(ALL, None), (["experts.down_proj", "router"], [2]),
+                                            (["q_proj", "experts.gate_up_proj"], [0, 1])])
+def test_in_forward_equals_hand_merge_and_merged_form_gradients(targets, layers):
+    """The unmerged form (hooks + grouped GEMMs of rank r) computes the hand-merged model, and its
+    adapter gradients are the weight-delta form's."""
+    model, ad = make(targets, layers)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = merged_by_hand(model, ad)(ids)
+        base = model(ids)
+    with ad.applied():
+        ad.zero_grad()
+        model(ids).square().mean().backward()
+    grads_merged = {n: p.grad.clone() for n, p in ad.named_parameters()}
+    ad.zero_grad()
+    with ad.in_forward():
+        got = model(ids)
+        got.square().mean().backward()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert (got - base).abs().max() > 1e-3
+    for n, p in ad.named_parameters():
+        torch.testing.assert_close(p.grad, grads_merged[n], atol=1e-5, rtol=1e-4)
+    assert all(p.grad is None for p in model.parameters())
+    with torch.no_grad():  # detached after the block
+        torch.testing.assert_close(model(ids), base, atol=0, rtol=0)
+
+
 def test_merged_hf_tensors_leave_the_model_alone():
     from moe_rl.model import iter_local_hf_tensors
 
