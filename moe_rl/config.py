@@ -291,9 +291,28 @@ class ExperimentConfig(Strict):
         if self.lora.enabled and self.lora.layers is not None and any(
                 not 0 <= i < self.model.num_hidden_layers for i in self.lora.layers):
             raise ValueError(f"lora.layers {self.lora.layers}: indices must be in [0, model.num_hidden_layers)")
+        if self.lora.enabled and self.lora.sync == "adapter" and self.engine.kind == "sglang":
+            self._check_sglang_lora()
         if self.data.task == "jsonl" and not self.data.path:
             raise ValueError("data.task=jsonl needs data.path")
         return self
+
+    def _check_sglang_lora(self) -> None:
+        """lora.sync=adapter with SGLang servers (moe_rl.sync.adapter_files, docs/lora.md)."""
+        where = "lora.sync=adapter with engine.kind=sglang"
+        if "router" in self.lora.targets:
+            raise ValueError(f"{where}: lora.targets has 'router'; SGLang's per-expert adapter files carry no router "
+                             "adapter (drop 'router', or use lora.sync=merged)")
+        qkv = {"q_proj", "k_proj", "v_proj"} & set(self.lora.targets)
+        if qkv and not {"q_proj", "v_proj"} <= qkv:
+            raise ValueError(f"{where}: lora.targets has {sorted(qkv)}; SGLang stacks q/k/v adapters into qkv_proj "
+                             "only when q_proj and v_proj are both adapted (k_proj may be left out)")
+        if self.train.ep_size > 1:
+            raise ValueError(f"{where}: needs train.ep_size=1 (the adapter file holds every expert; EP shards "
+                             "are not gathered yet)")
+        if self.rollout.partial_rollout != "abort":
+            raise ValueError(f"{where}: needs rollout.partial_rollout=abort (SGLang keeps an in-flight request "
+                             "on the adapter it started with, so in_place would mix versions untagged)")
 
     @property
     def world_size(self) -> int:

@@ -79,6 +79,7 @@ class EngineClient:
         self._down_until: dict[str, float] = {}  # url -> monotonic time it may be tried again
         self._failures: dict[str, int] = {}  # url -> failures in a row
         self.stale: frozenset[str] = frozenset()  # engines behind the trainer's weights: never picked
+        self.lora_path: str | None = None  # LoRA adapter every /generate names (lora.sync=adapter on SGLang)
 
     @classmethod
     def from_config(cls, engine_cfg, urls: Iterable[str] | None = None, **kw) -> "EngineClient":
@@ -231,6 +232,9 @@ class EngineClient:
 
     async def _post_generate(self, payload: dict, rids: list[str], n: int, url: str | None) -> Any:
         url = (url or self.pick()).rstrip("/")
+        if self.lora_path is not None and "lora_path" not in payload:
+            batch = any(isinstance(p, list) for p in payload["input_ids"])
+            payload["lora_path"] = [self.lora_path] * n if batch else self.lora_path
         self.outstanding[url] = self.outstanding.get(url, 0) + n
         for rid in rids:
             self._rid_url[rid] = url

@@ -28,6 +28,7 @@ def attach(engine, cfg) -> None:
         lc = cfg.lora
         engine.adapter = AdapterServing(engine.model, lc.rank, lc.alpha, lc.targets, lc.layers)
         engine.adapter_name = "default"
+        engine.retired_adapters = set()  # names a later load replaced (one adapter is served at a time)
         log.info("engine serves LoRA rank %d on %s (adapter-only weight updates)", lc.rank, lc.targets)
 
 
@@ -72,7 +73,10 @@ async def _load(server, request: web.Request) -> web.Response:
         await asyncio.to_thread(load)
     except Exception as e:  # noqa: BLE001 - reported to the client
         return _fail(f"{type(e).__name__}: {e}")
+    if engine.adapter_name not in (None, name):
+        engine.retired_adapters.add(engine.adapter_name)
     engine.adapter_name = name
+    engine.retired_adapters.discard(name)
     return web.json_response({"success": True, "error_message": "", "loaded_adapters": {name: path}})
 
 
@@ -80,6 +84,11 @@ async def _unload(server, request: web.Request) -> web.Response:
     engine = server.engine
     body = await request.json()
     name = body.get("lora_name")
+    if getattr(engine, "adapter", None) is not None and name in engine.retired_adapters:
+        # replaced by a later load (the trainer's versioned swap: load new, then unload old):
+        # nothing serves it any more, so there is nothing to undo
+        engine.retired_adapters.discard(name)
+        return web.json_response({"success": True, "error_message": "", "loaded_adapters": {engine.adapter_name: ""}})
     if getattr(engine, "adapter", None) is None or name != engine.adapter_name:
         return _fail(f"no LoRA adapter named {name!r} is loaded")
 

@@ -171,8 +171,14 @@ class Trainer:
             log.warning("%s already holds checkpoints; starting afresh (resume=true continues)", self.run_dir)
         # an embedded engine in another precision (bf16 engine, fp32 trainer) is sent its own dtype
         wire = getattr(torch, cfg.engine.dtype) if cfg.engine.kind == "embedded" else None
-        self.sender = WeightSender.from_config(self.backend.hf_source(), cfg.sync, self.groups,
-                                              engines=self.urls if self.lead else (), wire_dtype=wire)
+        if cfg.engine.kind == "sglang" and cfg.lora.enabled and cfg.lora.sync == "adapter":
+            from moe_rl.sync.adapter_files import AdapterFileSync  # SGLang's LoRA endpoints (docs/lora.md)
+
+            self.sender = AdapterFileSync(self.backend.lora, self.urls, self.run_dir / "lora_sync", is_source=self.lead,
+                                          api_key=cfg.engine.api_key, timeout_s=cfg.sync.timeout_s)
+        else:
+            self.sender = WeightSender.from_config(self.backend.hf_source(), cfg.sync, self.groups,
+                                                  engines=self.urls if self.lead else (), wire_dtype=wire)
         if self.record_routing:
             if self.lead:
                 if not cfg.resume and self.replay_dir.exists():
@@ -187,6 +193,7 @@ class Trainer:
             self.sender.sync(str(self.version))
         if self.lead:
             client = EngineClient.from_config(cfg.engine, self.urls)
+            client.lora_path = getattr(self.sender, "lora_name", None)
             spec = RoutingSpec(self.arch.num_hidden_layers, self.arch.num_experts_per_tok, self.arch.num_experts,
                                tuple(self.arch.mlp_only_layers), self.arch.decoder_sparse_step)
             m = rollout_state or {}
@@ -326,6 +333,7 @@ class Trainer:
                     sync = self.sender.sync(str(self.version))
                     if self.lead:  # engines the sync could not reach serve no rollouts until one does
                         self.manager.client.set_stale(sync.skipped)
+                        self.manager.client.lora_path = getattr(self.sender, "lora_name", None)
                 finally:
                     if self.lead:
                         self.manager.end_update(self.version)
