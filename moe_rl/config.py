@@ -215,7 +215,7 @@ class LoraConfig(Strict):
     enabled: bool = False
     rank: int = Field(16, ge=1)
     alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapters are applied as weight deltas")
+    dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapter dropout is not implemented")
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
                           "experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
                                                    "experts.gate_up_proj", "experts.down_proj"]

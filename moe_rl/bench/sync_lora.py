@@ -126,28 +126,41 @@ def run_lora(rank: int, layers: int, reps: int, bucket_mb: float) -> dict:
     return out
 
 
-def forward_costs(model: MoEForCausalLM, ad, tokens=(32, 512), reps: int = 3) -> dict:
-    """Seconds (best of ``reps``) of one forward without / with the unmerged adapter at each
-    token count, and of computing every merged weight once (what a merging engine pays per sync)."""
-    def best(fn):
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return min(ts)
-    out = {}
-    with torch.no_grad():
-        for n in tokens:
-            ids = torch.randint(0, model.arch.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-            out[f"forward_{n}_plain_seconds"] = best(lambda: model(ids))
-            with ad.in_forward():
-                out[f"forward_{n}_lora_seconds"] = best(lambda: model(ids))
+def forward_costs(model: MoEForCausalLM, ad, tokens=(32, 512), reps: int = 5, train_tokens: int = 512) -> dict:
+    """Median seconds of one forward at each token count without / with the unmerged adapter,
+    of computing every merged weight once (what a merging engine pays per sync), and of one
+    training forward+backward in each form (weight deltas vs in the forward). Each round times
+    the forms back to back, so the paired ratios cancel the shared machine's drift."""
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
 
-        def merge():
-            with ad.applied():
-                pass
-        out["merge_seconds"] = best(merge)
+    def train_step(ids, form):
+        ad.zero_grad(set_to_none=True)
+        with form():
+            model(ids).float().square().mean().backward()
+
+    def merge():
+        with ad.applied():
+            pass
+
+    g = torch.Generator().manual_seed(0)
+    out, rounds = {}, {}
+    for _ in range(reps):
+        with torch.no_grad():
+            for n in tokens:
+                ids = torch.randint(0, model.arch.vocab_size, (1, n), generator=g)
+                rounds.setdefault(f"forward_{n}_plain", []).append(timed(lambda: model(ids)))
+                with ad.in_forward():
+                    rounds.setdefault(f"forward_{n}_lora", []).append(timed(lambda: model(ids)))
+            rounds.setdefault("merge", []).append(timed(merge))
+        ids = torch.randint(0, model.arch.vocab_size, (1, train_tokens), generator=g)
+        rounds.setdefault(f"train_{train_tokens}_merged", []).append(timed(lambda: train_step(ids, ad.applied)))
+        rounds.setdefault(f"train_{train_tokens}_in_forward", []).append(timed(lambda: train_step(ids, ad.in_forward)))
+    for k, v in rounds.items():
+        out[f"{k}_seconds"] = statistics.median(v)
+    out["train_tokens"] = train_tokens
     return out
 
 
@@ -168,9 +181,12 @@ def print_lora(r: dict) -> str:
                  f"{r['speedup_paired']:.1f}x (end to end: the engine serves the adapter in its forward)")
     for k in sorted(x for x in r if x.startswith("forward_") and x.endswith("_plain_seconds")):
         n = k.split("_")[1]
-        lines.append(f"  forward of {n} tokens: {r[k]:.4f} s plain, {r[f'forward_{n}_lora_seconds']:.4f} s with the "
+        lines.append(f"  forward of {n} tokens (median): {r[k]:.4f} s plain, {r[f'forward_{n}_lora_seconds']:.4f} s with the "
                      f"adapter in the forward")
     lines.append(f"  merging every adapted weight once (a merging engine, per sync): {r['merge_seconds']:.4f} s")
+    n = r["train_tokens"]
+    lines.append(f"  trainer forward+backward of {n} tokens: {r[f'train_{n}_merged_seconds']:.4f} s as weight deltas, "
+                 f"{r[f'train_{n}_in_forward_seconds']:.4f} s in the forward")
     lines.append(f"  whole 48-layer Qwen3-30B-A3B (by shapes): {r['qwen3_30b_a3b_full_bytes_bf16'] / 1e9:.1f} GB full, "
                  f"{r['qwen3_30b_a3b_adapter_bytes_bf16'] / 1e6:.0f} MB adapter = "
                  f"{100 * r['qwen3_30b_a3b_bytes_ratio']:.2f}%")

@@ -5,18 +5,13 @@ W + (alpha / r) * B @ A. On a layer's experts (stacked [E, out, in]) there is on
 expert, A [E, r, in], B [E, out, r], and all experts are adapted by one batched matmul
 (``baddbmm``), never a loop over experts.
 
-Form: the adapters are applied as *weight deltas*. ``LoraAdapters.applied()`` computes each
-adapted weight once per forward and puts it in place of the base parameter for the duration
-of the forward, so whatever compute path reads the (stacked) expert weights -- the loop, a
-grouped GEMM -- runs unchanged on the adapted weights, and the router's record/replay sees
-the adapted router. Trade-off: per adapted tensor one full-size weight is materialised per
-forward (and its gradient in backward, which autograd then contracts to dA, dB); compute is
-E * out * in * r per layer, independent of the token count. Dropout on the adapter's input has
-no weight-delta equivalent, so ``dropout`` must be 0 (PEFT refuses it for 3-D expert
-parameters for the same reason). The activation form, x @ A^T then @ B^T per expert group,
-would go into the experts' grouped GEMM (one extra grouped GEMM pair per projection over the
-same expert-sorted rows, then added before the activation); it avoids materialising W' and
-scales with tokens instead of with E * out * in.
+Forms: ``in_forward()`` / ``attach()`` add the adapters' rows in the forward, unmerged
+(y = x W^T + s (x A^T) B^T; experts through two more grouped GEMMs of rank r over the same
+expert-sorted rows, ``Experts.lora``): the trainer and the embedded engine both use it, so an
+adapter sync only writes A and B, and no full-size W' is made (measured in ``moe-rl bench sync
+--lora``, docs/lora.md). ``applied()`` puts W' = W + s B@A in place of each adapted weight (one
+``addmm`` / ``baddbmm`` per weight, all experts at once); ``merged_hf_tensors`` uses the same op
+for the merged sync and the HF export. Dropout is not implemented (``dropout`` must be 0).
 
 Names: HF (transformers >= 5) fuses an expert's gate and up projections into
 ``experts.gate_up_proj`` [E, 2I, H]; PEFT adapts that 3-D parameter with ``target_parameters``
@@ -109,8 +104,8 @@ class LoraAdapters(nn.Module):
                  layers: list[int] | None = None, dropout: float = 0.0):
         super().__init__()
         if dropout:
-            raise LoraError("lora.dropout: must be 0; adapters are applied as weight deltas (W + s*B@A), "
-                            "where dropout on the adapter's input has no equivalent")
+            raise LoraError("lora.dropout: must be 0; adapter dropout is not implemented (and the merged "
+                            "weights W + s*B@A of the merged sync and export have no equivalent of it)")
         if rank < 1:
             raise LoraError(f"lora.rank: must be >= 1, got {rank}")
         bad = [t for t in targets if t not in TARGETS]

@@ -144,8 +144,9 @@ class NativeBackend(DataParallelStep):
         self._setup_optimizer()
 
     def _adapted(self):
-        """The forward runs on the adapted weights (LoRA), else on the parameters as they are."""
-        return self.lora.applied() if self.lora is not None else contextlib.nullcontext()
+        """With LoRA the forward adds the adapters' rows (unmerged, the engine's form; docs/lora.md
+        "Form" has the measurement), else runs on the parameters as they are."""
+        return self.lora.in_forward() if self.lora is not None else contextlib.nullcontext()
 
     def logprobs(self, mb, temperature, with_entropy=False, record=None):
         with self._adapted():
