@@ -58,3 +58,24 @@ def test_lora_adapter_sync_checkpoint_and_resume(tmp_path):
 def test_lora_merged_sync(tmp_path):
     out, _ = train(tmp_path, "train.steps=3", *LORA, "lora.sync=merged")
     _check_rows(read_metrics(out / "metrics.jsonl"))
+
+
+def test_lora_adapter_sync_through_sglang_lora_endpoints(tmp_path):
+    """engine.kind=sglang with lora.sync=adapter: every step's adapter goes as a PEFT directory
+    over /load_lora_adapter (moe_rl.sync.adapter_files) to a `moe-rl serve` engine, and the
+    rollouts name it. Synchronous, so the engine's log-probs must be the trainer's."""
+    from tests.engine.helpers import OVERRIDES, ServerProc
+
+    targets = "lora.targets=[q_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]"
+    common = ["lora.enabled=true", "lora.sync=adapter", "lora.rank=4", "lora.alpha=8", targets]
+    s = ServerProc(common)
+    try:
+        out, _ = train(tmp_path, *OVERRIDES, *common, "rollout.max_staleness=0", "train.lr=0.01", "train.steps=3",
+                       "engine.kind=sglang", f'engine.urls=["{s.url}"]', "pools.rollout=0")
+    finally:
+        s.stop()
+    rows = read_metrics(out / "metrics.jsonl")
+    assert len(rows) == 3
+    for r in rows:
+        assert r["mismatch_k3"] < 1e-6
+    assert sorted(p.name for p in (out / "lora_sync").iterdir()) == ["moe-rl-v3"]  # older versions unloaded
