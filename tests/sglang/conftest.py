@@ -9,6 +9,7 @@ import ast
 import functools
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -130,3 +131,34 @@ def tok_server(tok_model_dir):
     s = ServerProc([f"model.path={tok_model_dir}"])
     yield s
     s.stop()
+
+
+def sglang_text(tokenizer, prompt, output, finish_reason, *, skip=True, spaces=True, no_stop_trim=False):
+    """The detokenizer's answer for a finished request, from the scheduler's inputs to it
+    (Req.init_incremental_detokenize: the last 5 prompt tokens, then the output)."""
+    from collections import defaultdict
+
+    from sglang.utils import find_printable_text
+
+    status = sglang_methods("srt/managers/detokenizer_manager.py", None, ("DecodeStatus",))["DecodeStatus"]
+    dm = sglang_methods("srt/managers/detokenizer_manager.py", "DetokenizerManager",
+                        ("trim_matched_stop", "_clamp_decode_ids", "_grouped_batch_decode",
+                         "_decode_batch_token_id_output"),
+                        find_printable_text=find_printable_text, defaultdict=defaultdict, DecodeStatus=status,
+                        DETOKENIZER_MAX_STATES=1 << 16, decode_without_hf_kwargs=None)
+    DM = type("DetokenizerRef", (), {**dm, "_clamp_decode_ids": staticmethod(dm["_clamp_decode_ids"])})
+    d = DM()
+    d.tokenizer, d.vocab_size, d.decode_status = tokenizer, len(tokenizer), {}
+    d.disable_tokenizer_batch_decode, d.is_tool_call_parser_gpt_oss, d.tool_close_token_ids = False, False, set()
+    surr = max(len(prompt) - 5, 0)
+    recv = SimpleNamespace(rids=["r"], decoded_texts=[""], decode_ids=[list(prompt[surr:]) + list(output)],
+                           read_offsets=[len(prompt) - surr], finished_reasons=[finish_reason],
+                           no_stop_trim=[no_stop_trim], skip_special_tokens=[skip], spaces_between_special_tokens=[spaces])
+    return d._decode_batch_token_id_output(recv)[0]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tok_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tok_model_dir)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -20,13 +19,11 @@ import torch
 pytest.importorskip("sglang.utils", reason="scripts/install.sh test installs the sglang wheel")
 pytest.importorskip("transformers")
 
-from sglang.utils import find_printable_text  # noqa: E402
-
 from moe_rl.engine import EngineClient  # noqa: E402
 from moe_rl.engine.server import build_model  # noqa: E402
 from tests.engine.helpers import ARCH, CFG, ServerProc  # noqa: E402
 
-from .conftest import EOS_ID, SPECIAL, sglang_methods  # noqa: E402
+from .conftest import EOS_ID, SPECIAL, sglang_methods, sglang_text  # noqa: E402
 
 V = ARCH.vocab_size
 
@@ -171,33 +168,6 @@ def test_logprob_start_len_beyond_the_prompt_is_a_400(server):
 
 
 # --- "text" ----------------------------------------------------------------------------------
-def sglang_text(tokenizer, prompt, output, finish_reason, *, skip=True, spaces=True, no_stop_trim=False):
-    """The detokenizer's answer for a finished request, from the scheduler's inputs to it
-    (Req.init_incremental_detokenize: the last 5 prompt tokens, then the output)."""
-    status = sglang_methods("srt/managers/detokenizer_manager.py", None, ("DecodeStatus",))["DecodeStatus"]
-    dm = sglang_methods("srt/managers/detokenizer_manager.py", "DetokenizerManager",
-                        ("trim_matched_stop", "_clamp_decode_ids", "_grouped_batch_decode",
-                         "_decode_batch_token_id_output"),
-                        find_printable_text=find_printable_text, defaultdict=defaultdict, DecodeStatus=status,
-                        DETOKENIZER_MAX_STATES=1 << 16, decode_without_hf_kwargs=None)
-    DM = type("DetokenizerRef", (), {**dm, "_clamp_decode_ids": staticmethod(dm["_clamp_decode_ids"])})
-    d = DM()
-    d.tokenizer, d.vocab_size, d.decode_status = tokenizer, V, {}
-    d.disable_tokenizer_batch_decode, d.is_tool_call_parser_gpt_oss, d.tool_close_token_ids = False, False, set()
-    surr = max(len(prompt) - 5, 0)
-    recv = SimpleNamespace(rids=["r"], decoded_texts=[""], decode_ids=[list(prompt[surr:]) + list(output)],
-                           read_offsets=[len(prompt) - surr], finished_reasons=[finish_reason],
-                           no_stop_trim=[no_stop_trim], skip_special_tokens=[skip], spaces_between_special_tokens=[spaces])
-    return d._decode_batch_token_id_output(recv)[0]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tok_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_model_dir)
-
-
 def test_text_is_sglangs_detokenized_output(tok_server, tokenizer):
     base = {"input_ids": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}
     first = _post(tok_server.url, base)
