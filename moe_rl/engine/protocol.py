@@ -295,16 +295,26 @@ def is_batch(body: Any) -> bool:
     return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
+# GenerateReqInput fields that SGLang 0.5.23 splits per prompt in a batch (a list: one each)
+PER_PROMPT_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                     "lora_path", "lora_id", "extra_key", "image_data", "video_data", "audio_data",
+                     "custom_logit_processor", "return_hidden_states", "return_sampling_mask",
+                     "sampling_logprobs_mode", "watermark", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                     "bootstrap_pair_key", "decode_tp_size", "cache_salt", "kv_hints")
+
+
 def parse_batch(body: dict, *, vocab_size: int, max_context: int,
                 eos_token_ids: frozenset[int] = frozenset(), adapter: str | None = None) -> list[GenerateRequest]:
-    """A batched /generate body -> one request per prompt. As in SGLang, ``sampling_params``
-    and ``rid`` are either one value for all prompts or a list with one per prompt; other
-    fields apply to all. Errors name the field and the prompt's index."""
+    """A batched /generate body -> one request per prompt. As in SGLang's
+    ``GenerateReqInput.__getitem__``, the fields of ``PER_PROMPT_FIELDS`` are either one value
+    for all prompts or a list with one per prompt; the others (``routed_experts_start_len``,
+    ``return_routed_experts``, ``return_text_in_logprobs``, ...) apply to all. Errors name
+    the field and the prompt's index."""
     n = len(body["input_ids"])
     per_item = {"input_ids": body["input_ids"]}
-    for key in ("sampling_params", "rid", "routed_experts_start_len", "logprob_start_len", "top_logprobs_num"):
+    for key in PER_PROMPT_FIELDS:
         v = body.get(key)
-        if isinstance(v, list):
+        if isinstance(v, list) and v:
             if len(v) != n:
                 raise RequestError(key, f"has {len(v)} entries for {n} prompts")
             per_item[key] = v

@@ -152,6 +152,11 @@ def test_batch_form_takes_per_prompt_logprob_fields(server, model):
     for p, s, k, out in zip(prompts, [0, 1], [2, 0], outs):
         assert_same(out["meta_info"], sglang_meta(p, out["output_ids"], temperature=1.0, start=s, top_n=k,
                                                   tokenizer=None, model=model, return_text=False))
+    # return_logprob is per prompt too; routed_experts_start_len is one value for all in SGLang
+    outs = _post(server.url, {**body, "return_logprob": [True, False], "logprob_start_len": 0, "top_logprobs_num": 0})
+    assert "input_token_logprobs" in outs[0]["meta_info"] and "output_token_logprobs" not in outs[1]["meta_info"]
+    with pytest.raises(Exception, match="routed_experts_start_len"):
+        _post(server.url, {**body, "routed_experts_start_len": [0, 1]})
 
 
 def test_the_logprob_check_catches_a_wrong_layout(model):
