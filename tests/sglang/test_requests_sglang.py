@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("sglang.srt.sampling.sampling_params", reason="scripts/install.sh test installs the sglang wheel")
+from .conftest import check_request, sglang_source, require_sglang
+
+require_sglang("sglang.srt.sampling.sampling_params")
 
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
@@ -20,7 +22,6 @@ from moe_rl.engine.protocol import decode_routed_experts  # noqa: E402
 from moe_rl.rollout.manager import RolloutManager  # noqa: E402
 from tests.engine.helpers import ARCH, CFG, K, L, ServerProc  # noqa: E402
 
-from .conftest import check_request, sglang_source  # noqa: E402
 
 BODY_TYPES = {
     "/generate": "GenerateReqInput",
