@@ -13,7 +13,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-pytest.importorskip("sglang.srt.sampling.sampling_params", reason="scripts/install.sh test installs the sglang wheel")
+from .conftest import check_request, require_sglang, sglang_source, sglang_text
+
+require_sglang("sglang.srt.sampling.sampling_params")
 
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
@@ -22,7 +24,6 @@ from moe_rl.engine.protocol import decode_routed_experts  # noqa: E402
 from moe_rl.rollout.manager import RolloutManager  # noqa: E402
 from tests.engine.helpers import ARCH, CFG, K, L, ServerProc  # noqa: E402
 
-from .conftest import check_request, sglang_source, sglang_text  # noqa: E402
 
 BODY_TYPES = {
     "/generate": "GenerateReqInput",

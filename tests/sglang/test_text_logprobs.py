@@ -16,14 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("sglang.utils", reason="scripts/install.sh test installs the sglang wheel")
-pytest.importorskip("transformers")
+from .conftest import require_sglang
+
+require_sglang("sglang.utils")
 
 from moe_rl.engine import EngineClient  # noqa: E402
 from moe_rl.engine.server import build_model  # noqa: E402
 from tests.engine.helpers import ARCH, CFG, ServerProc  # noqa: E402
 
-from .conftest import EOS_ID, SPECIAL, sglang_methods, sglang_text  # noqa: E402
+from .conftest import EOS_ID, SPECIAL, sglang_methods, sglang_text  # noqa: E402,I001
 
 V = ARCH.vocab_size
 

@@ -8,7 +8,9 @@ import asyncio
 import pytest
 import torch
 
-pytest.importorskip("sglang.srt.utils.common", reason="scripts/install.sh test installs the sglang wheel")
+from .conftest import require_sglang  # noqa: E402
+
+require_sglang("sglang.srt.utils.common")
 
 from moe_rl.engine.server import build_model  # noqa: E402
 from moe_rl.model import iter_local_hf_tensors  # noqa: E402
