@@ -24,7 +24,7 @@ from moe_rl.engine import EngineClient  # noqa: E402
 from moe_rl.engine.server import build_model  # noqa: E402
 from tests.engine.helpers import ARCH, CFG, ServerProc  # noqa: E402
 
-from .conftest import EOS_ID, SPECIAL, sglang_methods, sglang_text  # noqa: E402,I001
+from .conftest import EOS_ID, SPECIAL, sglang_methods, sglang_text  # noqa: E402
 
 V = ARCH.vocab_size
 
