@@ -126,6 +126,7 @@ class SamplingParams:
         "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
         "min_new_tokens": 0, "n": 1, "stop": None, "stream_interval": None, "regex": None, "json_schema": None,
         "ebnf": None, "logit_bias": None, "stop_regex": None, "structural_tag": None,
+        "beam_width": 1, "watermark": None,  # beam_width > 1: beam search
     }
     # SGLang fields with no effect here: custom_params feeds a custom logit processor (refused at
     # the request level); ignore_eos is read by GenerateRequest.parse (the model's EOS)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .conftest import check_request, require_sglang, sglang_source, sglang_text
+from .conftest import check_request, require_sglang, sglang_schema, sglang_source, sglang_text
 
 require_sglang("sglang.srt.sampling.sampling_params")
 
@@ -315,3 +315,29 @@ def test_serve_takes_verl_http_adapter_requests(server):
 
     out = asyncio.run(run())
     assert len(out["output_ids"]) == 4 and len(out["meta_info"]["output_token_logprobs"]) == 4
+
+
+def test_serve_knows_every_generate_req_input_field():
+    """Every field of SGLang's GenerateReqInput, and every SamplingParams argument, is a field
+    `moe-rl serve`'s parser knows (implemented, ignored, or accepted at its no-op value), so a
+    request SGLang takes is never a 400 "unknown field" here."""
+    from moe_rl.engine.protocol import GenerateRequest, RequestError
+
+    fields = [f for f in sglang_schema()["GenerateReqInput"] if f not in ("input_ids", "text")]
+    assert len(fields) > 40
+    for f in fields:
+        try:
+            GenerateRequest.parse({"input_ids": [1, 2], f: None}, vocab_size=ARCH.vocab_size, max_context=64)
+        except RequestError as e:
+            pytest.fail(f"GenerateReqInput.{f}: {e}")
+    names = list(SamplingParams.__struct_fields__)  # a msgspec Struct: API fields, then internal ones
+    params = names[: names.index("stop_strs")]
+    assert "sampling_seed" in params and len(params) > 20
+    for p in params:
+        try:
+            GenerateRequest.parse({"input_ids": [1, 2], "sampling_params": {p: None}}, vocab_size=ARCH.vocab_size,
+                                  max_context=64)
+        except RequestError as e:
+            pytest.fail(f"SamplingParams.{p}: {e}")
+    with pytest.raises(RequestError, match="unknown"):  # the check can fail
+        GenerateRequest.parse({"input_ids": [1, 2], "not_a_field": None}, vocab_size=ARCH.vocab_size, max_context=64)
