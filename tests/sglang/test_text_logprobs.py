@@ -269,3 +269,25 @@ def test_without_a_tokenizer_text_is_absent_and_text_prompts_are_refused(server)
     assert "text" not in out  # SGLang with --skip-tokenizer-init answers output_ids and meta_info only
     with pytest.raises(Exception, match="cannot accept text prompts"):
         _post(server.url, {"text": "w8 w9"})
+
+
+def test_stream_snapshots_carry_text_and_logprobs(tok_server, tokenizer):
+    """Streamed (cumulative, SGLang's default): each snapshot carries the text so far; the last
+    one's text and log-prob keys are those of the same request answered at once."""
+    import json
+    import urllib.request
+
+    body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True},
+            "return_logprob": True, "logprob_start_len": 0, "return_text_in_logprobs": True}
+    req = urllib.request.Request(tok_server.url + "/generate", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    whole = _post(tok_server.url, body)
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5]
+    for c in chunks:
+        assert c["text"] == tokenizer.decode(PROMPT[-5:] + c["output_ids"])[len(tokenizer.decode(PROMPT[-5:])) :]
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    assert_same(chunks[-1]["meta_info"], {k: whole["meta_info"][k] for k in
+                                          ("input_token_logprobs", "output_token_logprobs")})
