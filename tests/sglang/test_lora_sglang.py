@@ -19,7 +19,10 @@ from moe_rl.sync.adapter_files import AdapterFileSync
 
 from ..engine.helpers import CFG, ServerProc, check_against_native, run
 from ..engine.test_lora_serving import merged_model
-from .conftest import check_request, sglang_source
+from .conftest import check_request, require_sglang, sglang_source
+
+LoRAConfig = require_sglang("sglang.srt.lora.lora_config").LoRAConfig
+get_layer_id = require_sglang("sglang.srt.layers.utils.common").get_layer_id
 
 TARGETS = ["q_proj", "v_proj", "experts.gate_up_proj", "experts.down_proj"]
 LORA = ["lora.enabled=true", "lora.sync=adapter", "lora.rank=4", "lora.alpha=8",
@@ -56,9 +59,6 @@ def adapter_dir(tmp_path):
 
 
 def test_sglang_reads_our_adapter_files(tmp_path):
-    from sglang.srt.layers.utils.common import get_layer_id
-    from sglang.srt.lora.lora_config import LoRAConfig
-
     ad, path = adapter_dir(tmp_path)
     cfg = LoRAConfig(str(path))  # SGLang's reader of adapter_config.json
     assert (cfg.r, cfg.lora_alpha) == (4, 8.0)
