@@ -17,12 +17,12 @@ from .test_forward_cpu import LENGTHS, cpu_megatron  # noqa: F401  (fixture)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj", "experts.down_proj"]
 
 
-def build_lora(sync="adapter", targets=TARGETS, layers=None, seed=7):
+def build_lora(sync="adapter", targets=TARGETS, layers=None, seed=7, arch=CPU_ARCH, device="cpu", dtype="float32"):
     """(megatron, native) backends with LoRA: identical base weights and identical random
     adapters (B != 0, so every adapter changes the function)."""
     from moe_rl.train.megatron import MegatronBackend
 
-    cfg = make_cfg(CPU_ARCH, "cpu")
+    cfg = make_cfg(arch, device, dtype)
     cfg = cfg.model_copy(update={"lora": LoraConfig(enabled=True, rank=4, alpha=8.0, targets=targets,
                                                     layers=layers, sync=sync)})
     hf = hf_state_dict(MoEForCausalLM(cfg.model.arch()).init_weights(seed, std=0.08))
@@ -34,7 +34,7 @@ def build_lora(sync="adapter", targets=TARGETS, layers=None, seed=7):
         for name, t in iter_local_hf_tensors(native.model):
             t.copy_(hf[name])
     g = torch.Generator().manual_seed(11)
-    ad = {n: torch.randn(t.shape, generator=g) * 0.2 for n, t in native.lora.hf_tensors()}
+    ad = {n: (torch.randn(t.shape, generator=g) * 0.2).to(t) for n, t in native.lora.hf_tensors()}
     native.lora.load_hf_tensors(ad)
     meg.lora.load_hf_tensors(ad)  # the same names: fails if the megatron adapters are laid out otherwise
     return meg, native
@@ -138,3 +138,13 @@ def test_lora_megatron_config_refusals():
         with pytest.raises(ValueError, match=match):
             type(make_cfg(CPU_ARCH, "cpu")).model_validate(bad)
     type(make_cfg(CPU_ARCH, "cpu")).model_validate(d)  # megatron + LoRA is accepted
+
+
+def test_lora_ep2_equals_native():
+    """EP=2 over gloo (allgather dispatcher): each rank's adapters are its slice of the native
+    adapters, and its log-probs and adapter gradients are the EP=1 native model's."""
+    from tests.distributed import run_distributed
+
+    from .lora_workers import check_lora_ep2
+
+    run_distributed(check_lora_ep2, 2, timeout=240)

@@ -5,7 +5,9 @@ tracker and RNG state calls -> no-ops; dropout is 0), so megatron's GPTModel run
 the real main job (trainer rank and torchrun's workers alike)."""
 import os
 
-if os.environ.get("MOE_RL_MEGATRON_CPU_SHIMS") == "1":
+
+
+def apply_megatron_cpu_shims() -> None:
     import contextlib
 
     import torch
@@ -23,3 +25,7 @@ if os.environ.get("MOE_RL_MEGATRON_CPU_SHIMS") == "1":
         _tracker.set_states = lambda states: None
         _mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
         _mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+if os.environ.get("MOE_RL_MEGATRON_CPU_SHIMS") == "1":
+    apply_megatron_cpu_shims()
