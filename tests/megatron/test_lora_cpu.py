@@ -8,10 +8,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 pytest.importorskip("megatron.core")
 
 from moe_rl.config import LoraConfig
-from moe_rl.model import MoEForCausalLM, hf_state_dict, iter_local_hf_tensors
-from moe_rl.train.backend import NativeBackend
+from moe_rl.model import MoEForCausalLM, iter_local_hf_tensors
 
-from .common import CPU_ARCH, make_cfg, make_mb, native_record
+from .common import CPU_ARCH, build, make_cfg, make_mb, native_record
 from .test_forward_cpu import LENGTHS, cpu_megatron  # noqa: F401  (fixture)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj", "experts.down_proj"]
@@ -20,19 +19,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_pr
 def build_lora(sync="adapter", targets=TARGETS, layers=None, seed=7, arch=CPU_ARCH, device="cpu", dtype="float32"):
     """(megatron, native) backends with LoRA: identical base weights and identical random
     adapters (B != 0, so every adapter changes the function)."""
-    from moe_rl.train.megatron import MegatronBackend
-
-    cfg = make_cfg(arch, device, dtype)
-    cfg = cfg.model_copy(update={"lora": LoraConfig(enabled=True, rank=4, alpha=8.0, targets=targets,
-                                                    layers=layers, sync=sync)})
-    hf = hf_state_dict(MoEForCausalLM(cfg.model.arch()).init_weights(seed, std=0.08))
-    meg = MegatronBackend(cfg, None, hf_state=hf)
-    native_cfg = cfg.model_copy(deep=True)
-    native_cfg.train.backend = "native"
-    native = NativeBackend(native_cfg)
-    with torch.no_grad():
-        for name, t in iter_local_hf_tensors(native.model):
-            t.copy_(hf[name])
+    meg, native = build(arch, device, dtype, seed=seed, lora=LoraConfig(
+        enabled=True, rank=4, alpha=8.0, targets=targets, layers=layers, sync=sync))
     g = torch.Generator().manual_seed(11)
     ad = {n: (torch.randn(t.shape, generator=g) * 0.2).to(t) for n, t in native.lora.hf_tensors()}
     native.lora.load_hf_tensors(ad)
@@ -58,10 +46,10 @@ def test_lora_logprobs_and_adapter_grads_equal_native(cpu_megatron):
         assert torch.equal(a, b)
     torch.testing.assert_close(lp0, ref0, atol=1e-5, rtol=1e-5)
     # the adapters matter: without them the log-probs differ clearly
-    meg._lora_on, saved = None, meg._lora_on
+    meg._megatron_lora, saved = None, meg._megatron_lora
     with torch.no_grad():
         lp_base, _ = meg.logprobs(mb, 1.0)
-    meg._lora_on = saved
+    meg._megatron_lora = saved
     assert (lp_base - lp0).abs().max() > 1e-2
 
     mb.replay = rec_native

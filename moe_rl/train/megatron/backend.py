@@ -123,13 +123,13 @@ class MegatronBackend(DataParallelStep):
         )
         self.load_hf_state(hf_state if hf_state is not None else initial_hf_state(cfg, self.arch))
         self.model.to(self.device)
-        self.lora = self._lora_on = None
+        self.lora = self._megatron_lora = None
         if cfg.lora.enabled:  # base frozen; the optimizer below holds only the adapters
             from .lora import MegatronLora, build_native_adapters
 
             ep_group = ps.get_expert_model_parallel_group() if self.ep_size > 1 else None
             self.lora = build_native_adapters(self.arch, cfg.lora, ep_group, self.device, self.dtype)
-            self._lora_on = MegatronLora(self.model, self.lora, self.arch, self.layout)
+            self._megatron_lora = MegatronLora(self.model, self.lora, self.arch, self.layout)
 
         self._setup_optimizer()
         if self.dtype != torch.float32:
@@ -161,7 +161,7 @@ class MegatronBackend(DataParallelStep):
         params = dict(self.model.named_parameters())
         # inputs are detached, so no autograd graph is built; no `with no_grad()` around the
         # yield, which would leave autograd off in the caller while the generator is suspended
-        get = self._lora_on.merged_getter() if self._lora_on is not None else (lambda n: params[n].detach())
+        get = self._megatron_lora.merged_getter() if self._megatron_lora is not None else (lambda n: params[n].detach())
         yield from megatron_to_hf(get, self.arch, self.layout)
 
     def hf_source(self):
@@ -207,7 +207,7 @@ class MegatronBackend(DataParallelStep):
         ctx = self.replay.forward(mb.replay, T, self.device, record) if self.replay is not None else _no_replay(mb, record)
         self.model.post_process = False  # GPTModel then returns the decoder output: no logits
         try:
-            with ctx, (self._lora_on.applied() if self._lora_on is not None else contextlib.nullcontext()):
+            with ctx, (self._megatron_lora.applied() if self._megatron_lora is not None else contextlib.nullcontext()):
                 hidden = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, **kwargs)
         finally:
             self.model.post_process = True

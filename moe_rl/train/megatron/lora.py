@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from moe_rl.model import MoEArch, MoEForCausalLM
-from moe_rl.model.lora import LoraAdapters, LoraError
+from moe_rl.model.lora import LoraAdapters, LoraError, swapped_parameters
 
 from .convert import MegatronLayout, expert_names, fuse_qkv, split_qkv
 
@@ -116,18 +116,13 @@ class MegatronLora:
     def applied(self):
         """Within the block the GPTModel computes with W + s*B@A in place of each adapted W;
         the base parameters are untouched and put back after (as ``LoraAdapters.applied``)."""
-        swapped = []
-        grad = torch.is_grad_enabled()
-        try:
-            for name, w in list(self.weights()):
+        def slots():
+            for name, w in self.weights():
                 module_name, attr = name.rsplit(".", 1)
-                module = self.model.get_submodule(module_name)
-                swapped.append((module, attr, module._parameters[attr]))
-                module._parameters[attr] = w if grad else nn.Parameter(w, requires_grad=False)
+                yield self.model.get_submodule(module_name), attr, w
+
+        with swapped_parameters(slots()):
             yield
-        finally:
-            for module, attr, orig in reversed(swapped):
-                module._parameters[attr] = orig
 
     def merged_getter(self) -> Callable[[str], torch.Tensor]:
         """Megatron name -> merged weight, made one decoder layer at a time (the previous layer's
