@@ -58,6 +58,11 @@ def test_megatron_lora_adapter_sync_and_peft_checkpoint(tmp_path):
         torch.testing.assert_close(merged(ids), base(ids), atol=1e-5, rtol=0)
 
 
-def test_megatron_lora_merged_sync(tmp_path):
+def test_megatron_lora_merged_sync_and_resume(tmp_path):
     out = train(tmp_path, "train.steps=2", *LORA, "lora.sync=merged")
-    _check_rows(read_metrics(out / "metrics.jsonl"), 2)
+    first = read_metrics(out / "metrics.jsonl")
+    _check_rows(first, 2)
+    out = train(tmp_path, "train.steps=3", *LORA, "lora.sync=merged", "resume=true")  # adapters from the trainer state
+    rows = read_metrics(out / "metrics.jsonl")
+    _check_rows(rows, 3)
+    assert rows[:2] == first
