@@ -286,8 +286,12 @@ class ExperimentConfig(Strict):
             raise ValueError("reward.fn and env.factory: an episode's reward is the sum of its environment's step "
                              "rewards; score inside the environment (or drop env.factory)")
 
-        if self.lora.enabled and self.train.backend != "native":
-            raise ValueError("lora.enabled: only train.backend=native has LoRA so far")
+        if self.lora.enabled and self.train.backend == "megatron" and self.train.megatron_recompute:
+            raise ValueError("lora.enabled with train.megatron_recompute=true: the recomputed forward would read "
+                             "the base weights, not the adapted ones; set train.megatron_recompute=false")
+        if self.lora.enabled and self.train.backend == "megatron" and self.train.tp_size > 1:
+            raise ValueError("lora.enabled with train.backend=megatron needs train.tp_size=1 (adapters on "
+                             "TP-sharded weights are not implemented)")
         if self.lora.enabled and self.lora.layers is not None and any(
                 not 0 <= i < self.model.num_hidden_layers for i in self.lora.layers):
             raise ValueError(f"lora.layers {self.lora.layers}: indices must be in [0, model.num_hidden_layers)")
