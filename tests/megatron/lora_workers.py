@@ -57,7 +57,8 @@ def check_lora_ep2(rank, world):
         q = nat[n].grad
         # experts: this rank's slice; both ranks ran the same tokens, so its experts saw them twice
         want = 2 * mine(q) if q.dim() == 3 else q
-        torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"rank {rank} {n}: {m}")
+        # native computes the adapters in the forward, megatron as weight deltas (fp32 rounding)
+        torch.testing.assert_close(p.grad, want, atol=5e-5, rtol=1e-4, msg=lambda m: f"rank {rank} {n}: {m}")
     import torch.distributed as dist
 
     dist.barrier()

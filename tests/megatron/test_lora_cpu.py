@@ -66,7 +66,9 @@ def test_lora_logprobs_and_adapter_grads_equal_native(cpu_megatron):
         assert p.grad is not None and q.grad is not None, n
         cos = torch.nn.functional.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0)
         assert cos >= 0.999, (n, float(cos))
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+        # native computes the adapters in the forward, megatron as weight deltas: the same
+        # function, summed in another order (fp32 rounding over all tokens)
+        torch.testing.assert_close(p.grad, q.grad, atol=5e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
     # the base weights got no gradient (frozen)
     assert all(p.grad is None and not p.requires_grad for p in meg.model.parameters())
 
