@@ -235,6 +235,9 @@ class SweepConfig(Strict):
     parallel: int = Field(1, ge=1, description="runs at a time (each is a whole torchrun world)")
     output_dir: str | None = None  # default: <output_dir>/sweep
     overrides: list[str] = []  # key=value applied to every run (e.g. the bench's long_tail task)
+    eval_prompts: int = Field(0, ge=0, description="score each run's final checkpoint on this many fixed prompts "
+                              "(moe_rl/experiments/evaluate.py); 0 = off")
+    eval_samples: int = Field(4, ge=1, description="samples per evaluation prompt")
 
 
 class ExperimentConfig(Strict):
