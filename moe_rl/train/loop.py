@@ -259,10 +259,12 @@ class Trainer:
         fresh_shard = fresh[self.rank :: T] if T > 1 else fresh
         if algo.loss_agg == "token_sum_norm" and algo.loss_norm_tokens is None:
             algo = algo.model_copy(update={"loss_norm_tokens": cfg.rollout.max_new_tokens * max(len(batch), 1)})
-        sums = torch.zeros(8, dtype=torch.float64)  # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n
+        # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n, stale match, stale total
+        sums = torch.zeros(10, dtype=torch.float64)
         max_ratio = torch.zeros(1, dtype=torch.float64)
         need_entropy = cfg.algo.entropy_coef > 0
         for m_i, (mb, chunk, resp_pos, (engine_routing, has_rec)) in enumerate(mbs_list):
+            keep = fresh_shard[m_i * mbs : m_i * mbs + len(chunk)]
             if cfg.replay.enabled and not all(fresh):
                 own = None
                 if mixed:  # the trainer's own routing for the stale samples' rows (every rank, every call)
@@ -270,7 +272,6 @@ class Trainer:
                     with torch.no_grad():
                         self.backend.logprobs(MicroBatch(mb.input_ids, mb.cu_seqlens, mb.labels), temp, record=own)
                 if chunk:
-                    keep = fresh_shard[m_i * mbs : m_i * mbs + len(chunk)]
                     mb = MicroBatch(mb.input_ids, mb.cu_seqlens, mb.labels,
                                     replay_rows(mb.replay, own, keep, mb.cu_seqlens))
             used = [] if engine_routing is not None else None
@@ -300,9 +301,14 @@ class Trainer:
             sums[2] += n
             max_ratio = torch.maximum(max_ratio, torch.tensor([mm["mismatch_max_ratio"]], dtype=torch.float64))
             if used is not None:
-                a, b = routing_match(used, engine_routing, has_rec)
+                # replayed rows (fresh samples) vs rows the trainer routed itself (stale ones)
+                replayed = stale_rows(keep, mb.cu_seqlens).logical_not() if cfg.replay.enabled else has_rec
+                a, b = routing_match(used, engine_routing, has_rec & replayed)
                 sums[3] += a
                 sums[4] += b
+                a, b = routing_match(used, engine_routing, has_rec & ~replayed)
+                sums[8] += a
+                sums[9] += b
             if need_entropy:
                 sums[5] += m["entropy"] * n
             sums[6] += m["clip_frac"] * n
@@ -322,8 +328,10 @@ class Trainer:
             **({"entropy": float(sums[5]) / n} if need_entropy else {}),
             **stats,
         }
-        if sums[4] > 0:
+        if sums[4] > 0:  # R3: where the engine's routing was replayed
             out["routing_match"] = float(sums[3] / sums[4])
+        if sums[9] > 0:  # stale samples: the older router's experts vs the trainer's own
+            out["routing_match_stale"] = float(sums[8] / sums[9])
         return out
 
     # --- the run --------------------------------------------------------------------------
@@ -426,10 +434,15 @@ def replay_rows(engine: list[torch.Tensor], own: list[torch.Tensor] | None, fres
         return engine
     if own is None:
         raise ValueError("replay_rows: a micro-batch mixing fresh and stale sequences needs the trainer's own routing")
-    lengths = torch.diff(cu_seqlens)
-    stale = torch.repeat_interleave(~torch.tensor(fresh), lengths[: len(fresh)])
-    stale = torch.cat([stale, torch.ones(int(cu_seqlens[-1]) - stale.numel(), dtype=torch.bool)])[:, None]
+    stale = stale_rows(fresh, cu_seqlens)[:, None]
     return [torch.where(stale, o.to(e.device, e.dtype), e) for e, o in zip(engine, own)]
+
+
+def stale_rows(fresh: list[bool], cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the packed rows of the sequences not in ``fresh`` (rows past them: True)."""
+    lengths = torch.diff(cu_seqlens)
+    stale = torch.repeat_interleave(~torch.tensor(fresh, dtype=torch.bool), lengths[: len(fresh)])
+    return torch.cat([stale, torch.ones(int(cu_seqlens[-1]) - stale.numel(), dtype=torch.bool)])
 
 
 def _loss_mask(s: dict) -> list[int]:
