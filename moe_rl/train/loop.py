@@ -17,7 +17,8 @@ the policy that sampled, which is right only for a sample the engine produced wi
 trainer's current weights (all its tokens at the trainer's version). A stale sample's
 proximal policy is the trainer's own, routing included (the behaviour weight pi_prox/pi_behav
 corrects for the older policy); replaying the older router's choices there would train a policy
-that never samples. So a stale sample is routed by the trainer itself (``replay_rows``).
+that never samples. So a stale sample is routed by the trainer itself (``replay_rows``;
+``replay.stale: engine`` replays it like a fresh one).
 """
 from __future__ import annotations
 
@@ -254,7 +255,8 @@ class Trainer:
         algo = cfg.algo
         # which samples' engine routing is replayed (module docstring): decided on the whole
         # batch, so every rank makes the same number of forward calls (expert parallelism)
-        fresh = [all(v == self.version for v, m in zip(s["versions"], _loss_mask(s)) if m) for s in batch]
+        fresh = [cfg.replay.stale == "engine" or all(v == self.version for v, m in zip(s["versions"], _loss_mask(s)) if m)
+                 for s in batch]
         mixed = any(fresh) and not all(fresh)
         fresh_shard = fresh[self.rank :: T] if T > 1 else fresh
         if algo.loss_agg == "token_sum_norm" and algo.loss_norm_tokens is None:
