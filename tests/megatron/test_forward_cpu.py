@@ -232,3 +232,42 @@ def test_bf16_model_steps_fp32_main_params(cpu_megatron):
     assert losses[-1] < losses[0] - 1e-3, losses
     for p, main in zip(meg.optimizer.model_params, meg.optimizer.main_params):
         assert torch.equal(p.detach(), main.detach().to(p.dtype))
+
+
+@pytest.mark.parametrize("grouped,align", [(True, 1), (True, 8), (False, 1)],
+                         ids=["TorchGroupedMLP", "TorchGroupedMLP-padded", "SequentialMLP"])
+def test_experts_forward_and_every_gradient_equal_native(cpu_megatron, monkeypatch, grouped, align):
+    """Without TE the experts are our TorchGroupedMLP (torch._grouped_mm) unless turned off; either
+    way megatron's log-probs and every parameter's gradient (mapped to HF names by the converter)
+    equal the native model's on the same weights and replayed routes (fp32). ``align=8`` runs the
+    CUDA layout (groups padded to aligned starts) on CPU."""
+    from moe_rl.model import iter_local_hf_tensors
+    from moe_rl.train.megatron import experts as experts_mod
+    from moe_rl.train.megatron.convert import megatron_to_hf
+
+    monkeypatch.setattr(experts_mod, "group_align", lambda x: align)
+
+    meg, native = build(CPU_ARCH, "cpu", megatron_grouped_gemm=grouped)
+    experts = {type(layer.mlp.experts).__name__ for layer in meg.model.decoder.layers if hasattr(layer.mlp, "experts")}
+    assert experts == {"TorchGroupedMLP" if grouped else "SequentialMLP"}
+    mb = make_mb(CPU_ARCH["vocab_size"], LENGTHS)
+    mb.replay = native_record(native, mb)
+    adv = torch.linspace(-1, 1, mb.num_tokens)
+    lp, _ = meg.logprobs(mb, 1.0)
+    lp_ref, _ = native.logprobs(mb, 1.0)
+    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
+    (adv * lp).sum().backward()
+    (adv * lp_ref).sum().backward()
+    params = dict(meg.model.named_parameters())
+    got = dict(megatron_to_hf(lambda n: params[n].grad, meg.arch, meg.layout))
+    with torch.no_grad():  # read the native grads under HF names: point each parameter at its grad
+        saved = [(p, p.data) for p in native.model.parameters()]
+        for p, _ in saved:
+            p.data = p.grad
+        want = {n: t.clone() for n, t in iter_local_hf_tensors(native.model)}
+        for p, data in saved:
+            p.data = data
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
