@@ -3,17 +3,15 @@
 megatron-core runs on CUDA only because of a few device moves and its CUDA RNG tracker: it
 moves the RoPE frequencies and the router weight to ``torch.cuda.current_device()`` on first
 use, and dropout regions / activation recompute fork and restore CUDA RNG states. The
-``cpu_megatron`` fixture shims exactly those (current device -> "cpu", RNG tracker and CUDA RNG
-state calls -> no-ops; dropout is 0) for this module, so everything else -- the GPTModel's
-attention, MoE routing and RouterReplay, token dispatch, experts, recompute -- runs unchanged.
-It also runs megatron's ``torch.compile``d helpers (``jit_fuser``, e.g. the router's
-``_apply_expert_bias`` in 0.19) eagerly: where CUDA is visible, TorchDynamo asks
+``cpu_megatron`` fixture shims exactly those for this module (``model.cpu_forward_shims``, also
+used by the CPU bench), so everything else -- the GPTModel's attention, MoE routing and
+RouterReplay, token dispatch, experts, recompute -- runs unchanged. It also runs megatron's
+``torch.compile``d helpers (``jit_fuser``) eagerly: where CUDA is visible, TorchDynamo asks
 ``torch.cuda.current_device()`` for the device index, gets the shim's "cpu" and fails
-(InternalTorchDynamoError, "list indices must be integers or slices, not str"). Eager and
-compiled compute the same; compilation is not what these tests check.
+(InternalTorchDynamoError). Eager and compiled compute the same; compilation is not what these
+tests check.
 The same checks on a GPU, without shims and also in bf16, are in test_megatron_gpu.py.
 """
-import contextlib
 
 import pytest
 import torch
@@ -43,19 +41,12 @@ LENGTHS = (11, 20, 9)
 @pytest.fixture(scope="module")
 def cpu_megatron():
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
 
-    tracker = mrandom.get_cuda_rng_tracker()
-    with pytest.MonkeyPatch.context() as mp:
+    from moe_rl.train.megatron.model import cpu_forward_shims
+
+    with pytest.MonkeyPatch.context() as mp, cpu_forward_shims():
         mp.setenv("MASTER_ADDR", "127.0.0.1")
         mp.setenv("MASTER_PORT", str(free_port()))
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        mp.setattr(torch._dynamo.config, "disable", True)  # see the module docstring
-        mp.setattr(tracker, "fork", lambda *a, **k: contextlib.nullcontext())
-        mp.setattr(tracker, "get_states", lambda: {})
-        mp.setattr(tracker, "set_states", lambda states: None)
-        mp.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-        mp.setattr(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
         dist.init_process_group("gloo", rank=0, world_size=1)
         try:
             yield

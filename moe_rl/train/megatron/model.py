@@ -219,6 +219,32 @@ def _compat_megatron_without_te() -> None:
         log.info("megatron-core without Transformer Engine: bound %d missing TE names in moe_utils to None", len(missing))
 
 
+@contextlib.contextmanager
+def cpu_forward_shims():
+    """Lets megatron-core's forward/backward run on CPU (tests, the CPU bench): it moves the RoPE
+    frequencies and the router weight to ``torch.cuda.current_device()`` and forks/restores CUDA
+    RNG states (dropout regions, recompute). Patched here, for the duration: current device ->
+    "cpu", RNG tracker and CUDA RNG state calls -> no-ops (dropout is 0), and TorchDynamo off
+    (megatron's ``jit_fuser`` helpers would ask the patched current_device for an index)."""
+    import torch._dynamo
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    patches = [(torch.cuda, "current_device", lambda: "cpu"), (torch._dynamo.config, "disable", True),
+               (tracker, "fork", lambda *a, **k: contextlib.nullcontext()), (tracker, "get_states", lambda: {}),
+               (tracker, "set_states", lambda states: None),
+               (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+               (mrandom, "_set_cuda_rng_state", lambda *a, **k: None)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
 def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     """GPTModel with Qwen3-MoE layers: TE spec when ``opts.use_te``, the local spec otherwise."""
     from megatron.core.models.gpt import GPTModel
