@@ -262,3 +262,21 @@ def test_experts_forward_and_every_gradient_equal_native(cpu_megatron, monkeypat
     for name, g in want.items():
         assert g.abs().sum() > 0, name
         torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_local_spec_attention_is_fused_sdpa_and_refuses_other_masks(cpu_megatron):
+    """Without TE, core attention is TorchSDPAttention (its output equals the native model's
+    above); a mask that is not block-causal over packed sequences is refused, not attended."""
+    from moe_rl.model.qwen3_moe import PackedCausal
+    from moe_rl.train.megatron.attention import TorchSDPAttention
+
+    meg, _ = build(CPU_ARCH, "cpu")
+    cores = {type(layer.self_attention.core_attention) for layer in meg.model.decoder.layers}
+    assert cores == {TorchSDPAttention}
+    cu = torch.tensor([0, 3, 7, 10])
+    mask = ~PackedCausal(cu, 10).mask[None, None]
+    assert torch.equal(TorchSDPAttention.packing(mask).cu_seqlens, cu)
+    bad = mask.clone()
+    bad[0, 0, 5, 1] = False  # token 5 (second sequence) would see token 1 (first sequence)
+    with pytest.raises(ValueError, match="not block-causal"):
+        TorchSDPAttention.packing(bad)

@@ -104,9 +104,12 @@ class MegatronBackend(DataParallelStep):
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.layout: MegatronLayout = self.opts.layout(ep_size=self.ep_size, ep_rank=self.ep_rank)
         log.info(
-            "megatron backend: %s layer spec (%s), experts: %s, dispatcher %s, EP %d (rank %d), recompute %s, replay %s",
+            "megatron backend: %s layer spec (%s), attention: %s, experts: %s, dispatcher %s, EP %d (rank %d), "
+            "recompute %s, replay %s",
             "Transformer Engine" if self.opts.use_te else "local (megatron-core modules)",
             "transformer_engine imports" if self.opts.use_te else "transformer_engine not used",
+            "TEDotProductAttention" if self.opts.use_te else
+            "TorchSDPAttention (fused SDPA per packed sequence, in place of megatron's DotProductAttention)",
             self.experts_desc(), self.opts.dispatcher,
             self.ep_size, self.ep_rank, self.opts.recompute, self.opts.replay,
         )

@@ -255,6 +255,8 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=opts.use_te, normalization="RMSNorm")
     if opts.experts == "TorchGroupedMLP":
         use_torch_grouped_experts(spec)
+    if not opts.use_te:
+        use_torch_sdpa_attention(spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -282,6 +284,15 @@ def use_torch_grouped_experts(block_spec) -> None:
         raise RuntimeError("megatron layer spec has no MoELayer to give TorchGroupedMLP experts")
     for mlp in moe_specs:
         mlp.submodules.experts = ModuleSpec(module=TorchGroupedMLP)
+
+
+def use_torch_sdpa_attention(block_spec) -> None:
+    """Replaces the local spec's core attention (DotProductAttention: unfused, whole-row scores)
+    with TorchSDPAttention (attention.py: fused SDPA per packed sequence)."""
+    from .attention import TorchSDPAttention
+
+    for s in block_spec.layer_specs:
+        s.submodules.self_attention.submodules.core_attention = TorchSDPAttention
 
 
 # --- routing replay ---------------------------------------------------------------------------
