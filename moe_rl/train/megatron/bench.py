@@ -109,7 +109,7 @@ def _batch(preset: dict):
     return mbs
 
 
-def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | None) -> dict:
+def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | None, profile: bool = False) -> dict:
     n_loss = sum(int((mb.labels != -100).sum()) for mb in mbs)
     tokens = sum(mb.num_tokens for mb in mbs)
     cuda = backend.device.type == "cuda"
@@ -134,6 +134,7 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
         sync()
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
+    top = _profile_top(step, sync, cuda) if profile else None
     mean = sum(times) / len(times)
     # CPU seconds of this process: on a shared machine (other processes taking the cores) a
     # steadier measure of the work a CPU step does than wall time
@@ -141,7 +142,24 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
     return dict(tokens_per_step=tokens, step_s=mean, step_s_min=min(times), tokens_per_s=tokens / mean,
                 cpu_s=cpu_mean, tokens_per_cpu_s=tokens / cpu_mean,
                 model_tflops_per_s=flops / mean / 1e12, mfu=flops / mean / (peak * 1e12) if peak else None,
-                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                **({"profile_top_ops": top} if top is not None else {}))
+
+
+def _profile_top(step, sync, cuda: bool, n: int = 15) -> list[dict]:
+    """One more step under torch.profiler: the ``n`` aten ops with the most self time (device
+    time on CUDA, CPU time otherwise), to see where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        step()
+        sync()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    return [dict(op=e.key, self_ms=getattr(e, key) / 1e3, share=getattr(e, key) / total, calls=e.count)
+            for e in events[:n]]
 
 
 def _compare(args) -> int:
@@ -201,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", help="another checkout's root: compare its native tokens/s with this one's")
     ap.add_argument("--rounds", type=int, default=3, help="--baseline: alternating runs per side")
     ap.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared machine)")
+    ap.add_argument("--profile", action="store_true", help="also profile one step per backend (top ops in the JSON)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the JSON result here")
     args = ap.parse_args(argv)
@@ -261,7 +280,7 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 for name, t in iter_local_hf_tensors(native.model):
                     t.copy_(hf[name])
-        result["native"] = _measure(native, mbs, args.steps, args.warmup, flops["flops"], peak)
+        result["native"] = _measure(native, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile)
         del native
         gc.collect()
         if cuda:
@@ -274,7 +293,7 @@ def main(argv=None) -> int:
                                   None, hf_state=hf)
             result["megatron_spec"] = "te" if meg.opts.use_te else "local"
             result["megatron_experts"] = meg.experts_desc()
-            result[name] = _measure(meg, mbs, args.steps, args.warmup, flops["flops"], peak)
+            result[name] = _measure(meg, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile)
         del meg
         gc.collect()
         if cuda:
