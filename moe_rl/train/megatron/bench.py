@@ -175,7 +175,9 @@ def _compare(args) -> int:
     cpu_runs = {"this": [], "baseline": []}
     for r in range(args.rounds):
         for side in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
-            env = dict(os.environ, PYTHONPATH=here if side == "this" else args.baseline)
+            # the side's checkout first; the rest of PYTHONPATH (e.g. wheels unpacked into a folder) kept
+            root = here if side == "this" else args.baseline
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
             out = subprocess.run(cmd, env=env, cwd="/tmp", capture_output=True, text=True)
             if out.returncode:
                 print(out.stdout + out.stderr, file=sys.stderr)
