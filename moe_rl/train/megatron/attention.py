@@ -18,9 +18,10 @@ from moe_rl.model.qwen3_moe import PackedCausal
 
 
 class TorchSDPAttention(nn.Module):
-    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type=None, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+    def __init__(self, config, layer_number: int = 1, attn_mask_type=None, attention_type=None, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **extra):
         super().__init__()
+        _refuse_unknown("constructor", extra)
         if (attention_dropout or config.attention_dropout) or softmax_scale is not None \
                 or config.apply_query_key_layer_scaling or config.context_parallel_size != 1 \
                 or config.tensor_model_parallel_size != 1:
@@ -50,8 +51,9 @@ class TorchSDPAttention(nn.Module):
         return packed
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+                packed_seq_params=None, **extra):
         """query [s, b=1, heads, d], key/value [s, 1, groups, d] -> [s, 1, heads * d]."""
+        _refuse_unknown("forward", extra)
         if attention_bias is not None or packed_seq_params is not None or query.shape[1] != 1:
             raise ValueError("TorchSDPAttention: one packed row, a block-causal mask, no bias or packed_seq_params")
         if attention_mask is None:
@@ -59,3 +61,12 @@ class TorchSDPAttention(nn.Module):
         s = query.shape[0]
         out = self.packing(attention_mask)(self.layer_number, query[:, 0], key[:, 0], value[:, 0])
         return out.reshape(s, 1, -1)
+
+
+def _refuse_unknown(where: str, extra: dict) -> None:
+    """Arguments a megatron-core release passes that this module does not implement: ignored
+    only while unset, refused otherwise (never silently dropped)."""
+    used = {k: v for k, v in extra.items() if v is not None and v is not False}
+    if used:
+        raise ValueError(f"TorchSDPAttention {where}: unsupported megatron-core arguments {sorted(used)}; "
+                         "use Transformer Engine (train.megatron_use_te=true)")
