@@ -50,6 +50,10 @@ class _Req:
     versions: list[str] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)  # int32 [tokens, layers, k] chunks
     routing_len: int = 0
+    # SGLang's input log-probs (filled by the first prefill; a retract's re-prefill keeps them)
+    input_logprobs: list | None = None  # [None, lp, ...] for input_ids[start:]
+    input_top: list | None = None  # [None, [(lp, id), ...top-k], ...]
+    output_top: list = field(default_factory=list)  # per output token: [(lp, id), ...top-k]
     slot: int = -1
     kv_len: int = 0  # tokens whose K/V are in the cache
     abort_msg: str | None = None  # set while the request is inside a step
@@ -326,18 +330,32 @@ class Engine:
             off += len(toks)
         dec = [s for s in segments if s[2] == 1 and s[1] > 0]
         last = [s[3] + s[2] - 1 for s in segments]
+        # input log-probs (SGLang's input_token_logprobs) come from this prefill's hidden states:
+        # row p predicts input token p + 1, for p in [start, len - 1)
+        in_rows, in_targets, in_spans = [], [], []
+        for i, (r, toks, start) in enumerate(batch):
+            if start == 0 and r.req.return_logprob and r.input_logprobs is None:
+                prompt, s0 = r.req.input_ids, r.req.input_logprob_start
+                o = segments[i][3]
+                in_spans.append((i, len(in_rows), max(0, len(prompt) - 1 - s0)))
+                in_rows.extend(range(o + s0, o + len(prompt) - 1))
+                in_targets.extend(prompt[s0 + 1 :])
+        n_top = max((r.req.top_logprobs_num for r, _, _ in batch), default=0)
         # every index of the step in one host-to-device copy
-        host = torch.tensor(ids + pos + last + [s[3] for s in dec] + [s[0] for s in dec] + [s[1] for s in dec],
-                            dtype=torch.long)
-        idx = host.to(self.device, non_blocking=True).split([off, off, len(last), len(dec), len(dec), len(dec)])
+        host = torch.tensor(ids + pos + last + [s[3] for s in dec] + [s[0] for s in dec] + [s[1] for s in dec]
+                            + in_rows + in_targets, dtype=torch.long)
+        idx = host.to(self.device, non_blocking=True).split(
+            [off, off, len(last), len(dec), len(dec), len(dec), len(in_rows), len(in_targets)])
         input_ids, positions, last_rows = idx[0], idx[1], idx[2]
         lmax = max(s[1] for s in dec) + 1 if dec else 0
         attend = _StepAttention(self.k_cache, self.v_cache, segments, idx[3], idx[4], idx[5], lmax)
         record: list[torch.Tensor] = []
         with self.model_lock:
             hidden = self.model.forward_tokens(input_ids, positions, attend, record=record)
-            logits = self.model.lm_head(hidden.index_select(0, last_rows)).float()
+            # one lm_head call: the last row of every request, then the input-log-prob rows
+            logits = self.model.lm_head(hidden.index_select(0, torch.cat([last_rows, idx[6]]))).float()
             version = self.weight_version
+        logits, in_logits = logits[: len(last)], logits[len(last) :]
         temps = torch.tensor([r.params.logprob_temperature for r, _, _ in batch], dtype=torch.float32)
         logp = torch.log_softmax(logits / temps.to(self.device, non_blocking=True)[:, None], dim=-1)
         tokens_dev = self._sample_batch([r for r, _, _ in batch], logits, logp)
@@ -345,17 +363,46 @@ class Engine:
         # the step's one device-to-host copy: tokens, log-probs and the routing record (token
         # and expert ids are exact in float64)
         want_routing = any(r.req.return_routed_experts for r, _, _ in batch)
+        B, n_in = len(batch), len(in_rows)
         parts = [tokens_dev.double(), lps_dev.double()]
+        if n_in:  # input log-probs at temperature 1, as SGLang's logits processor
+            in_logp = torch.log_softmax(in_logits, dim=-1)
+            parts.append(in_logp.gather(1, idx[7][:, None]).squeeze(1).double())
+        if n_top:  # top-k of the sampling distribution (output) and of the input rows
+            out_top = logp.topk(n_top, dim=-1)
+            parts += [out_top.values.reshape(-1).double(), out_top.indices.reshape(-1).double()]
+            if n_in:
+                in_top = in_logp.topk(n_top, dim=-1)
+                parts += [in_top.values.reshape(-1).double(), in_top.indices.reshape(-1).double()]
+        n_route = 0
         if want_routing and record:
             parts.append(torch.stack(record, 1).reshape(-1).double())
+            n_route = off * len(record) * self.top_k
         flat = torch.cat(parts).cpu()
-        B = len(batch)
-        tokens, lps = flat[:B].long().tolist(), flat[B : 2 * B].tolist()
+        sizes = [B, B, n_in]
+        sizes += [B * n_top, B * n_top, n_in * n_top, n_in * n_top] if n_top else [0, 0, 0, 0]
+        sizes.append(n_route)
+        f_tok, f_lp, f_in, f_otv, f_oti, f_itv, f_iti, f_route = flat.split(sizes)
+        tokens, lps = f_tok.long().tolist(), f_lp.tolist()
+        in_lps = f_in.tolist()
+        if n_top:
+            out_top_v, out_top_i = f_otv.view(B, n_top).tolist(), f_oti.view(B, n_top).long().tolist()
+            in_top_v, in_top_i = f_itv.view(n_in, n_top).tolist(), f_iti.view(n_in, n_top).long().tolist()
         routing = None
         if want_routing:
             routing = np.zeros((off, self.num_layers, self.top_k), dtype=np.int32)  # dense layers: 0
             if record:
-                routing[:, self.moe_layers, :] = flat[2 * B :].view(off, len(record), self.top_k).to(torch.int32).numpy()
+                routing[:, self.moe_layers, :] = f_route.view(off, len(record), self.top_k).to(torch.int32).numpy()
+        # SGLang's layout: the first input token of the span has no log-prob (None)
+        for i, at, n in in_spans:
+            r, k = batch[i][0], batch[i][0].req.top_logprobs_num
+            s0 = r.req.input_logprob_start
+            if s0 >= len(r.req.input_ids):
+                r.input_logprobs, r.input_top = [], []
+                continue
+            r.input_logprobs = [None] + in_lps[at : at + n]
+            if k:
+                r.input_top = [None] + [list(zip(v[:k], t[:k])) for v, t in zip(in_top_v[at : at + n], in_top_i[at : at + n])]
 
         with self.cond:
             self.stats["steps"] += 1
@@ -381,6 +428,9 @@ class Engine:
                 tok = tokens[i]
                 r.output_ids.append(tok)
                 r.logprobs.append(lps[i])
+                if r.req.top_logprobs_num:
+                    k = r.req.top_logprobs_num
+                    r.output_top.append(list(zip(out_top_v[i][:k], out_top_i[i][:k])))
                 r.versions.append(version)
                 self.stats["output_tokens"] += 1
                 if tok in p.stop_token_ids:
@@ -474,9 +524,15 @@ class Engine:
             "num_retractions": r.retractions,
             "e2e_latency": time.monotonic() - r.created,
         }
-        if r.req.return_logprob:
+        if r.req.return_logprob:  # SGLang's keys, in its order; [logprob, token id, text] tuples
+            start = r.req.input_logprob_start
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.input_logprobs or [], r.req.input_ids[start:])]
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
             meta["output_token_logprobs_length"] = len(r.logprobs)
+            if r.req.top_logprobs_num:
+                meta["input_top_logprobs"] = [None if row is None else [[lp, t, None] for lp, t in row]
+                                              for row in r.input_top or []]
+                meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in row] for row in r.output_top]
         if r.req.return_routed_experts and reason is not None:
             rows = np.concatenate(r.routing) if r.routing else np.zeros((0, self.num_layers, self.top_k), np.int32)
             meta["routed_experts"] = P.encode_routed_experts(rows[r.req.routed_experts_start_len :])

@@ -70,12 +70,12 @@ def _float(d: dict, key: str, default: float, where: str = "") -> float:
     return float(v)
 
 
-def _bool(d: dict, key: str, default: bool = False) -> bool:
+def _bool(d: dict, key: str, default: bool = False, where: str = "") -> bool:
     v = d.get(key, default)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise RequestError(key, f"expected true or false, got {v!r}")
+        raise RequestError(where + key, f"expected true or false, got {v!r}")
     return v
 
 
@@ -105,6 +105,10 @@ class SamplingParams:
     max_new_tokens: int = 128  # SGLang's default
     stop_token_ids: frozenset[int] = frozenset()
     sampling_seed: int | None = None  # per-request torch.Generator seed
+    # detokenization (SGLang's defaults; used only when the engine has a tokenizer)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -115,18 +119,18 @@ class SamplingParams:
         """Temperature of the distribution the returned log-probs are taken under."""
         return 1.0 if self.temperature < GREEDY_EPS else self.temperature
 
-    _KNOWN = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "seed"}
+    _KNOWN = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "seed",
+              "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
     # SGLang fields that are accepted when they hold their no-op value
     _NEUTRAL = {
         "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-        "min_new_tokens": 0, "n": 1, "stop": None, "ignore_eos": None, "skip_special_tokens": None,
-        "stream_interval": None, "regex": None, "json_schema": None, "ebnf": None, "logit_bias": None,
-        "stop_regex": None, "structural_tag": None,
+        "min_new_tokens": 0, "n": 1, "stop": None, "stream_interval": None, "regex": None, "json_schema": None,
+        "ebnf": None, "logit_bias": None, "stop_regex": None, "structural_tag": None,
+        "beam_width": 1, "watermark": None,  # beam_width > 1: beam search
     }
-    # SGLang fields with no effect on token ids in, token ids out (they shape detokenized text,
-    # or feed a custom logit processor, which this engine refuses at the request level)
-    _NO_EFFECT = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params",
-                  "ignore_eos"}  # ignore_eos: read by GenerateRequest.parse (the model's EOS)
+    # SGLang fields with no effect here: custom_params feeds a custom logit processor (refused at
+    # the request level); ignore_eos is read by GenerateRequest.parse (the model's EOS)
+    _NO_EFFECT = {"custom_params", "ignore_eos"}
 
     @classmethod
     def parse(cls, d: Any) -> "SamplingParams":
@@ -159,7 +163,10 @@ class SamplingParams:
         seed = _int(d, "sampling_seed", None, where=w)
         if seed is None:
             seed = _int(d, "seed", None, where=w)
-        return cls(t, top_p, top_k, mnt, stop, seed)
+        return cls(t, top_p, top_k, mnt, stop, seed,
+                   skip_special_tokens=_bool(d, "skip_special_tokens", True, where=w),
+                   spaces_between_special_tokens=_bool(d, "spaces_between_special_tokens", True, where=w),
+                   no_stop_trim=_bool(d, "no_stop_trim", False, where=w))
 
 
 @dataclass
@@ -171,10 +178,14 @@ class GenerateRequest:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     stream: bool = False
+    # log-probs beyond the output tokens' (SGLang's semantics; see Engine._response)
+    logprob_start_len: int = -1  # -1: no input_token_logprobs
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
 
     # GenerateReqInput fields (sglang 0.5.23) that leave the output of a token-in/token-out
     # request unchanged: routing, disaggregation, bookkeeping, logging
-    _IGNORED = {"log_metrics", "return_text_in_logprobs", "modalities", "session_params", "bootstrap_host",
+    _IGNORED = {"log_metrics", "modalities", "session_params", "bootstrap_host",
                 "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "data_parallel_rank", "priority",
                 "extra_key", "custom_labels", "no_logs", "routing_key", "conversation_id", "routed_dp_rank",
                 "disagg_prefill_dp_rank", "decode_tp_size", "http_worker_ipc", "received_time",
@@ -183,8 +194,7 @@ class GenerateRequest:
     # fields that would change the output: accepted only with their no-op value; otherwise a 400
     _NEUTRAL = {"image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
                 "lora_id": None, "custom_logit_processor": None, "return_hidden_states": False,
-                "return_indexer_topk": False, "top_logprobs_num": 0, "token_ids_logprob": None,
-                "logprob_start_len": -1, "return_entropy": False, "return_sampling_mask": False,
+                "return_indexer_topk": False, "token_ids_logprob": None, "return_entropy": False, "return_sampling_mask": False,
                 "positional_embed_overrides": None, "mm_hashes": None, "mm_content_hashes": None,
                 "video_config": None, "images_config": None, "mm_processor_kwargs": None, "watermark": None,
                 "require_reasoning": False, "max_thinking_tokens": None, "sampling_logprobs_mode": None,
@@ -202,7 +212,8 @@ class GenerateRequest:
         if not isinstance(body, dict):
             raise RequestError("body", "expected a JSON object")
         known = {"input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts",
-                 "routed_experts_start_len", "stream", "text"}
+                 "routed_experts_start_len", "stream", "text", "logprob_start_len", "top_logprobs_num",
+                 "return_text_in_logprobs"}
         for key, value in body.items():
             if key in known or key in cls._IGNORED:
                 continue
@@ -218,8 +229,10 @@ class GenerateRequest:
                     continue
                 raise RequestError(key, f"{value!r} is not supported by the embedded engine (only {neutral!r})")
             raise RequestError(key, "unknown /generate field (not in SGLang's GenerateReqInput)")
-        if body.get("text") is not None:
-            raise RequestError("text", "the embedded engine has no tokenizer; send input_ids")
+        if body.get("input_ids") is None and body.get("text") is not None:
+            # the server tokenizes ``text`` into input_ids when model.path has a tokenizer
+            raise RequestError("text", "the engine has no tokenizer (model.path has none; SGLang's "
+                               "skip_tokenizer_init=True) and cannot accept text prompts; send input_ids")
         if "input_ids" not in body:
             raise RequestError("input_ids", "required")
         ids = body["input_ids"]
@@ -247,15 +260,32 @@ class GenerateRequest:
         start = _int(body, "routed_experts_start_len", 0, lo=0)
         if start > len(ids):
             raise RequestError("routed_experts_start_len", f"must be in [0, {len(ids)}] (the prompt length), got {start}")
+        return_logprob = _bool(body, "return_logprob")
+        lp_start = _int(body, "logprob_start_len", -1, lo=-1)
+        if return_logprob and lp_start > len(ids):  # SGLang aborts it with a 400 too
+            raise RequestError("logprob_start_len", f"logprob_start_len={lp_start} is higher than the number of "
+                               f"input tokens ({len(ids)}); use a smaller logprob_start_len")
+        top_n = _int(body, "top_logprobs_num", 0, lo=0)
+        if top_n > vocab_size:
+            raise RequestError("top_logprobs_num", f"must be <= the vocabulary size {vocab_size}, got {top_n}")
         return cls(
             input_ids=list(ids),
             sampling_params=sp,
             rid=rid,
-            return_logprob=_bool(body, "return_logprob"),
+            return_logprob=return_logprob,
             return_routed_experts=_bool(body, "return_routed_experts"),
             routed_experts_start_len=start,
             stream=_bool(body, "stream"),
+            logprob_start_len=lp_start if return_logprob else -1,  # ignored without return_logprob, as SGLang
+            top_logprobs_num=top_n if return_logprob else 0,
+            return_text_in_logprobs=_bool(body, "return_text_in_logprobs"),
         )
+
+    @property
+    def input_logprob_start(self) -> int:
+        """First input position of ``input_token_logprobs`` (len(input_ids): none), as SGLang's
+        scheduler resolves ``logprob_start_len`` (-1 -> output log-probs only)."""
+        return len(self.input_ids) if self.logprob_start_len == -1 else self.logprob_start_len
 
 
 def is_batch(body: Any) -> bool:
@@ -266,16 +296,26 @@ def is_batch(body: Any) -> bool:
     return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
+# GenerateReqInput fields that SGLang 0.5.23 splits per prompt in a batch (a list: one each)
+PER_PROMPT_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                     "lora_path", "lora_id", "extra_key", "image_data", "video_data", "audio_data",
+                     "custom_logit_processor", "return_hidden_states", "return_sampling_mask",
+                     "sampling_logprobs_mode", "watermark", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                     "bootstrap_pair_key", "decode_tp_size", "cache_salt", "kv_hints")
+
+
 def parse_batch(body: dict, *, vocab_size: int, max_context: int,
                 eos_token_ids: frozenset[int] = frozenset(), adapter: str | None = None) -> list[GenerateRequest]:
-    """A batched /generate body -> one request per prompt. As in SGLang, ``sampling_params``
-    and ``rid`` are either one value for all prompts or a list with one per prompt; other
-    fields apply to all. Errors name the field and the prompt's index."""
+    """A batched /generate body -> one request per prompt. As in SGLang's
+    ``GenerateReqInput.__getitem__``, the fields of ``PER_PROMPT_FIELDS`` are either one value
+    for all prompts or a list with one per prompt; the others (``routed_experts_start_len``,
+    ``return_routed_experts``, ``return_text_in_logprobs``, ...) apply to all. Errors name
+    the field and the prompt's index."""
     n = len(body["input_ids"])
     per_item = {"input_ids": body["input_ids"]}
-    for key in ("sampling_params", "rid", "routed_experts_start_len"):
+    for key in PER_PROMPT_FIELDS:
         v = body.get(key)
-        if isinstance(v, list):
+        if isinstance(v, list) and v:
             if len(v) != n:
                 raise RequestError(key, f"has {len(v)} entries for {n} prompts")
             per_item[key] = v

@@ -29,6 +29,7 @@ from . import lora
 from . import protocol as P
 from .engine import Engine
 from .protocol import RequestError
+from .text import TextCodec, load_tokenizer
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,6 +117,9 @@ class EngineServer:
         self._update_lock = asyncio.Lock()
         self.session_open = False  # between /begin_weight_update and /end_weight_update
         self.eos_token_ids = model_eos_ids(engine.model_path)
+        tokenizer = load_tokenizer(engine.model_path)
+        # None: answers as SGLang with --skip-tokenizer-init (no "text"; a text prompt is a 400)
+        self.text = TextCodec(tokenizer) if tokenizer is not None else None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
@@ -160,8 +164,25 @@ class EngineServer:
             return _error(400, str(e))
 
     # --- generation ------------------------------------------------------------------------
+    def _tokenize(self, body: Any) -> Any:
+        """A ``text`` prompt (one string, or a list: the batch form) -> ``input_ids``, when the
+        engine has a tokenizer and the body has no input_ids (SGLang uses input_ids first)."""
+        if self.text is None or not isinstance(body, dict) or body.get("input_ids") is not None:
+            return body
+        text = body.get("text")
+        if isinstance(text, str):
+            return {**body, "input_ids": self.text.encode(text)}
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return {**body, "input_ids": [self.text.encode(t) for t in text]}
+        if text is not None:
+            raise RequestError("text", "expected a string or a list of strings")
+        return body
+
+    def _finish(self, out: dict, req: P.GenerateRequest) -> dict:
+        return self.text.add_text(out, req) if self.text is not None else out
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
+        body = self._tokenize(await _json(request))
         limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context,
                       eos_token_ids=self.eos_token_ids, adapter=getattr(self.engine, "adapter_name", None))
         if P.is_batch(body):  # SGLang's batch form: a list in, a list out
@@ -169,7 +190,7 @@ class EngineServer:
             if not self.engine.alive:
                 return _error(503, f"engine is not running: {self.engine.error}")
             outs = await asyncio.gather(*(self.engine.generate(r) for r in reqs))
-            return web.json_response(outs)
+            return web.json_response([self._finish(o, r) for o, r in zip(outs, reqs)])
         req = P.GenerateRequest.parse(body, **limits)
         if not self.engine.alive:
             return _error(503, f"engine is not running: {self.engine.error}")
@@ -179,7 +200,7 @@ class EngineServer:
         reason = out["meta_info"]["finish_reason"]
         if reason["type"] == "abort" and (reason.get("status_code") or 0) >= 400:
             return _error(reason["status_code"], reason["message"])
-        return web.json_response(out)
+        return web.json_response(self._finish(out, req))
 
     async def _generate_stream(self, request: web.Request, req: P.GenerateRequest) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -194,7 +215,7 @@ class EngineServer:
         try:
             while True:
                 item, final = await queue.get()
-                await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+                await resp.write(b"data: " + json.dumps(self._finish(item, req)).encode() + b"\n\n")
                 if final:
                     break
             await resp.write(b"data: [DONE]\n\n")
@@ -316,7 +337,7 @@ class EngineServer:
         info = self.engine.info()
         return web.json_response({
             "model_path": self.engine.model_path, "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
-            "skip_tokenizer_init": True, "enable_return_routed_experts": True,
+            "skip_tokenizer_init": self.text is None, "enable_return_routed_experts": True,
             "context_length": self.engine.max_context, "weight_version": self.engine.weight_version,
             "version": "moe-rl-embedded", "moe_rl_checksum": True, "internal_states": [info],
         })
@@ -377,7 +398,7 @@ class EngineServer:
         info = self.engine.info()
         return web.json_response({
             "model_path": self.engine.model_path,
-            "tokenizer_path": None,
+            "tokenizer_path": self.engine.model_path if self.text is not None else None,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.engine.weight_version,

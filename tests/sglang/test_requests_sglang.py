@@ -6,12 +6,16 @@ lists are read from the installed SGLang source."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-pytest.importorskip("sglang.srt.sampling.sampling_params", reason="scripts/install.sh test installs the sglang wheel")
+from .conftest import check_request, require_sglang, sglang_schema, sglang_source, sglang_text
+
+require_sglang("sglang.srt.sampling.sampling_params")
 
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
@@ -20,7 +24,6 @@ from moe_rl.engine.protocol import decode_routed_experts  # noqa: E402
 from moe_rl.rollout.manager import RolloutManager  # noqa: E402
 from tests.engine.helpers import ARCH, CFG, K, L, ServerProc  # noqa: E402
 
-from .conftest import check_request, sglang_source  # noqa: E402
 
 BODY_TYPES = {
     "/generate": "GenerateReqInput",
@@ -197,20 +200,100 @@ def _slime_body(prompt: list[int], top_p: float, seed: int | None) -> dict:
     return {"sampling_params": sp, "return_logprob": True, "return_routed_experts": True, "input_ids": prompt}
 
 
-@pytest.mark.parametrize("top_p,seed", [(1.0, None), (0.9, 7)])
-def test_serve_takes_slime_requests(server, top_p, seed):
-    body = _slime_body([5, 6, 7], top_p, seed)
-    _check([("POST", "/generate", body)])  # it is an SGLang request to begin with
-
+def _post(url: str, body: dict) -> dict:
     async def run():
-        async with EngineClient(server.url, timeout_s=60) as c:
+        async with EngineClient(url, timeout_s=60) as c:
             return await c.request("POST", "/generate", payload=body)
+    return asyncio.run(run())
 
-    out = asyncio.run(run())
-    # slime reads these: tokens and log-probs from output_token_logprobs, then meta_info
+
+@pytest.mark.parametrize("top_p,seed", [(1.0, None), (0.9, 7)])
+def test_serve_takes_slime_requests(tok_server, tokenizer, top_p, seed):
+    """Against a `moe-rl serve` with a tokenizer (slime loads one from --hf-checkpoint and
+    reads the answer's "text")."""
+    body = _slime_body([8, 9, 10], top_p, seed)
+    _check([("POST", "/generate", body)])  # it is an SGLang request to begin with
+    out = _post(tok_server.url, body)
+    # slime reads these: tokens and log-probs from output_token_logprobs, the text, then meta_info
     toks = [item[1] for item in out["meta_info"]["output_token_logprobs"]]
     assert toks == out["output_ids"] and len(toks) == 5
+    assert out["text"] == sglang_text(tokenizer, body["input_ids"], out["output_ids"], out["meta_info"]["finish_reason"],
+                                      skip=True, spaces=False, no_stop_trim=True)
     _read_like_sglang_clients(out, 3)
+
+
+def _miles_body(input_ids: list[int], max_new_tokens: int, skip_special_tokens: bool, seed: int | None) -> dict:
+    """What miles' default single-turn rollout posts to /generate (read at radixark/miles:
+    miles/rollout/generate_utils/generate_endpoint_utils.py compute_request_payload, commit
+    02aa8e7, and the sampling params of inference_rollout_common.compute_sampling_params,
+    commit 0100aa8): token ids in, log-probs on, routing replay and indexer replay flags,
+    stop/stop_token_ids from --rollout-stop* (unset: None), skip_special_tokens from
+    --rollout-skip-special-tokens, no_stop_trim on, no spaces between special tokens, a
+    sampling seed in deterministic mode (rollout_seed + index in the group) and the
+    kv-cache namespace as extra_key when one is given."""
+    sp = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens, "stop": None,
+          "stop_token_ids": None, "skip_special_tokens": skip_special_tokens, "no_stop_trim": True,
+          "spaces_between_special_tokens": False}
+    if seed is not None:
+        sp["sampling_seed"] = seed
+    body = {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "return_routed_experts": True,
+            "return_indexer_topk": False}
+    if seed is not None:
+        body["extra_key"] = "ns-0"
+    return body
+
+
+class _MilesSample:
+    """The fields miles' update_sample_from_response / Sample.update_from_meta_info read from an
+    answer (written from that source; the same reads, not its code): tokens and log-probs
+    from output_token_logprobs ([1], [0]), "text" appended to the response, routed_experts as
+    int32 [len(tokens) - 1, num_layers, -1] (top-k from the buffer length), weight_version,
+    finish_reason.type -> status, cached_tokens and prompt_tokens (prefix-cache stats)."""
+
+    def __init__(self, prompt: list[int]):
+        self.tokens, self.response, self.log_probs, self.versions = list(prompt), "", [], []
+        self.status, self.cached, self.prompt_total, self.routed = "pending", 0, 0, None
+
+    def update(self, output: dict) -> None:
+        m = output["meta_info"]
+        new = m.get("output_token_logprobs") or []
+        self.tokens += [t[1] for t in new]
+        self.log_probs += [t[0] for t in new]
+        self.response += output["text"]
+        buf = np.frombuffer(base64.b64decode(m["routed_experts"].encode("ascii")), dtype=np.int32)
+        n = len(self.tokens) - 1
+        self.routed = buf.reshape(n, L, len(buf) // (n * L))
+        if "weight_version" in m:
+            self.versions.append(m["weight_version"])
+        self.status = {"length": "truncated", "abort": "aborted", "stop": "completed"}[m["finish_reason"]["type"]]
+        self.cached += m.get("cached_tokens", 0)
+        self.prompt_total += m.get("prompt_tokens", 0)
+
+
+@pytest.mark.parametrize("skip,seed", [(True, None), (False, 11)])
+def test_serve_takes_miles_requests(tok_server, tokenizer, skip, seed):
+    """miles' default rollout, with its partial-rollout resume: the first answer is cut at 3
+    tokens (length), then miles sends prompt + response with the rest of the budget."""
+    prompt, budget = [8, 9, 10, 11], 7
+    sample = _MilesSample(prompt)
+    first = _miles_body(prompt, 3, skip, seed)
+    _check([("POST", "/generate", first)])
+    out1 = _post(tok_server.url, first)
+    sample.update(out1)
+    assert sample.status == "truncated" and len(sample.tokens) == len(prompt) + 3
+    resume = _miles_body(list(sample.tokens), budget - (len(sample.tokens) - len(prompt)), skip, seed)
+    _check([("POST", "/generate", resume)])
+    out2 = _post(tok_server.url, resume)
+    sample.update(out2)
+    assert sample.tokens == resume["input_ids"] + out2["output_ids"]
+    assert len(sample.tokens) <= len(prompt) + budget and len(sample.log_probs) == len(sample.tokens) - len(prompt)
+    assert all(isinstance(x, float) and x <= 0 for x in sample.log_probs)
+    assert sample.routed.shape == (len(sample.tokens) - 1, L, K)
+    assert sample.status in ("truncated", "completed") and sample.versions == [out1["meta_info"]["weight_version"]] * 2
+    assert sample.prompt_total == len(prompt) + len(resume["input_ids"])
+    want = "".join(sglang_text(tokenizer, b["input_ids"], o["output_ids"], o["meta_info"]["finish_reason"],
+                               skip=skip, spaces=False, no_stop_trim=True) for b, o in ((first, out1), (resume, out2)))
+    assert sample.response == want
 
 
 def test_serve_takes_verl_http_adapter_requests(server):
@@ -232,3 +315,29 @@ def test_serve_takes_verl_http_adapter_requests(server):
 
     out = asyncio.run(run())
     assert len(out["output_ids"]) == 4 and len(out["meta_info"]["output_token_logprobs"]) == 4
+
+
+def test_serve_knows_every_generate_req_input_field():
+    """Every field of SGLang's GenerateReqInput, and every SamplingParams argument, is a field
+    `moe-rl serve`'s parser knows (implemented, ignored, or accepted at its no-op value), so a
+    request SGLang takes is never a 400 "unknown field" here."""
+    from moe_rl.engine.protocol import GenerateRequest, RequestError
+
+    fields = [f for f in sglang_schema()["GenerateReqInput"] if f not in ("input_ids", "text")]
+    assert len(fields) > 40
+    for f in fields:
+        try:
+            GenerateRequest.parse({"input_ids": [1, 2], f: None}, vocab_size=ARCH.vocab_size, max_context=64)
+        except RequestError as e:
+            pytest.fail(f"GenerateReqInput.{f}: {e}")
+    names = list(SamplingParams.__struct_fields__)  # a msgspec Struct: API fields, then internal ones
+    params = names[: names.index("stop_strs")]
+    assert "sampling_seed" in params and len(params) > 20
+    for p in params:
+        try:
+            GenerateRequest.parse({"input_ids": [1, 2], "sampling_params": {p: None}}, vocab_size=ARCH.vocab_size,
+                                  max_context=64)
+        except RequestError as e:
+            pytest.fail(f"SamplingParams.{p}: {e}")
+    with pytest.raises(RequestError, match="unknown"):  # the check can fail
+        GenerateRequest.parse({"input_ids": [1, 2], "not_a_field": None}, vocab_size=ARCH.vocab_size, max_context=64)

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("sglang.srt.utils.common", reason="scripts/install.sh test installs the sglang wheel")
+from .conftest import require_sglang  # noqa: E402
+
+require_sglang("sglang.srt.utils.common")
 
 from safetensors.torch import load_file  # noqa: E402
 

@@ -8,7 +8,9 @@ import asyncio
 import pytest
 import torch
 
-pytest.importorskip("sglang.srt.utils.common", reason="scripts/install.sh test installs the sglang wheel")
+from .conftest import require_sglang  # noqa: E402
+
+require_sglang("sglang.srt.utils.common")
 
 from moe_rl.engine.server import build_model  # noqa: E402
 from moe_rl.model import iter_local_hf_tensors  # noqa: E402
@@ -75,6 +77,32 @@ def test_group_is_destroyed_before_it_is_formed_again(engine):
         kinds = [k for k, _ in engine.requests]
         assert kinds.count("init") == 2 and kinds.count("destroy") == 2
         assert kinds.index("destroy") < kinds.index("init") and kinds.index("destroy", kinds.index("init")) < len(kinds)
+        want = dict(iter_local_hf_tensors(model))
+        for got in engine.received():
+            assert all(torch.equal(_bits(got[n]), _bits(t)) for n, t in want.items())
+    finally:
+        sender.close()
+
+
+def test_verify_is_refused_and_in_place_never_flushes_against_sglang(engine):
+    """SGLang drops the ``checksum`` field, so a verified sync against it would check nothing:
+    the sender refuses to start one. With in_place (or retract) pauses requests keep running,
+    and SGLang fails an update that must flush then: no bucket asks for a flush."""
+    from moe_rl.sync.receiver import WeightSyncError
+
+    model = build_model(CFG).init_weights(seed=7)
+    sender = WeightSender(model, engines=[engine], bucket_mb=0.05, timeout_s=60, verify=True)
+    try:
+        with pytest.raises(WeightSyncError, match="sync.verify"):
+            asyncio.run(sender.update_engines(1))
+    finally:
+        sender.close()
+    engine.requests.clear()
+    sender = WeightSender(model, engines=[engine], bucket_mb=0.05, timeout_s=60, pause_mode="in_place")
+    try:
+        asyncio.run(sender.update_engines(2))
+        flushes = [b["flush_cache"] for k, b in engine.requests if k == "update"]
+        assert flushes and not any(flushes)
         want = dict(iter_local_hf_tensors(model))
         for got in engine.received():
             assert all(torch.equal(_bits(got[n]), _bits(t)) for n, t in want.items())

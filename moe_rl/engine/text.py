@@ -1,0 +1,85 @@
+"""The tokenizer side of SGLang's server for ``moe-rl serve``: "text" prompts in, "text" out.
+
+With a tokenizer in ``model.path`` (``transformers.AutoTokenizer``) the embedded engine answers
+like an SGLang server with its tokenizer (read from sglang 0.5.23's ``tokenizer_manager.py`` and
+``detokenizer_manager.py``):
+
+* a ``text`` prompt (without ``input_ids``) is tokenized with ``tokenizer(text)["input_ids"]``
+  (a fast tokenizer; ``encode`` otherwise), special tokens added as the tokenizer's default;
+* ``"text"`` of an answer is the detokenized output: SGLang decodes the last 5 prompt tokens
+  plus the output and drops the text of those 5 (``INIT_INCREMENTAL_DETOKENIZATION_OFFSET``),
+  so a tokenizer whose decoding depends on context (SentencePiece's leading space) gives the
+  same text; the matched stop token (``finish_reason.matched``) is left out unless
+  ``no_stop_trim``; ``skip_special_tokens`` / ``spaces_between_special_tokens`` go to
+  ``batch_decode``;
+* ``return_text_in_logprobs`` fills the third element of every log-prob tuple with the
+  token's text (``batch_decode([[id] ...])``, no skipping).
+
+Without a tokenizer it answers like SGLang launched with ``--skip-tokenizer-init``: no
+``"text"`` key, ``None`` texts in the log-prob tuples, and a ``text`` prompt is a 400.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+DETOKENIZE_CONTEXT = 5  # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str | None):
+    """``AutoTokenizer`` of ``path`` (model.path), or None when it holds no tokenizer files."""
+    if not path or not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover - transformers is in the test extra
+        raise ImportError(f"model.path {path} has a tokenizer: serving text needs the `transformers` package") from e
+    return AutoTokenizer.from_pretrained(path)
+
+
+class TextCodec:
+    """Text in and out of one engine's requests (see the module docstring)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        if getattr(tok, "is_fast", False):
+            return list(tok(text)["input_ids"])
+        return list(tok.encode(text))
+
+    def output_text(self, prompt_ids: list[int], output_ids: list[int], finish_reason: dict | None,
+                    skip_special_tokens: bool, spaces_between_special_tokens: bool, no_stop_trim: bool) -> str:
+        context = list(prompt_ids[max(0, len(prompt_ids) - DETOKENIZE_CONTEXT) :])
+        ids = context + list(output_ids)
+        matched = (finish_reason or {}).get("matched")
+        if isinstance(matched, int) and not no_stop_trim and output_ids:
+            ids = ids[:-1]  # the matched stop token is always the last one
+        kw = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
+        full, head = self.tokenizer.batch_decode([ids, context], **kw)
+        return full[len(head) :]
+
+    def add_text(self, out: dict, req) -> dict:
+        """Adds ``"text"`` to an answer (``out``: the engine's dict for ``req``) and, with
+        ``return_text_in_logprobs``, each log-prob tuple's token text. Returns ``out``."""
+        sp = req.sampling_params
+        text = self.output_text(req.input_ids, out["output_ids"], out["meta_info"].get("finish_reason"),
+                                sp.skip_special_tokens, sp.spaces_between_special_tokens, sp.no_stop_trim)
+        if req.return_logprob and req.return_text_in_logprobs:
+            self._logprob_texts(out["meta_info"])
+        return {"text": text, **out}
+
+    def _logprob_texts(self, meta: dict) -> None:
+        tuples: list[list[Any]] = []
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            tuples += meta.get(key) or []
+        for key in ("input_top_logprobs", "output_top_logprobs"):
+            for row in meta.get(key) or []:
+                tuples += row or []
+        if not tuples:
+            return
+        texts = self.tokenizer.batch_decode([[t[1]] for t in tuples])
+        for t, s in zip(tuples, texts):
+            t[2] = s
