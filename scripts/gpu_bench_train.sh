@@ -12,6 +12,8 @@
 #   large    the same on preset large (Qwen3-30B-A3B layer shapes, 16k tokens/step)
 #   ab       native before/after issue 16 on medium (466346e = the code before), alternating
 #            fresh processes, 3 rounds
+#   base     (not in the default list; run where git history is) writes that baseline tree into
+#            the ignored folder .base_issue16/, to carry to a device machine without git
 # Targets (docs/benchmarks.md, issue 16): native MFU >= 15% (medium), >= 35% (large); megatron/
 # native >= 1.0 on both; recompute step ratio <= 1.4.
 set -euo pipefail
@@ -40,17 +42,23 @@ for stage in "${stages[@]}"; do
         --out "$OUT/train_$stage.json" 2>&1 | tee "$OUT/train_$stage.txt"
       ;;
     ab)
-      base=/tmp/moe16_base
-      if [ ! -d "$base" ]; then
-        git worktree add --detach "$base" 466346e
-        cp moe_rl/_C*.so "$base/moe_rl/" 2>/dev/null || true
-        ln -sfn ../kernels "$base/moe_rl/kernels"
-      fi
+      # the baseline checkout: .base_issue16/ if present (a device copy of the working tree has no
+      # git history: make it where git is, `bash scripts/gpu_bench_train.sh base`, and carry it),
+      # else a git worktree
+      base=$PWD/.base_issue16
+      [ -d "$base" ] || git worktree add --detach "$base" 466346e
+      cp moe_rl/_C*.so "$base/moe_rl/" 2>/dev/null || true
+      ln -sfn ../kernels "$base/moe_rl/kernels"
       log "native before/after on medium (baseline $base)"
       $BENCH --preset medium --baseline "$base" --rounds 3 --out "$OUT/train_medium_ab.json" 2>&1 \
         | tee "$OUT/train_medium_ab.txt"
       ;;
-    *) echo "unknown stage $stage (install, medium, large, ab)" >&2; exit 2 ;;
+    base)  # here, with git: the baseline tree for `ab`, an ignored folder to carry to the device
+      exclude="$(git rev-parse --git-common-dir)/info/exclude"
+      grep -qx '/.base_issue16/' "$exclude" 2>/dev/null || echo /.base_issue16/ >> "$exclude"
+      rm -rf .base_issue16 && mkdir .base_issue16 && git archive 466346e | tar -x -C .base_issue16
+      ;;
+    *) echo "unknown stage $stage (base, install, medium, large, ab)" >&2; exit 2 ;;
   esac
 done
 log "done: $(ls "$OUT")"
