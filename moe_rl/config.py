@@ -148,7 +148,7 @@ class TrainConfig(Strict):
     seed: int = 0
     # train.backend=megatron only (docs/megatron.md)
     megatron_use_te: bool | None = None  # Transformer Engine layer specs; None = when TE imports
-    megatron_grouped_gemm: bool | None = None  # TEGroupedMLP experts; None = when TE is used
+    megatron_grouped_gemm: bool | None = None  # grouped experts (TEGroupedMLP with TE, else TorchGroupedMLP); None = true
     megatron_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     megatron_router_fusion: bool = False  # fused TE router: refused while routing replay is on
     megatron_recompute: bool = False  # full activation recompute (replay via REPLAY_BACKWARD)
