@@ -152,7 +152,7 @@ class TrainConfig(Strict):
     seed: int = 0
     # train.backend=megatron only (docs/megatron.md)
     megatron_use_te: bool | None = None  # Transformer Engine layer specs; None = when TE imports
-    megatron_grouped_gemm: bool | None = None  # TEGroupedMLP experts; None = when TE is used
+    megatron_grouped_gemm: bool | None = None  # grouped experts (TEGroupedMLP with TE, else TorchGroupedMLP); None = true
     megatron_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     megatron_router_fusion: bool = False  # fused TE router: refused while routing replay is on
     megatron_recompute: bool = False  # full activation recompute (replay via REPLAY_BACKWARD)
@@ -293,8 +293,12 @@ class ExperimentConfig(Strict):
             raise ValueError("reward.fn and env.factory: an episode's reward is the sum of its environment's step "
                              "rewards; score inside the environment (or drop env.factory)")
 
-        if self.lora.enabled and self.train.backend != "native":
-            raise ValueError("lora.enabled: only train.backend=native has LoRA so far")
+        if self.lora.enabled and self.train.backend == "megatron" and self.train.megatron_recompute:
+            raise ValueError("lora.enabled with train.megatron_recompute=true: the recomputed forward would read "
+                             "the base weights, not the adapted ones; set train.megatron_recompute=false")
+        if self.lora.enabled and self.train.backend == "megatron" and self.train.tp_size > 1:
+            raise ValueError("lora.enabled with train.backend=megatron needs train.tp_size=1 (adapters on "
+                             "TP-sharded weights are not implemented)")
         if self.lora.enabled and self.lora.layers is not None and any(
                 not 0 <= i < self.model.num_hidden_layers for i in self.lora.layers):
             raise ValueError(f"lora.layers {self.lora.layers}: indices must be in [0, model.num_hidden_layers)")
