@@ -83,10 +83,10 @@ class RolloutConfig(Strict):
 
 class ReplayConfig(Strict):
     enabled: bool = True  # R3: trainer replays the engine's routing
-    # a stale sample (made by older weights than the trainer's): routed by the trainer itself,
-    # as the decoupled objective's proximal policy is ("trainer"), or replayed like a fresh one
-    # ("engine", the behaviour before issue 19 item 7); docs/algorithms.md
-    stale: Literal["trainer", "engine"] = "trainer"
+    # a stale sample (made by older weights than the trainer's): its engine routing replayed like
+    # a fresh one's ("engine", R3 as slime/MILES do it), or routed by the trainer itself as the
+    # decoupled objective's proximal policy would be ("trainer"); docs/algorithms.md
+    stale: Literal["engine", "trainer"] = "engine"
     dir: str | None = None  # default: <output_dir>/routing
 
 

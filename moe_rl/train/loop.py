@@ -12,13 +12,10 @@ Per step:
 With one optimizer update per batch the proximal policy (the trainer before its update) is
 the very forward that is being differentiated, so its log-probs are that forward's, detached.
 
-Routing replay (R3) and staleness: replaying the engine's routing makes the trainer evaluate
-the policy that sampled, which is right only for a sample the engine produced with the
-trainer's current weights (all its tokens at the trainer's version). A stale sample's
-proximal policy is the trainer's own, routing included (the behaviour weight pi_prox/pi_behav
-corrects for the older policy); replaying the older router's choices there would train a policy
-that never samples. So a stale sample is routed by the trainer itself (``replay_rows``;
-``replay.stale: engine`` replays it like a fresh one).
+Routing replay (R3) and staleness: by default every sample's engine routing is replayed, stale
+ones too (R3 as slime/MILES run it). ``replay.stale: trainer`` routes a stale sample (one made
+by older weights) by the trainer itself, as the decoupled objective's proximal policy would
+route it; ``replay_rows`` merges the two routings when a batch mixes fresh and stale samples.
 """
 from __future__ import annotations
 
