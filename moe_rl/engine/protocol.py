@@ -8,8 +8,10 @@ Encodings the rest of the stack relies on:
 * ``meta_info.output_token_logprobs``: ``[[logprob, token_id, null], ...]`` (SGLang's tuples
   with no text), one per output token. Convention (SGLang's default, and the trainer's): the
   log-probability of the sampled token under ``softmax(logits / temperature)`` over the whole
-  vocabulary, computed in fp32, *before* top-k / top-p truncation. A greedy request
-  (``temperature == 0``) uses temperature 1, as SGLang does.
+  vocabulary, computed in fp32, *before* top-k / top-p / min-p truncation. A greedy request
+  (``temperature == 0``) uses temperature 1, as SGLang does. ``logits`` are the processed
+  ones, as SGLang's sampler takes them: after the penalties (frequency, presence, repetition,
+  min_new_tokens), which SGLang applies to the logits in place before sampling.
 * ``meta_info.routed_experts``: base64 of int32 ``[seqlen - 1, num_hidden_layers, top_k]``,
   one row per forwarded token (prompt and output, all but the last token), every decoder layer;
   rows of dense (non-MoE) layers are 0, as in SGLang (its capture buffer is zero-initialised and
@@ -109,6 +111,21 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # SGLang's logit processing (penaltylib and its sampler), over the request's output tokens
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    # the ids min_new_tokens masks: stop_token_ids plus the model's EOS even under ignore_eos
+    # (SGLang's BatchedMinNewTokensPenalizer); GenerateRequest.parse fills in the EOS
+    min_new_tokens_ids: frozenset[int] = frozenset()
+
+    @property
+    def penalized(self) -> bool:
+        """Its logits are changed (by its output so far) before sampling and log-probs."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_new_tokens > 0)
 
     @property
     def greedy(self) -> bool:
@@ -120,11 +137,11 @@ class SamplingParams:
         return 1.0 if self.temperature < GREEDY_EPS else self.temperature
 
     _KNOWN = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "seed",
-              "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+              "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "min_p",
+              "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"}
     # SGLang fields that are accepted when they hold their no-op value
     _NEUTRAL = {
-        "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-        "min_new_tokens": 0, "n": 1, "stop": None, "stream_interval": None, "regex": None, "json_schema": None,
+        "n": 1, "stop": None, "stream_interval": None, "regex": None, "json_schema": None,
         "ebnf": None, "logit_bias": None, "stop_regex": None, "structural_tag": None,
         "beam_width": 1, "watermark": None,  # beam_width > 1: beam search
     }
@@ -163,10 +180,26 @@ class SamplingParams:
         seed = _int(d, "sampling_seed", None, where=w)
         if seed is None:
             seed = _int(d, "seed", None, where=w)
+        # SGLang's SamplingParams.verify ranges
+        min_p = _float(d, "min_p", 0.0, w)
+        if not 0.0 <= min_p <= 1.0:
+            raise RequestError(w + "min_p", f"must be in [0, 1], got {min_p}")
+        pens = {}
+        for key in ("frequency_penalty", "presence_penalty"):
+            pens[key] = _float(d, key, 0.0, w)
+            if not -2.0 <= pens[key] <= 2.0:
+                raise RequestError(w + key, f"must be in [-2, 2], got {pens[key]}")
+        rep = _float(d, "repetition_penalty", 1.0, w)
+        if not 0.0 < rep <= 2.0:
+            raise RequestError(w + "repetition_penalty", f"must be in (0, 2] (1.0 = no penalty), got {rep}")
+        min_new = _int(d, "min_new_tokens", 0, lo=0, where=w)
+        if min_new > mnt:
+            raise RequestError(w + "min_new_tokens", f"must be in [0, max_new_tokens({mnt})], got {min_new}")
         return cls(t, top_p, top_k, mnt, stop, seed,
                    skip_special_tokens=_bool(d, "skip_special_tokens", True, where=w),
                    spaces_between_special_tokens=_bool(d, "spaces_between_special_tokens", True, where=w),
-                   no_stop_trim=_bool(d, "no_stop_trim", False, where=w))
+                   no_stop_trim=_bool(d, "no_stop_trim", False, where=w),
+                   min_p=min_p, repetition_penalty=rep, min_new_tokens=min_new, min_new_tokens_ids=stop, **pens)
 
 
 @dataclass
@@ -251,6 +284,7 @@ class GenerateRequest:
             )
         sp = SamplingParams.parse(body.get("sampling_params"))
         raw_sp = body.get("sampling_params") or {}
+        sp.min_new_tokens_ids = sp.stop_token_ids | {t for t in eos_token_ids if 0 <= t < vocab_size}
         if eos_token_ids and not raw_sp.get("ignore_eos"):
             sp.stop_token_ids = sp.stop_token_ids | {t for t in eos_token_ids if 0 <= t < vocab_size}
         bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
