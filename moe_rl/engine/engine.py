@@ -179,6 +179,8 @@ class Engine:
         self.error: str | None = None  # engine thread crashed
         self.last_update_error: str | None = None
         self.stats = collections.Counter()
+        # the tokenizer's decode (set by the server when model.path has one): stop strings
+        self.decode: Callable[[list[int]], str] | None = None
         self._thread: threading.Thread | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -471,7 +473,10 @@ class Engine:
                     r.output_top.append(list(zip(out_top_v[i][:k], out_top_i[i][:k])))
                 r.versions.append(version)
                 self.stats["output_tokens"] += 1
-                if tok in p.stop_token_ids:
+                matched = self._stop_str(r) if p.stop_strs else None
+                if matched is not None:  # SGLang checks stop strings before stop tokens
+                    self._finish_locked(r, P.finish_stop(matched))
+                elif tok in p.stop_token_ids:
                     self._finish_locked(r, P.finish_stop(tok))
                 elif len(r.output_ids) >= p.max_new_tokens or len(r.req.input_ids) + len(r.output_ids) >= self.max_context:
                     self._finish_locked(r, P.finish_length(len(r.output_ids)))
@@ -520,6 +525,14 @@ class Engine:
         if p.min_p > 0.0:  # SGLang's: keep tokens with at least min_p times the top probability
             probs = torch.where(probs >= probs.max() * p.min_p, probs, torch.zeros_like(probs))
         return int(torch.multinomial(probs, 1, generator=gen))
+
+    def _stop_str(self, r: _Req) -> str | None:
+        """The first of the request's stop strings in the decoded tail of its output (SGLang's
+        Req.tail_str: the last stop_str_max_len + 1 tokens), or None."""
+        p = r.params
+        n = min(p.stop_str_max_len + 1, len(r.output_ids))
+        tail = self.decode(r.output_ids[-n:])
+        return next((s for s in p.stop_strs if s in tail), None)
 
     # --- finishing -----------------------------------------------------------------------
     def _trim_routing(self, r: _Req, n: int) -> None:

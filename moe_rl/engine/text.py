@@ -59,7 +59,20 @@ class TextCodec:
             ids = ids[:-1]  # the matched stop token is always the last one
         kw = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
         full, head = self.tokenizer.batch_decode([ids, context], **kw)
-        return full[len(head) :]
+        text = full[len(head) :]
+        if isinstance(matched, str):  # a stop string: cut before it (after it with no_stop_trim)
+            pos = text.find(matched)
+            if pos != -1:
+                text = text[: pos + len(matched)] if no_stop_trim else text[:pos]
+        return text
+
+    def token_count(self, s: str) -> int:
+        """Tokens of ``s`` without special tokens (SGLang's stop_str_max_len)."""
+        return len(self.tokenizer.encode(s, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        """SGLang's Req.tail_str decoding (the tokenizer's defaults)."""
+        return self.tokenizer.decode(ids)
 
     def add_text(self, out: dict, req) -> dict:
         """Adds ``"text"`` to an answer (``out``: the engine's dict for ``req``) and, with
