@@ -12,6 +12,9 @@ like an SGLang server with its tokenizer (read from sglang 0.5.23's ``tokenizer_
   same text; the matched stop token (``finish_reason.matched``) is left out unless
   ``no_stop_trim``; ``skip_special_tokens`` / ``spaces_between_special_tokens`` go to
   ``batch_decode``;
+* ``sampling_params.stop`` strings are matched on the decoded tail of the output by the engine
+  (``Engine.decode`` is this codec's ``decode``); the text is cut before the matched string
+  (after it with ``no_stop_trim``), as SGLang's ``trim_matched_stop``;
 * ``return_text_in_logprobs`` fills the third element of every log-prob tuple with the
   token's text (``batch_decode([[id] ...])``, no skipping).
 
