@@ -165,16 +165,8 @@ class LoraAdapters(nn.Module):
         (autograd reaches A and B; the base parameters are untouched and restored after).
         Under ``torch.no_grad`` the adapted weights are frozen Parameters, so code that looks
         parameters up by name (``local_hf_tensor``) reads the merged weights."""
-        swapped = []
-        grad = torch.is_grad_enabled()
-        try:
-            for module, attr, w in list(self.delta_weights()):
-                swapped.append((module, attr, module._parameters[attr]))
-                module._parameters[attr] = w if grad else nn.Parameter(w, requires_grad=False)
+        with swapped_parameters(self.delta_weights()):
             yield
-        finally:
-            for module, attr, orig in reversed(swapped):
-                module._parameters[attr] = orig
 
     @torch.no_grad()
     def merged_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -434,6 +426,23 @@ def load_peft(adapters: LoraAdapters, path: str | Path) -> LoraAdapters:
 def build_lora(model: MoEForCausalLM, cfg) -> LoraAdapters:
     """Adapters for ``cfg`` (the ``lora:`` config section), seeded."""
     return LoraAdapters(model, cfg.rank, cfg.alpha, cfg.targets, cfg.layers, cfg.dropout).init_weights(cfg.seed)
+
+
+@contextlib.contextmanager
+def swapped_parameters(weights: Iterator[tuple[nn.Module, str, torch.Tensor]]):
+    """Puts each (module, parameter name, tensor) in place of that parameter for the block and
+    restores the originals after. Under ``torch.no_grad`` the tensors go in as frozen Parameters,
+    so code that looks parameters up by name reads them."""
+    swapped = []
+    grad = torch.is_grad_enabled()
+    try:
+        for module, attr, w in list(weights):
+            swapped.append((module, attr, module._parameters[attr]))
+            module._parameters[attr] = w if grad else nn.Parameter(w, requires_grad=False)
+        yield
+    finally:
+        for module, attr, orig in reversed(swapped):
+            module._parameters[attr] = orig
 
 
 class AdapterSource:

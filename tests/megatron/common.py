@@ -24,11 +24,14 @@ def make_cfg(arch, device, dtype="float32", **train):
     ))
 
 
-def build(arch, device, dtype="float32", seed=7, std=0.08, **train):
-    """(megatron backend, native backend) holding identical weights."""
+def build(arch, device, dtype="float32", seed=7, std=0.08, lora=None, **train):
+    """(megatron backend, native backend) holding identical weights (``lora``: a LoraConfig
+    for both)."""
     from moe_rl.train.megatron import MegatronBackend
 
     cfg = make_cfg(arch, device, dtype, **train)
+    if lora is not None:
+        cfg = cfg.model_copy(update={"lora": lora})
     hf = hf_state_dict(MoEForCausalLM(cfg.model.arch()).init_weights(seed, std=std))
     meg = MegatronBackend(cfg, None, hf_state=hf)
     native_cfg = cfg.model_copy(deep=True)

@@ -11,6 +11,7 @@ tensor at a time via ``convert.megatron_to_hf``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Iterator
@@ -104,10 +105,13 @@ class MegatronBackend(DataParallelStep):
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.layout: MegatronLayout = self.opts.layout(ep_size=self.ep_size, ep_rank=self.ep_rank)
         log.info(
-            "megatron backend: %s layer spec (%s), experts: %s, dispatcher %s, EP %d (rank %d), recompute %s, replay %s",
+            "megatron backend: %s layer spec (%s), attention: %s, experts: %s, dispatcher %s, EP %d (rank %d), "
+            "recompute %s, replay %s",
             "Transformer Engine" if self.opts.use_te else "local (megatron-core modules)",
             "transformer_engine imports" if self.opts.use_te else "transformer_engine not used",
-            "TEGroupedMLP" if self.opts.grouped_gemm else "SequentialMLP", self.opts.dispatcher,
+            "TEDotProductAttention" if self.opts.use_te else
+            "TorchSDPAttention (fused SDPA per packed sequence, in place of megatron's DotProductAttention)",
+            self.experts_desc(), self.opts.dispatcher,
             self.ep_size, self.ep_rank, self.opts.recompute, self.opts.replay,
         )
 
@@ -122,6 +126,13 @@ class MegatronBackend(DataParallelStep):
         )
         self.load_hf_state(hf_state if hf_state is not None else initial_hf_state(cfg, self.arch))
         self.model.to(self.device)
+        self.lora = self._megatron_lora = None
+        if cfg.lora.enabled:  # base frozen; the optimizer below holds only the adapters
+            from .lora import MegatronLora, build_native_adapters
+
+            ep_group = ps.get_expert_model_parallel_group() if self.ep_size > 1 else None
+            self.lora = build_native_adapters(self.arch, cfg.lora, ep_group, self.device, self.dtype)
+            self._megatron_lora = MegatronLora(self.model, self.lora, self.arch, self.layout)
 
         self._setup_optimizer()
         if self.dtype != torch.float32:
@@ -129,6 +140,22 @@ class MegatronBackend(DataParallelStep):
             t = cfg.train
             self.optimizer = MainParamsOptimizer(self.dense_params + self.expert_params, lr=t.lr,
                                                  betas=tuple(t.betas), weight_decay=t.weight_decay)
+
+    def experts_desc(self) -> str:
+        """The expert module and, for ours, the grouped GEMM it runs (named in the log)."""
+        name = self.opts.experts
+        if name == "TorchGroupedMLP":
+            from .experts import grouped_kernel_name
+
+            kernel = grouped_kernel_name(self.device, self.dtype)
+            if kernel != "torch._grouped_mm":
+                log.warning("megatron backend: TorchGroupedMLP experts on %s %s fall back to a %s", self.device,
+                            self.dtype, kernel)
+            return f"{name} ({kernel}; megatron-core's GroupedMLP needs the grouped_gemm package, "\
+                   "TEGroupedMLP Transformer Engine)"
+        if name == "SequentialMLP":
+            return f"{name} (train.megatron_grouped_gemm=false: a Python loop over experts)"
+        return name
 
     # --- weights ------------------------------------------------------------------------
     def load_hf_state(self, hf) -> None:
@@ -149,14 +176,23 @@ class MegatronBackend(DataParallelStep):
                 p.copy_(t)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's weights under HF names; with LoRA the merged weights (base + s*B@A)."""
         params = dict(self.model.named_parameters())
         # inputs are detached, so no autograd graph is built; no `with no_grad()` around the
         # yield, which would leave autograd off in the caller while the generator is suspended
-        yield from megatron_to_hf(lambda n: params[n].detach(), self.arch, self.layout)
+        get = self._megatron_lora.merged_getter() if self._megatron_lora is not None else (lambda n: params[n].detach())
+        yield from megatron_to_hf(get, self.arch, self.layout)
 
     def hf_source(self):
-        """Megatron -> HF conversion streamed to the weight-sync sender, one tensor at a time."""
+        """Megatron -> HF conversion streamed to the weight-sync sender, one tensor at a time;
+        with LoRA the merged weights (lora.sync=merged) or the adapter tensors only (adapter),
+        under the native trainer's names."""
         from moe_rl.sync.source import StreamSource
+
+        if self.lora is not None and self.cfg.lora.sync == "adapter":
+            from moe_rl.model.lora import AdapterSource
+
+            return AdapterSource(self.lora)
 
         dtype = next(self.model.parameters()).dtype
         return StreamSource(self.arch, self.device, dtype, self.hf_tensors)
@@ -190,7 +226,7 @@ class MegatronBackend(DataParallelStep):
         ctx = self.replay.forward(mb.replay, T, self.device, record) if self.replay is not None else _no_replay(mb, record)
         self.model.post_process = False  # GPTModel then returns the decoder output: no logits
         try:
-            with ctx:
+            with ctx, (self._megatron_lora.applied() if self._megatron_lora is not None else contextlib.nullcontext()):
                 hidden = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, **kwargs)
         finally:
             self.model.post_process = True
@@ -229,13 +265,20 @@ class MegatronBackend(DataParallelStep):
     # --- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
         model = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        return {"model": model, "optimizer": self.optimizer.state_dict()}
+        out = {"model": model, "optimizer": self.optimizer.state_dict()}
+        if self.lora is not None:
+            out["lora"] = self.lora.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"megatron state does not fit this model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        if self.lora is not None:
+            if "lora" not in state:
+                raise KeyError("checkpoint has no LoRA adapters but lora.enabled=true")
+            self.lora.load_state_dict(state["lora"])
         self.optimizer.load_state_dict(state["optimizer"])
 
 
