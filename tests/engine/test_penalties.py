@@ -44,7 +44,9 @@ class _Batch:  # what BatchedPenalizerOrchestrator reads of a ScheduleBatch (wea
 
 
 def test_processed_logits_match_sglang_penaltylib():
-    pytest.importorskip("sglang.srt.sampling.penaltylib")
+    from tests.sglang.conftest import require_sglang
+
+    require_sglang("sglang.srt.sampling.penaltylib")  # skipped only where the sglang wheel is absent
     import torch._dynamo
     from sglang.srt.sampling import penaltylib as pl
     from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
