@@ -83,6 +83,10 @@ class RolloutConfig(Strict):
 
 class ReplayConfig(Strict):
     enabled: bool = True  # R3: trainer replays the engine's routing
+    # a stale sample (made by older weights than the trainer's): its engine routing replayed like
+    # a fresh one's ("engine", R3 as slime/MILES do it), or routed by the trainer itself as the
+    # decoupled objective's proximal policy would be ("trainer"); docs/algorithms.md
+    stale: Literal["engine", "trainer"] = "engine"
     dir: str | None = None  # default: <output_dir>/routing
 
 
@@ -148,7 +152,7 @@ class TrainConfig(Strict):
     seed: int = 0
     # train.backend=megatron only (docs/megatron.md)
     megatron_use_te: bool | None = None  # Transformer Engine layer specs; None = when TE imports
-    megatron_grouped_gemm: bool | None = None  # TEGroupedMLP experts; None = when TE is used
+    megatron_grouped_gemm: bool | None = None  # grouped experts (TEGroupedMLP with TE, else TorchGroupedMLP); None = true
     megatron_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     megatron_router_fusion: bool = False  # fused TE router: refused while routing replay is on
     megatron_recompute: bool = False  # full activation recompute (replay via REPLAY_BACKWARD)
@@ -235,6 +239,9 @@ class SweepConfig(Strict):
     parallel: int = Field(1, ge=1, description="runs at a time (each is a whole torchrun world)")
     output_dir: str | None = None  # default: <output_dir>/sweep
     overrides: list[str] = []  # key=value applied to every run (e.g. the bench's long_tail task)
+    eval_prompts: int = Field(0, ge=0, description="score each run's final checkpoint on this many fixed prompts "
+                              "(moe_rl/experiments/evaluate.py); 0 = off")
+    eval_samples: int = Field(4, ge=1, description="samples per evaluation prompt")
 
 
 class ExperimentConfig(Strict):

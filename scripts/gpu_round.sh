@@ -6,6 +6,7 @@
 #   bash scripts/gpu_round.sh install-test   # install + whole suite (GPU tests included)
 #   bash scripts/gpu_round.sh kernels        # issue 17: log-prob kernel vs Liger/compile; sync pack
 #   bash scripts/gpu_round.sh train-bench    # issue 16: native/megatron medium+large, recompute
+#   bash scripts/gpu_round.sh train-ab       # issue 16: native before/after on medium
 #   bash scripts/gpu_round.sh one-gpu        # issue 18: the main job and the engine on one GPU
 #
 # Each stage installs first when needed (a fresh machine keeps nothing between leases) and
@@ -15,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-stage=${1:?stage: fetch | install-test | kernels | train-bench | one-gpu}
+stage=${1:?stage: fetch | install-test | kernels | train-bench | train-ab | one-gpu}
 
 install() {
   if python3 -c "import moe_rl, pydantic, megatron.core" 2>/dev/null; then return; fi
@@ -51,14 +52,13 @@ case $stage in
     install
     step bench_logprobs timeout 300 moe-rl bench logprobs --json --profile "$OUT/logprobs_profile"
     step bench_sync_gpu timeout 200 moe-rl bench sync --gpu only --json ;;
-  train-bench)
+  train-bench)  # native, megatron, megatron + recompute per preset, one profiled step each
     install
-    for preset in medium large; do
-      step "train_$preset" timeout 200 python3 -m moe_rl.train.megatron.bench --preset $preset --json \
-        --out "$OUT/train_$preset.json"
-      step "train_${preset}_recompute" timeout 150 python3 -m moe_rl.train.megatron.bench --preset $preset \
-        --backends megatron --recompute --json --out "$OUT/train_${preset}_recompute.json"
-    done ;;
+    step train_medium timeout 220 env OUT="$OUT" bash scripts/gpu_bench_train.sh medium
+    step train_large timeout 320 env OUT="$OUT" bash scripts/gpu_bench_train.sh large ;;
+  train-ab)  # issue 16: native before/after on medium (466346e = the code before)
+    install
+    step train_medium_ab timeout 540 env OUT="$OUT" bash scripts/gpu_bench_train.sh ab ;;
   one-gpu)
     install
     step bench_engine_gpu1x timeout 150 moe-rl bench engine --device cuda --config configs/gpu_1x.yaml --json

@@ -4,7 +4,9 @@ The same task, model and sample budget, on a long-tailed response-length distrib
 (the task's ``long_tail`` option draws each prompt's max_new_tokens from a heavy-tailed law),
 each run as a real ``moe-rl train`` world (1 trainer rank + 1 embedded-engine rank). Reports
 samples/s, the busy fraction of each pool and the final reward (mean of the last quarter of
-steps) of each run.
+steps) of each run, and the final policy's reward on a fixed prompt set (``final_eval_reward``,
+moe_rl/experiments/evaluate.py: the per-step reward of an asynchronous run is earned by policies
+up to eta versions older than the one it trained, this is the trained policy itself).
 
 ``--multi-turn``: the same comparison on multi-turn episodes (configs/guess_number.yaml) whose
 environment steps take a long-tailed time (``GuessEnv``'s Pareto latency, ``--env-latency``
@@ -23,7 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_rl.config import load_config
+from moe_rl.experiments.evaluate import evaluate_run
 from moe_rl.train.tracking import read_metrics
+
+EVAL_PROMPTS, EVAL_SAMPLES = 64, 4
 
 
 def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[str],
@@ -41,6 +47,9 @@ def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[s
     samples = sum(row["samples"] for row in rows)
     train_wall = rows[-1]["wall_s"]  # from the first batch request to the last step, excludes start-up
     q = max(1, len(rows) // 4)
+    cfg = load_config(config, args[args.index(config) + 1:])
+    # single-turn tasks only: a multi-turn episode's reward needs its environment
+    ev = None if cfg.env.factory else evaluate_run(out_dir, cfg, EVAL_PROMPTS, EVAL_SAMPLES)
     return {
         "eta": eta,
         "steps": len(rows),
@@ -52,6 +61,7 @@ def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[s
         "busy_rollout": rows[-1]["busy_rollout"],
         "reward_first": float(np.mean([row["reward_mean"] for row in rows[:q]])),
         "final_reward": float(np.mean([row["reward_mean"] for row in rows[-q:]])),
+        "final_eval_reward": ev["eval_reward"] if ev else None,
         "staleness_max": max(row["staleness_max"] for row in rows),
         "dropped_stale_groups": rows[-1]["dropped_stale_groups"],
         "mean_response_len": float(np.mean([row["response_len_mean"] for row in rows])),
@@ -87,6 +97,7 @@ def main(argv: list[str]) -> int:
         "busy_trainer_async": A["busy_trainer"], "busy_rollout_async": A["busy_rollout"],
         "busy_trainer_sync": S["busy_trainer"], "busy_rollout_sync": S["busy_rollout"],
         "final_reward_async": A["final_reward"], "final_reward_sync": S["final_reward"],
+        "final_eval_reward_async": A["final_eval_reward"], "final_eval_reward_sync": S["final_eval_reward"],
         "device": "cpu", "workload": "multi-turn" if a.multi_turn else "long-tail single-turn",
     }
     if a.json:
@@ -97,6 +108,9 @@ def main(argv: list[str]) -> int:
             print(f"{name:6s} {r['samples_per_s']:10.2f} {r['busy_trainer']:11.2f} {r['busy_rollout']:13.2f} "
                   f"{r['reward_first']:9.3f}->{r['final_reward']:.3f} {r['staleness_max']:9d}")
         print(f"speedup async/sync: {summary['speedup']:.2f}x")
+        if A["final_eval_reward"] is not None:
+            print(f"final policy on {EVAL_PROMPTS} fixed prompts x {EVAL_SAMPLES}: async {A['final_eval_reward']:.3f}, "
+                  f"sync {S['final_eval_reward']:.3f}")
     return 0
 
 

@@ -106,6 +106,38 @@ class _StepAttention:
         return out
 
 
+def apply_penalties(logits: torch.Tensor, params: list[P.SamplingParams], outputs: list[list[int]]) -> None:
+    """SGLang's penaltylib on ``logits`` [R, V] (fp32, one row per request) in place, from each
+    request's output tokens so far: ``frequency_penalty`` * count and ``presence_penalty`` once
+    per generated token, ``-inf`` on ``min_new_tokens_ids`` while fewer than ``min_new_tokens``
+    tokens are out (the additive ones, summed first as SGLang's overlap scheduler does), then
+    ``repetition_penalty`` on generated tokens (logit * p when negative, / p otherwise).
+    Prompt tokens are not penalized (SGLang feeds its penalizers the output tokens only)."""
+    R, V = logits.shape
+    dev = logits.device
+
+    def padded(lists):  # ragged id lists -> [R, n] padded with V (a scratch column)
+        n = max(map(len, lists), default=0)
+        return torch.tensor([x + [V] * (n - len(x)) for x in lists], dtype=torch.long).view(R, n).to(dev)
+
+    def column(values):
+        return torch.tensor(values, dtype=torch.float32).to(dev)[:, None]
+
+    out = padded([list(o) for o in outputs])
+    counts = torch.zeros(R, V + 1, dtype=torch.float32, device=dev).scatter_add_(
+        1, out, torch.ones(out.shape, dtype=torch.float32, device=dev))[:, :V]
+    seen = counts > 0
+    additive = counts * -column([p.frequency_penalty for p in params])
+    additive -= seen * column([p.presence_penalty for p in params])
+    masked = [sorted(p.min_new_tokens_ids) if len(o) < p.min_new_tokens else [] for p, o in zip(params, outputs)]
+    if any(masked):
+        stop = torch.zeros(R, V + 1, dtype=torch.float32, device=dev).scatter_(1, padded(masked), float("-inf"))
+        additive += stop[:, :V]
+    logits.add_(additive)
+    scale = torch.where(seen, column([p.repetition_penalty for p in params]), 1.0)
+    logits.copy_(torch.where(logits < 0, logits * scale, logits / scale))
+
+
 class Engine:
     """Continuous-batching generation over ``model`` (a ``MoEForCausalLM``, EP=1)."""
 
@@ -147,6 +179,8 @@ class Engine:
         self.error: str | None = None  # engine thread crashed
         self.last_update_error: str | None = None
         self.stats = collections.Counter()
+        # the tokenizer's decode (set by the server when model.path has one): stop strings
+        self.decode: Callable[[list[int]], str] | None = None
         self._thread: threading.Thread | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -356,6 +390,12 @@ class Engine:
             logits = self.model.lm_head(hidden.index_select(0, torch.cat([last_rows, idx[6]]))).float()
             version = self.weight_version
         logits, in_logits = logits[: len(last)], logits[len(last) :]
+        pen = [i for i, (r, _, _) in enumerate(batch) if r.params.penalized]
+        if pen:  # SGLang processes the logits before sampling and before its output log-probs
+            rows = torch.tensor(pen, dtype=torch.long).to(self.device)
+            sub = logits.index_select(0, rows)
+            apply_penalties(sub, [batch[i][0].params for i in pen], [batch[i][0].output_ids for i in pen])
+            logits.index_copy_(0, rows, sub)
         temps = torch.tensor([r.params.logprob_temperature for r, _, _ in batch], dtype=torch.float32)
         logp = torch.log_softmax(logits / temps.to(self.device, non_blocking=True)[:, None], dim=-1)
         tokens_dev = self._sample_batch([r for r, _, _ in batch], logits, logp)
@@ -433,7 +473,10 @@ class Engine:
                     r.output_top.append(list(zip(out_top_v[i][:k], out_top_i[i][:k])))
                 r.versions.append(version)
                 self.stats["output_tokens"] += 1
-                if tok in p.stop_token_ids:
+                matched = self._stop_str(r) if p.stop_strs else None
+                if matched is not None:  # SGLang checks stop strings before stop tokens
+                    self._finish_locked(r, P.finish_stop(matched))
+                elif tok in p.stop_token_ids:
                     self._finish_locked(r, P.finish_stop(tok))
                 elif len(r.output_ids) >= p.max_new_tokens or len(r.req.input_ids) + len(r.output_ids) >= self.max_context:
                     self._finish_locked(r, P.finish_length(len(r.output_ids)))
@@ -448,7 +491,8 @@ class Engine:
         request's tokens depend on its seed and not on its batch-mates or the device."""
         device = logits.device
         tokens = torch.zeros(len(reqs), dtype=torch.long, device=device)
-        is_plain = [not r.params.greedy and r.params.top_k <= 0 and r.params.top_p >= 1.0 for r in reqs]
+        is_plain = [not r.params.greedy and r.params.top_k <= 0 and r.params.top_p >= 1.0 and r.params.min_p <= 0.0
+                    for r in reqs]
         plain = [i for i, p in enumerate(is_plain) if p]
         other = [i for i, p in enumerate(is_plain) if not p]
         if plain:
@@ -458,7 +502,7 @@ class Engine:
             # first index whose cdf exceeds u * total: token i with probability p_i exactly
             picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
             tokens[rows] = picked.clamp_(max=logits.shape[1] - 1)
-        if other:  # top-k / top-p / greedy rows: per row, on the host (their generators are CPU ones)
+        if other:  # top-k / top-p / min-p / greedy rows: per row, on the host (their generators are CPU ones)
             lg, lp = logits[other].cpu(), logp[other].cpu()
             chosen = [cls._sample(reqs[i].params, lg[j], lp[j], reqs[i].generator) for j, i in enumerate(other)]
             tokens[torch.tensor(other, dtype=torch.long).to(device)] = torch.tensor(chosen, dtype=torch.long).to(device)
@@ -478,7 +522,17 @@ class Engine:
             drop = (cum - sorted_p) > p.top_p * cum[-1]  # keep the smallest prefix reaching top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        if p.min_p > 0.0:  # SGLang's: keep tokens with at least min_p times the top probability
+            probs = torch.where(probs >= probs.max() * p.min_p, probs, torch.zeros_like(probs))
         return int(torch.multinomial(probs, 1, generator=gen))
+
+    def _stop_str(self, r: _Req) -> str | None:
+        """The first of the request's stop strings in the decoded tail of its output (SGLang's
+        Req.tail_str: the last stop_str_max_len + 1 tokens), or None."""
+        p = r.params
+        n = min(p.stop_str_max_len + 1, len(r.output_ids))
+        tail = self.decode(r.output_ids[-n:])
+        return next((s for s in p.stop_strs if s in tail), None)
 
     # --- finishing -----------------------------------------------------------------------
     def _trim_routing(self, r: _Req, n: int) -> None:

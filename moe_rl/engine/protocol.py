@@ -8,8 +8,10 @@ Encodings the rest of the stack relies on:
 * ``meta_info.output_token_logprobs``: ``[[logprob, token_id, null], ...]`` (SGLang's tuples
   with no text), one per output token. Convention (SGLang's default, and the trainer's): the
   log-probability of the sampled token under ``softmax(logits / temperature)`` over the whole
-  vocabulary, computed in fp32, *before* top-k / top-p truncation. A greedy request
-  (``temperature == 0``) uses temperature 1, as SGLang does.
+  vocabulary, computed in fp32, *before* top-k / top-p / min-p truncation. A greedy request
+  (``temperature == 0``) uses temperature 1, as SGLang does. ``logits`` are the processed
+  ones, as SGLang's sampler takes them: after the penalties (frequency, presence, repetition,
+  min_new_tokens), which SGLang applies to the logits in place before sampling.
 * ``meta_info.routed_experts``: base64 of int32 ``[seqlen - 1, num_hidden_layers, top_k]``,
   one row per forwarded token (prompt and output, all but the last token), every decoder layer;
   rows of dense (non-MoE) layers are 0, as in SGLang (its capture buffer is zero-initialised and
@@ -29,11 +31,12 @@ import itertools
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 GREEDY_EPS = 1e-6  # temperature below this means greedy, as SGLang's _SAMPLING_EPS
+MAX_STOP_COUNT = 32  # SGLang's limit on stop strings per request
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -109,6 +112,25 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # SGLang's logit processing (penaltylib and its sampler), over the request's output tokens
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    # the ids min_new_tokens masks: stop_token_ids plus the model's EOS even under ignore_eos
+    # (SGLang's BatchedMinNewTokensPenalizer); GenerateRequest.parse fills in the EOS
+    min_new_tokens_ids: frozenset[int] = frozenset()
+    # stop strings, matched on the decoded tail of the output (needs a tokenizer); the tail
+    # is stop_str_max_len + 1 tokens, stop_str_max_len the longest one's token count (SGLang's)
+    stop_strs: tuple[str, ...] = ()
+    stop_str_max_len: int = 0
+
+    @property
+    def penalized(self) -> bool:
+        """Its logits are changed (by its output so far) before sampling and log-probs."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_new_tokens > 0)
 
     @property
     def greedy(self) -> bool:
@@ -120,11 +142,11 @@ class SamplingParams:
         return 1.0 if self.temperature < GREEDY_EPS else self.temperature
 
     _KNOWN = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "seed",
-              "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+              "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "min_p",
+              "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop"}
     # SGLang fields that are accepted when they hold their no-op value
     _NEUTRAL = {
-        "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-        "min_new_tokens": 0, "n": 1, "stop": None, "stream_interval": None, "regex": None, "json_schema": None,
+        "n": 1, "stream_interval": None, "regex": None, "json_schema": None,
         "ebnf": None, "logit_bias": None, "stop_regex": None, "structural_tag": None,
         "beam_width": 1, "watermark": None,  # beam_width > 1: beam search
     }
@@ -163,10 +185,38 @@ class SamplingParams:
         seed = _int(d, "sampling_seed", None, where=w)
         if seed is None:
             seed = _int(d, "seed", None, where=w)
+        # SGLang's SamplingParams.verify ranges
+        min_p = _float(d, "min_p", 0.0, w)
+        if not 0.0 <= min_p <= 1.0:
+            raise RequestError(w + "min_p", f"must be in [0, 1], got {min_p}")
+        pens = {}
+        for key in ("frequency_penalty", "presence_penalty"):
+            pens[key] = _float(d, key, 0.0, w)
+            if not -2.0 <= pens[key] <= 2.0:
+                raise RequestError(w + key, f"must be in [-2, 2], got {pens[key]}")
+        rep = _float(d, "repetition_penalty", 1.0, w)
+        if not 0.0 < rep <= 2.0:
+            raise RequestError(w + "repetition_penalty", f"must be in (0, 2] (1.0 = no penalty), got {rep}")
+        min_new = _int(d, "min_new_tokens", 0, lo=0, where=w)
+        if min_new > mnt:
+            raise RequestError(w + "min_new_tokens", f"must be in [0, max_new_tokens({mnt})], got {min_new}")
+        stop_strs = d.get("stop")
+        if stop_strs is None or stop_strs == "" or stop_strs == []:
+            stop_strs = ()
+        elif isinstance(stop_strs, str):
+            stop_strs = (stop_strs,)
+        elif isinstance(stop_strs, list) and all(isinstance(x, str) for x in stop_strs):
+            if len(stop_strs) > MAX_STOP_COUNT:
+                raise RequestError(w + "stop", f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(stop_strs)}")
+            stop_strs = tuple(stop_strs)
+        else:
+            raise RequestError(w + "stop", f"expected a string or a list of strings, got {stop_strs!r}")
         return cls(t, top_p, top_k, mnt, stop, seed,
                    skip_special_tokens=_bool(d, "skip_special_tokens", True, where=w),
                    spaces_between_special_tokens=_bool(d, "spaces_between_special_tokens", True, where=w),
-                   no_stop_trim=_bool(d, "no_stop_trim", False, where=w))
+                   no_stop_trim=_bool(d, "no_stop_trim", False, where=w),
+                   min_p=min_p, repetition_penalty=rep, min_new_tokens=min_new, min_new_tokens_ids=stop,
+                   stop_strs=stop_strs, **pens)
 
 
 @dataclass
@@ -205,8 +255,10 @@ class GenerateRequest:
 
     @classmethod
     def parse(cls, body: Any, *, vocab_size: int, max_context: int,
-              eos_token_ids: frozenset[int] = frozenset(), adapter: str | None = None) -> "GenerateRequest":
-        """``eos_token_ids``: the model's EOS (its config / generation_config), which ends a
+              eos_token_ids: frozenset[int] = frozenset(), adapter: str | None = None,
+              token_count: Callable[[str], int] | None = None) -> "GenerateRequest":
+        """``token_count``: the tokenizer's token count of a string (without special tokens),
+        None without a tokenizer (stop strings are then refused). ``eos_token_ids``: the model's EOS (its config / generation_config), which ends a
         sequence as in SGLang unless ``sampling_params.ignore_eos``. ``adapter``: the LoRA
         adapter the engine serves (moe_rl.engine.lora), the only ``lora_path`` it accepts."""
         if not isinstance(body, dict):
@@ -251,6 +303,13 @@ class GenerateRequest:
             )
         sp = SamplingParams.parse(body.get("sampling_params"))
         raw_sp = body.get("sampling_params") or {}
+        if sp.stop_strs:
+            if token_count is None:
+                raise RequestError("sampling_params.stop", "stop strings are matched on the decoded output and the "
+                                   "engine has no tokenizer (model.path has none; SGLang with skip_tokenizer_init=True "
+                                   "refuses them too); use stop_token_ids")
+            sp.stop_str_max_len = max(token_count(s) for s in sp.stop_strs)
+        sp.min_new_tokens_ids = sp.stop_token_ids | {t for t in eos_token_ids if 0 <= t < vocab_size}
         if eos_token_ids and not raw_sp.get("ignore_eos"):
             sp.stop_token_ids = sp.stop_token_ids | {t for t in eos_token_ids if 0 <= t < vocab_size}
         bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
@@ -305,7 +364,8 @@ PER_PROMPT_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_
 
 
 def parse_batch(body: dict, *, vocab_size: int, max_context: int,
-                eos_token_ids: frozenset[int] = frozenset(), adapter: str | None = None) -> list[GenerateRequest]:
+                eos_token_ids: frozenset[int] = frozenset(), adapter: str | None = None,
+                token_count: Callable[[str], int] | None = None) -> list[GenerateRequest]:
     """A batched /generate body -> one request per prompt. As in SGLang's
     ``GenerateReqInput.__getitem__``, the fields of ``PER_PROMPT_FIELDS`` are either one value
     for all prompts or a list with one per prompt; the others (``routed_experts_start_len``,
@@ -327,7 +387,7 @@ def parse_batch(body: dict, *, vocab_size: int, max_context: int,
         item.update({k: v[i] for k, v in per_item.items()})
         try:
             out.append(GenerateRequest.parse(item, vocab_size=vocab_size, max_context=max_context,
-                                             eos_token_ids=eos_token_ids, adapter=adapter))
+                                             eos_token_ids=eos_token_ids, adapter=adapter, token_count=token_count))
         except RequestError as e:
             raise RequestError(f"prompt {i}: {e.field}", e.message) from None
     return out
@@ -337,8 +397,9 @@ def finish_length(n: int) -> dict:
     return {"type": "length", "length": n}
 
 
-def finish_stop(token: int) -> dict:
-    return {"type": "stop", "matched": token}
+def finish_stop(matched: int | str) -> dict:
+    """A stop token (its id) or a stop string (the string), as SGLang's FINISH_MATCHED_*."""
+    return {"type": "stop", "matched": matched}
 
 
 def finish_abort(message: str = "Aborted", status_code: int | None = None) -> dict:

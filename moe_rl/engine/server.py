@@ -120,6 +120,8 @@ class EngineServer:
         tokenizer = load_tokenizer(engine.model_path)
         # None: answers as SGLang with --skip-tokenizer-init (no "text"; a text prompt is a 400)
         self.text = TextCodec(tokenizer) if tokenizer is not None else None
+        if self.text is not None:
+            engine.decode = self.text.decode  # stop strings
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
@@ -184,7 +186,8 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = self._tokenize(await _json(request))
         limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context,
-                      eos_token_ids=self.eos_token_ids, adapter=getattr(self.engine, "adapter_name", None))
+                      eos_token_ids=self.eos_token_ids, adapter=getattr(self.engine, "adapter_name", None),
+                      token_count=self.text.token_count if self.text is not None else None)
         if P.is_batch(body):  # SGLang's batch form: a list in, a list out
             reqs = P.parse_batch(body, **limits)
             if not self.engine.alive:

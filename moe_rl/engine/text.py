@@ -12,6 +12,9 @@ like an SGLang server with its tokenizer (read from sglang 0.5.23's ``tokenizer_
   same text; the matched stop token (``finish_reason.matched``) is left out unless
   ``no_stop_trim``; ``skip_special_tokens`` / ``spaces_between_special_tokens`` go to
   ``batch_decode``;
+* ``sampling_params.stop`` strings are matched on the decoded tail of the output by the engine
+  (``Engine.decode`` is this codec's ``decode``); the text is cut before the matched string
+  (after it with ``no_stop_trim``), as SGLang's ``trim_matched_stop``;
 * ``return_text_in_logprobs`` fills the third element of every log-prob tuple with the
   token's text (``batch_decode([[id] ...])``, no skipping).
 
@@ -59,7 +62,20 @@ class TextCodec:
             ids = ids[:-1]  # the matched stop token is always the last one
         kw = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
         full, head = self.tokenizer.batch_decode([ids, context], **kw)
-        return full[len(head) :]
+        text = full[len(head) :]
+        if isinstance(matched, str):  # a stop string: cut before it (after it with no_stop_trim)
+            pos = text.find(matched)
+            if pos != -1:
+                text = text[: pos + len(matched)] if no_stop_trim else text[:pos]
+        return text
+
+    def token_count(self, s: str) -> int:
+        """Tokens of ``s`` without special tokens (SGLang's stop_str_max_len)."""
+        return len(self.tokenizer.encode(s, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        """SGLang's Req.tail_str decoding (the tokenizer's defaults)."""
+        return self.tokenizer.decode(ids)
 
     def add_text(self, out: dict, req) -> dict:
         """Adds ``"text"`` to an answer (``out``: the engine's dict for ``req``) and, with

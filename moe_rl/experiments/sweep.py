@@ -6,7 +6,10 @@ process (the CLI path: this module never imports train/) in ``<sweep dir>/<arm>/
 whose directory holds ``done.json`` is not run again, so an interrupted sweep resumes by
 re-running the same command. The summary is read back from each run's ``metrics.jsonl``:
 ``summary.md``, ``summary.csv``, ``summary.json``, ``reward.png`` (reward against samples
-trained, mean and min-max band over seeds per arm) and ``mismatch_kl.png``.
+trained, mean and min-max band over seeds per arm) and ``mismatch_kl.png``. With
+``sweep.eval_prompts`` each run's final checkpoint is also scored on a fixed prompt set
+(moe_rl/experiments/evaluate.py; cached in the run's ``eval.json``), and arms are compared
+seed by seed against the first arm.
 """
 from __future__ import annotations
 
@@ -175,12 +178,48 @@ def reward_in_versions(rows: list[dict], lo: float, hi: float) -> float | None:
     return float(np.nanmean(_col(rows, "reward_mean")[sel])) if sel.any() else None
 
 
-FIGURES = ("final_reward", "final_reward_by_version", "steps_to_threshold", "mismatch_k3", "routing_match", "tokens_per_s",
-           "samples_per_s", "icepop_frac")
+FIGURES = ("final_reward", "final_reward_by_version", "eval_reward", "steps_to_threshold", "mismatch_k3", "routing_match",
+           "tokens_per_s", "samples_per_s", "icepop_frac")
+PAIRED = ("final_reward", "final_reward_by_version", "eval_reward", "samples_per_s")
 
 
-def summarise(runs: list[Run], out: Path, threshold: float) -> list[dict]:
+def run_eval(config: str, run: Run, prompts: int, samples: int) -> dict | None:
+    """The run's final-policy evaluation, computed once and kept in ``<run>/eval.json``."""
+    from .evaluate import evaluate_run
+
+    path = run.dir / "eval.json"
+    if path.exists():
+        got = json.loads(path.read_text())
+        if got.get("eval_prompts") == prompts and got.get("eval_samples") == samples:
+            return got
+    got = evaluate_run(run.dir, load_config(config, list(run.overrides)), prompts, samples)
+    if got is not None:
+        path.write_text(json.dumps(got, indent=1))
+    return got
+
+
+def paired(arms: dict[str, list[dict]], seeds: dict[str, list[int]]) -> list[dict]:
+    """Each arm minus the first arm, seed by seed (seeds both have): mean and standard error."""
+    names = list(arms)
+    out = []
+    for arm in names[1:]:
+        row = {"arm": arm, "baseline": names[0]}
+        for f in PAIRED:
+            base = {s: st.get(f) for s, st in zip(seeds[names[0]], arms[names[0]])}
+            d = [st.get(f) - base[s] for s, st in zip(seeds[arm], arms[arm])
+                 if st.get(f) is not None and base.get(s) is not None]
+            row[f + "_diff"] = float(np.mean(d)) if d else None
+            row[f + "_diff_se"] = float(np.std(d, ddof=1) / np.sqrt(len(d))) if len(d) > 1 else None
+            if f == "final_reward":
+                row["pairs"] = len(d)
+        out.append(row)
+    return out
+
+
+def summarise(runs: list[Run], out: Path, threshold: float, evaluate: tuple[str, int, int] | None = None) -> list[dict]:
+    """``evaluate``: (config, prompts, samples) to score each run's final checkpoint (run_eval)."""
     arms: dict[str, list[dict]] = {}
+    seeds: dict[str, list[int]] = {}
     curves: dict[str, list[list[dict]]] = {}
     for r in runs:
         path = r.dir / "metrics.jsonl"
@@ -188,7 +227,11 @@ def summarise(runs: list[Run], out: Path, threshold: float) -> list[dict]:
             continue
         rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
         if rows:
-            arms.setdefault(r.arm, []).append(run_stats(rows, threshold))
+            st = run_stats(rows, threshold)
+            ev = run_eval(evaluate[0], r, evaluate[1], evaluate[2]) if evaluate else None
+            st["eval_reward"] = ev["eval_reward"] if ev else None
+            arms.setdefault(r.arm, []).append(st)
+            seeds.setdefault(r.arm, []).append(r.seed)
             curves.setdefault(r.arm, []).append(rows)
     # final reward by version: the same window of sampling-policy versions for every run (the last
     # quarter of versions that every run has sampled with), so a stale run is not charged its lag
@@ -215,8 +258,11 @@ def summarise(runs: list[Run], out: Path, threshold: float) -> list[dict]:
             w = csv.DictWriter(f, fieldnames=list(table[0]))
             w.writeheader()
             w.writerows(table)
-    (out / "summary.json").write_text(json.dumps({"threshold": threshold, "arms": table}, indent=1))
-    (out / "summary.md").write_text(markdown(table, threshold))
+    pairs = paired(arms, seeds)
+    (out / "summary.json").write_text(json.dumps({"threshold": threshold, "arms": table, "paired": pairs,
+                                                  "per_seed": {a: dict(zip(map(str, seeds[a]), arms[a])) for a in arms}},
+                                                 indent=1))
+    (out / "summary.md").write_text(markdown(table, threshold, pairs))
     if curves:
         plot(curves, out)
     return table
@@ -226,16 +272,17 @@ def _pm(m, sd, digits: int) -> str:
     return "-" if m is None else f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
-def markdown(table: list[dict], threshold: float) -> str:
-    head = ("| arm | seeds | final reward | final reward by version | steps to reward ≥ %g | mismatch k3 KL "
-            "| routing match | train tokens/s | samples/s | IcePop-masked |" % threshold)
-    lines = [head, "|" + "---|" * 10]
+def markdown(table: list[dict], threshold: float, pairs: list[dict] = ()) -> str:
+    head = ("| arm | seeds | final reward | final reward by version | final-policy eval | steps to reward ≥ %g "
+            "| mismatch k3 KL | routing match | train tokens/s | samples/s | IcePop-masked |" % threshold)
+    lines = [head, "|" + "---|" * 11]
     for r in table:
         reach = ("-" if r["steps_to_threshold_mean"] is None else
                  f"{r['steps_to_threshold_mean']:.0f} ± {r['steps_to_threshold_std']:.0f} ({r['reached_threshold']}/{r['seeds']})")
         lines.append(
             f"| {r['arm']} | {r['seeds']} | {_pm(r['final_reward_mean'], r['final_reward_std'], 3)} "
-            f"| {_pm(r['final_reward_by_version_mean'], r['final_reward_by_version_std'], 3)} | {reach} "
+            f"| {_pm(r['final_reward_by_version_mean'], r['final_reward_by_version_std'], 3)} "
+            f"| {_pm(r['eval_reward_mean'], r['eval_reward_std'], 3)} | {reach} "
             f"| {_pm(r['mismatch_k3_mean'], r['mismatch_k3_std'], 5)} | {_pm(r['routing_match_mean'], r['routing_match_std'], 3)} "
             f"| {_pm(r['tokens_per_s_mean'], r['tokens_per_s_std'], 0)} | {_pm(r['samples_per_s_mean'], r['samples_per_s_std'], 1)} "
             f"| {_pm(r['icepop_frac_mean'], r['icepop_frac_std'], 4)} |")
@@ -243,7 +290,15 @@ def markdown(table: list[dict], threshold: float) -> str:
     lines.append("mean ± sample std over seeds; final reward = mean batch reward of the last quarter of steps; "
                  "by version = mean batch reward of the steps whose batch was sampled by a policy version in "
                  "the same window for every run (the last quarter of the versions all runs sampled with); "
-                 "steps to threshold over the seeds that reached it (reached/seeds).")
+                 "final-policy eval = each run's final checkpoint scored on a fixed prompt set (the same for "
+                 "every run; '-' when not asked for); steps to threshold over the seeds that reached it "
+                 "(reached/seeds).")
+    if pairs:
+        lines += ["", "Paired by seed against %s (mean ± standard error of the per-seed differences):" % pairs[0]["baseline"],
+                  "", "| arm | pairs | " + " | ".join(f"Δ {f}" for f in PAIRED) + " |", "|" + "---|" * (2 + len(PAIRED))]
+        for p in pairs:
+            lines.append(f"| {p['arm']} | {p['pairs']} | " + " | ".join(
+                _pm(p[f + "_diff"], p[f + "_diff_se"] or 0.0, 1 if f == "samples_per_s" else 3) for f in PAIRED) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -328,7 +383,9 @@ def main(argv: list[str]) -> int:
     threshold = sw.threshold if a.threshold is None else a.threshold
     out = Path(a.out or sw.output_dir or Path(cfg.output_dir) / "sweep")
     runs = plan(a.config, cfg, grid, seeds, a.steps or sw.steps, out, [*sw.overrides, *a.overrides])
-    todo = [r for r in runs if not is_done(r)]
+    # seed-major order: with --parallel equal to the number of arms, the arms of one seed run
+    # side by side under the same machine load, so their speed ratio compares like with like
+    todo = sorted((r for r in runs if not is_done(r)), key=lambda r: r.seed)
     arms = len({r.arm for r in runs})
     print(f"sweep: {arms} arm(s) x {seeds} seed(s) = {len(runs)} runs in {out}; "
           f"{len(runs) - len(todo)} already done, {len(todo)} to run, {parallel} at a time", file=sys.stderr)
@@ -345,7 +402,7 @@ def main(argv: list[str]) -> int:
 
         with ThreadPoolExecutor(max_workers=parallel) as pool:
             list(pool.map(one, todo))
-    table = summarise(runs, out, threshold)
+    table = summarise(runs, out, threshold, (a.config, sw.eval_prompts, sw.eval_samples) if sw.eval_prompts else None)
     print((out / "summary.md").read_text())
     print(f"written: {out}/summary.md, summary.csv, summary.json, reward.png, reward_by_version.png, mismatch_kl.png", file=sys.stderr)
     if failures:

@@ -90,6 +90,21 @@ def decode_routed_experts(routed_experts, spec: RoutingSpec, *, num_tokens: int 
     return ids
 
 
+def routed_rows(routed_experts, spec: RoutingSpec) -> int | None:
+    """Rows (tokens) in SGLang's ``meta_info["routed_experts"]`` without checking them; None
+    when the response carries none (SGLang: a request aborted while queued)."""
+    if routed_experts is None:
+        return None
+    if isinstance(routed_experts, (str, bytes, bytearray)):
+        try:
+            n = len(base64.b64decode(routed_experts, validate=True)) // 4
+        except (binascii.Error, ValueError):
+            return None
+    else:
+        n = np.asarray(routed_experts).size
+    return n // (spec.num_hidden_layers * spec.top_k)
+
+
 def merge_partial(segments: Sequence, *, starts: Sequence[int] | None = None,
                   num_tokens: int | None = None) -> np.ndarray:
     """Joins the routing of one sample generated in several segments (partial rollout).

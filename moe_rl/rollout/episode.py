@@ -100,7 +100,7 @@ class EpisodeRunner:
     async def _model_turn(self, mgr, ep: "_Episode", turn: int, budget: int) -> list[int]:
         """One model turn of up to ``budget`` tokens; a weight update cutting it short
         resubmits the history + partial turn (as the manager does for single-turn samples)."""
-        from .manager import _attempt_rid, _seed  # the manager's rid and seed conventions
+        from .manager import _attempt_rid, _seed, _version_number, routing_covers  # the manager's conventions
 
         rc = self.cfg.rollout
         out: list[int] = []
@@ -123,9 +123,13 @@ class EpisodeRunner:
                 mgr._mark(-1)
             meta = resp["meta_info"]
             new = list(resp["output_ids"])
-            logps = output_logprobs(meta)
+            finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
+            if want_routing and new and finish == "abort" and not routing_covers(meta, mgr.spec, len(history), len(new), start):
+                new = []  # aborted without routing for its tokens (SGLang, a queued request): generated again
+                mgr.stats["aborted_without_routing"] += 1
+            logps = output_logprobs(meta)[: len(new)]
             tv = token_weight_versions(meta)
-            versions = [int(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))]
+            versions = [_version_number(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))][: len(new)]
             if not (len(logps) == len(versions) == len(new)):
                 raise RuntimeError(f"episode {ep.uid}: engine returned {len(new)} tokens, {len(logps)} log-probs, "
                                    f"{len(versions)} versions")
@@ -136,7 +140,6 @@ class EpisodeRunner:
                 ep.metas.append(meta)
                 ep.starts.append(start)
                 ep.covered = len(history) + len(new) - 1
-            finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
             if not (finish == "abort" and len(out) < budget and not mgr._stop):
                 return out
             resumes += 1

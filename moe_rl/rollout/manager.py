@@ -34,7 +34,7 @@ import numpy as np
 
 from moe_rl.engine.client import EngineError, EngineHTTPError
 from moe_rl.engine.protocol import output_logprobs, token_weight_versions
-from moe_rl.replay import RoutingSpec, record_from_responses
+from moe_rl.replay import RoutingSpec, record_from_responses, routed_rows
 from moe_rl.tasks.plugins import reward_value
 
 from .buffer import RolloutBuffer
@@ -309,12 +309,15 @@ class RolloutManager:
         while True:
             meta = resp["meta_info"]
             finish = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
-            if want_routing and finish == "abort" and meta.get("routed_experts") is None:
-                # SGLang aborts a queued (or just-started) request without routed_experts: its
-                # tokens, if any, cannot be replayed, so they are dropped and the same prefix
-                # is submitted again (nothing already kept is lost)
+            if want_routing and finish == "abort" and not routing_covers(
+                    meta, self.spec, len(prompt.input_ids) + len(out), len(resp["output_ids"]), starts[-1]):
+                # an aborted response whose routing does not cover its tokens: SGLang aborts a
+                # queued (or just-started) request without routed_experts, an engine may abort
+                # one before its first forward. Its tokens, if any, are dropped and the same
+                # prefix is submitted again (nothing already kept is lost)
                 starts.pop()
-                self.stats["aborted_without_routing"] = self.stats.get("aborted_without_routing", 0) + 1
+                if resp["output_ids"]:
+                    self.stats["aborted_without_routing"] += 1
             else:
                 new = list(resp["output_ids"])
                 out += new
@@ -347,6 +350,12 @@ class RolloutManager:
             self.replay_log.append(uid, rec, sorted(set(versions)))
             s.has_routing = True
         return s
+
+
+def routing_covers(meta: dict, spec: RoutingSpec, input_len: int, new_tokens: int, start: int) -> bool:
+    """Whether a response's routed_experts has a row for every token it covers: positions
+    ``[start, input_len + new_tokens - 1)``, as SGLang's routed_experts_start_len defines them."""
+    return routed_rows(meta.get("routed_experts"), spec) == input_len + new_tokens - 1 - start
 
 
 def _version_number(v) -> int:

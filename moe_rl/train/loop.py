@@ -11,6 +11,11 @@ Per step:
 
 With one optimizer update per batch the proximal policy (the trainer before its update) is
 the very forward that is being differentiated, so its log-probs are that forward's, detached.
+
+Routing replay (R3) and staleness: by default every sample's engine routing is replayed, stale
+ones too (R3 as slime/MILES run it). ``replay.stale: trainer`` routes a stale sample (one made
+by older weights) by the trainer itself, as the decoupled objective's proximal policy would
+route it; ``replay_rows`` merges the two routings when a batch mixes fresh and stale samples.
 """
 from __future__ import annotations
 
@@ -252,12 +257,29 @@ class Trainer:
         n_seq = sum(1 for s in batch if s["response_ids"])
         temp = cfg.rollout.temperature
         algo = cfg.algo
+        # which samples' engine routing is replayed (module docstring): decided on the whole
+        # batch, so every rank makes the same number of forward calls (expert parallelism)
+        fresh = [cfg.replay.stale == "engine" or all(v == self.version for v, m in zip(s["versions"], _loss_mask(s)) if m)
+                 for s in batch]
+        mixed = any(fresh) and not all(fresh)
+        fresh_shard = fresh[self.rank :: T] if T > 1 else fresh
         if algo.loss_agg == "token_sum_norm" and algo.loss_norm_tokens is None:
             algo = algo.model_copy(update={"loss_norm_tokens": cfg.rollout.max_new_tokens * max(len(batch), 1)})
-        sums = torch.zeros(8, dtype=torch.float64)  # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n
+        # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n, stale match, stale total
+        sums = torch.zeros(10, dtype=torch.float64)
         max_ratio = torch.zeros(1, dtype=torch.float64)
         need_entropy = cfg.algo.entropy_coef > 0
-        for mb, chunk, resp_pos, (engine_routing, has_rec) in mbs_list:
+        for m_i, (mb, chunk, resp_pos, (engine_routing, has_rec)) in enumerate(mbs_list):
+            keep = fresh_shard[m_i * mbs : m_i * mbs + len(chunk)]
+            if cfg.replay.enabled and not all(fresh):
+                own = None
+                if mixed:  # the trainer's own routing for the stale samples' rows (every rank, every call)
+                    own = []
+                    with torch.no_grad():
+                        self.backend.logprobs(MicroBatch(mb.input_ids, mb.cu_seqlens, mb.labels), temp, record=own)
+                if chunk:
+                    mb = MicroBatch(mb.input_ids, mb.cu_seqlens, mb.labels,
+                                    replay_rows(mb.replay, own, keep, mb.cu_seqlens))
             used = [] if engine_routing is not None else None
             logp_all, ent_all = self.backend.logprobs(mb, temp, with_entropy=need_entropy, record=used)
             if not chunk:
@@ -285,9 +307,14 @@ class Trainer:
             sums[2] += n
             max_ratio = torch.maximum(max_ratio, torch.tensor([mm["mismatch_max_ratio"]], dtype=torch.float64))
             if used is not None:
-                a, b = routing_match(used, engine_routing, has_rec)
+                # replayed rows (fresh samples) vs rows the trainer routed itself (stale ones)
+                replayed = stale_rows(keep, mb.cu_seqlens).logical_not() if cfg.replay.enabled else has_rec
+                a, b = routing_match(used, engine_routing, has_rec & replayed)
                 sums[3] += a
                 sums[4] += b
+                a, b = routing_match(used, engine_routing, has_rec & ~replayed)
+                sums[8] += a
+                sums[9] += b
             if need_entropy:
                 sums[5] += m["entropy"] * n
             sums[6] += m["clip_frac"] * n
@@ -307,8 +334,10 @@ class Trainer:
             **({"entropy": float(sums[5]) / n} if need_entropy else {}),
             **stats,
         }
-        if sums[4] > 0:
+        if sums[4] > 0:  # R3: where the engine's routing was replayed
             out["routing_match"] = float(sums[3] / sums[4])
+        if sums[9] > 0:  # stale samples: the older router's experts vs the trainer's own
+            out["routing_match_stale"] = float(sums[8] / sums[9])
         return out
 
     # --- the run --------------------------------------------------------------------------
@@ -399,6 +428,28 @@ class Trainer:
                 self.writer.flush()
         save_checkpoint(self.run_dir, self.step, self.backend, self.groups,
                         {"step": self.step, "version": self.version}, rollout_state, self.cfg.checkpoint.keep)
+
+
+def replay_rows(engine: list[torch.Tensor], own: list[torch.Tensor] | None, fresh: list[bool],
+                cu_seqlens: torch.Tensor) -> list[torch.Tensor] | None:
+    """The routing a micro-batch replays: the engine's rows for the sequences in ``fresh``
+    (produced by the trainer's current weights), ``own`` (the trainer's routing, one [T, k]
+    tensor per MoE layer) for the others. None (the router chooses) when no sequence is fresh."""
+    if not any(fresh):
+        return None
+    if all(fresh):
+        return engine
+    if own is None:
+        raise ValueError("replay_rows: a micro-batch mixing fresh and stale sequences needs the trainer's own routing")
+    stale = stale_rows(fresh, cu_seqlens)[:, None]
+    return [torch.where(stale, o.to(e.device, e.dtype), e) for e, o in zip(engine, own)]
+
+
+def stale_rows(fresh: list[bool], cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the packed rows of the sequences not in ``fresh`` (rows past them: True)."""
+    lengths = torch.diff(cu_seqlens)
+    stale = torch.repeat_interleave(~torch.tensor(fresh, dtype=torch.bool), lengths[: len(fresh)])
+    return torch.cat([stale, torch.ones(int(cu_seqlens[-1]) - stale.numel(), dtype=torch.bool)])
 
 
 def _loss_mask(s: dict) -> list[int]:

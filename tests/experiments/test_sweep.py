@@ -94,3 +94,17 @@ def test_reward_by_version_shifts_by_staleness():
     assert list(gen_versions(rows)) == [0, 1, 0, 1, 2, 3, 4, 5]
     assert reward_in_versions(rows, 4, 5) == pytest.approx((7 + 8) / 2)
     assert reward_in_versions(rows, 9, 10) is None
+
+
+def test_paired_differences_match_a_plain_recomputation():
+    from moe_rl.experiments.sweep import paired
+
+    base = [{"final_reward": x, "eval_reward": None} for x in (0.5, 0.4, 0.3)]
+    other = [{"final_reward": x, "eval_reward": None} for x in (0.1, 0.45, 0.3)]  # seeds 2, 0, 1
+    (p,) = paired({"a": base, "b": other}, {"a": [0, 1, 2], "b": [2, 0, 1]})
+    d = [0.1 - 0.3, 0.45 - 0.5, 0.3 - 0.4]  # same seed minus same seed
+    m = sum(d) / 3
+    se = (sum((x - m) ** 2 for x in d) / 2) ** 0.5 / 3 ** 0.5
+    assert p["baseline"] == "a" and p["pairs"] == 3
+    assert p["final_reward_diff"] == pytest.approx(m) and p["final_reward_diff_se"] == pytest.approx(se)
+    assert p["eval_reward_diff"] is None

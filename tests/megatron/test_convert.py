@@ -57,10 +57,10 @@ def _per_expert_hf_state(ref, arch):
     return out
 
 
-LAYOUTS = [dict(), dict(te=True), dict(te=True, grouped_gemm=True)]
+LAYOUTS = [dict(), dict(te=True), dict(te=True, grouped_gemm=True), dict(grouped_gemm=True)]  # last: TorchGroupedMLP
 
 
-@pytest.mark.parametrize("kind", LAYOUTS, ids=["local", "te", "te-grouped"])
+@pytest.mark.parametrize("kind", LAYOUTS, ids=["local", "te", "te-grouped", "torch-grouped"])
 @pytest.mark.parametrize("ep", [1, 2])
 def test_round_trip_bit_identical(tiny, kind, ep):
     arch, hf = tiny
@@ -134,7 +134,5 @@ def test_refuses_unshardable():
         megatron_param_specs(MoEArch(num_experts=6), MegatronLayout(ep_size=4))
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         megatron_param_specs(MoEArch(tie_word_embeddings=True), MegatronLayout())
-    with pytest.raises(ValueError, match="TE"):
-        MegatronLayout(grouped_gemm=True)
     with pytest.raises(ValueError, match="gather"):
         list(megatron_to_hf({}, MoEArch(), MegatronLayout(tp_size=2)))

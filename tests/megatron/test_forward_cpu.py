@@ -3,17 +3,15 @@
 megatron-core runs on CUDA only because of a few device moves and its CUDA RNG tracker: it
 moves the RoPE frequencies and the router weight to ``torch.cuda.current_device()`` on first
 use, and dropout regions / activation recompute fork and restore CUDA RNG states. The
-``cpu_megatron`` fixture shims exactly those (current device -> "cpu", RNG tracker and CUDA RNG
-state calls -> no-ops; dropout is 0) for this module, so everything else -- the GPTModel's
-attention, MoE routing and RouterReplay, token dispatch, experts, recompute -- runs unchanged.
-It also runs megatron's ``torch.compile``d helpers (``jit_fuser``, e.g. the router's
-``_apply_expert_bias`` in 0.19) eagerly: where CUDA is visible, TorchDynamo asks
+``cpu_megatron`` fixture shims exactly those for this module (``model.cpu_forward_shims``, also
+used by the CPU bench), so everything else -- the GPTModel's attention, MoE routing and
+RouterReplay, token dispatch, experts, recompute -- runs unchanged. It also runs megatron's
+``torch.compile``d helpers (``jit_fuser``) eagerly: where CUDA is visible, TorchDynamo asks
 ``torch.cuda.current_device()`` for the device index, gets the shim's "cpu" and fails
-(InternalTorchDynamoError, "list indices must be integers or slices, not str"). Eager and
-compiled compute the same; compilation is not what these tests check.
+(InternalTorchDynamoError). Eager and compiled compute the same; compilation is not what these
+tests check.
 The same checks on a GPU, without shims and also in bf16, are in test_megatron_gpu.py.
 """
-import contextlib
 
 import pytest
 import torch
@@ -43,19 +41,12 @@ LENGTHS = (11, 20, 9)
 @pytest.fixture(scope="module")
 def cpu_megatron():
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
 
-    tracker = mrandom.get_cuda_rng_tracker()
-    with pytest.MonkeyPatch.context() as mp:
+    from moe_rl.train.megatron.model import cpu_forward_shims
+
+    with pytest.MonkeyPatch.context() as mp, cpu_forward_shims():
         mp.setenv("MASTER_ADDR", "127.0.0.1")
         mp.setenv("MASTER_PORT", str(free_port()))
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        mp.setattr(torch._dynamo.config, "disable", True)  # see the module docstring
-        mp.setattr(tracker, "fork", lambda *a, **k: contextlib.nullcontext())
-        mp.setattr(tracker, "get_states", lambda: {})
-        mp.setattr(tracker, "set_states", lambda states: None)
-        mp.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-        mp.setattr(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
         dist.init_process_group("gloo", rank=0, world_size=1)
         try:
             yield
@@ -232,3 +223,60 @@ def test_bf16_model_steps_fp32_main_params(cpu_megatron):
     assert losses[-1] < losses[0] - 1e-3, losses
     for p, main in zip(meg.optimizer.model_params, meg.optimizer.main_params):
         assert torch.equal(p.detach(), main.detach().to(p.dtype))
+
+
+@pytest.mark.parametrize("grouped,align", [(True, 1), (True, 8), (False, 1)],
+                         ids=["TorchGroupedMLP", "TorchGroupedMLP-padded", "SequentialMLP"])
+def test_experts_forward_and_every_gradient_equal_native(cpu_megatron, monkeypatch, grouped, align):
+    """Without TE the experts are our TorchGroupedMLP (torch._grouped_mm) unless turned off; either
+    way megatron's log-probs and every parameter's gradient (mapped to HF names by the converter)
+    equal the native model's on the same weights and replayed routes (fp32). ``align=8`` runs the
+    CUDA layout (groups padded to aligned starts) on CPU."""
+    from moe_rl.model import iter_local_hf_tensors
+    from moe_rl.train.megatron import experts as experts_mod
+    from moe_rl.train.megatron.convert import megatron_to_hf
+
+    monkeypatch.setattr(experts_mod, "group_align", lambda x: align)
+
+    meg, native = build(CPU_ARCH, "cpu", megatron_grouped_gemm=grouped)
+    experts = {type(layer.mlp.experts).__name__ for layer in meg.model.decoder.layers if hasattr(layer.mlp, "experts")}
+    assert experts == {"TorchGroupedMLP" if grouped else "SequentialMLP"}
+    mb = make_mb(CPU_ARCH["vocab_size"], LENGTHS)
+    mb.replay = native_record(native, mb)
+    adv = torch.linspace(-1, 1, mb.num_tokens)
+    lp, _ = meg.logprobs(mb, 1.0)
+    lp_ref, _ = native.logprobs(mb, 1.0)
+    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
+    (adv * lp).sum().backward()
+    (adv * lp_ref).sum().backward()
+    params = dict(meg.model.named_parameters())
+    got = dict(megatron_to_hf(lambda n: params[n].grad, meg.arch, meg.layout))
+    with torch.no_grad():  # read the native grads under HF names: point each parameter at its grad
+        saved = [(p, p.data) for p in native.model.parameters()]
+        for p, _ in saved:
+            p.data = p.grad
+        want = {n: t.clone() for n, t in iter_local_hf_tensors(native.model)}
+        for p, data in saved:
+            p.data = data
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_local_spec_attention_is_fused_sdpa_and_refuses_other_masks(cpu_megatron):
+    """Without TE, core attention is TorchSDPAttention (its output equals the native model's
+    above); a mask that is not block-causal over packed sequences is refused, not attended."""
+    from moe_rl.model.qwen3_moe import PackedCausal
+    from moe_rl.train.megatron.attention import TorchSDPAttention
+
+    meg, _ = build(CPU_ARCH, "cpu")
+    cores = {type(layer.self_attention.core_attention) for layer in meg.model.decoder.layers}
+    assert cores == {TorchSDPAttention}
+    cu = torch.tensor([0, 3, 7, 10])
+    mask = ~PackedCausal(cu, 10).mask[None, None]
+    assert torch.equal(TorchSDPAttention.packing(mask).cu_seqlens, cu)
+    bad = mask.clone()
+    bad[0, 0, 5, 1] = False  # token 5 (second sequence) would see token 1 (first sequence)
+    with pytest.raises(ValueError, match="not block-causal"):
+        TorchSDPAttention.packing(bad)

@@ -227,13 +227,16 @@ def test_engine_errors_that_stop_the_run(status, overrides, failures):
 class SGLangLikeEngines(StubEngines):
     """What a real SGLang server does that the stub does not: its weight_version is "default"
     until the first update, it returns routed_experts, and a request aborted while queued comes
-    back with no routed_experts (here with a few tokens, which cannot be replayed)."""
+    back with no routed_experts (here with a few tokens, which cannot be replayed).
+    ``abort_kind`` "empty": aborted before its first forward, no tokens and an empty routing
+    record (the embedded engine in abort mode); "short": tokens whose routing lacks rows."""
 
     L, K = 2, 2
 
-    def __init__(self):
+    def __init__(self, abort_kind: str = "none"):
         super().__init__()
         self.aborted_without_routing = 0
+        self.abort_kind = abort_kind
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, return_routed_experts=False, rid=None,
                        routed_experts_start_len=0):
@@ -246,23 +249,31 @@ class SGLangLikeEngines(StubEngines):
         version = "default" if self.version == 0 else str(self.version)
         meta = {"weight_version": version, "output_token_logprobs": [[-1.0, 5, None]] * n,
                 "prompt_tokens": len(input_ids), "completion_tokens": n}
+        def routing(rows):
+            return base64.b64encode(np.tile(np.arange(self.K, dtype=np.int32), (rows, self.L, 1)).tobytes()).decode()
+
         if self.calls % 3 == 1:  # aborted in the queue: no routing
             self.aborted_without_routing += 1
-            meta.update(finish_reason={"type": "abort"}, output_token_logprobs=[[-1.0, 5, None]] * 2,
-                        completion_tokens=2)
-            return {"output_ids": [5, 5], "meta_info": meta}
+            new = 0 if self.abort_kind == "empty" else 2
+            meta.update(finish_reason={"type": "abort"}, output_token_logprobs=[[-1.0, 5, None]] * new,
+                        completion_tokens=new)
+            if self.abort_kind == "empty":
+                meta["routed_experts"] = routing(0)
+            elif self.abort_kind == "short":
+                meta["routed_experts"] = routing(len(input_ids) + new - 2 - routed_experts_start_len)
+            return {"output_ids": [5] * new, "meta_info": meta}
         rows = len(input_ids) + n - 1 - routed_experts_start_len
-        meta.update(finish_reason={"type": "length"},
-                    routed_experts=base64.b64encode(np.tile(np.arange(self.K, dtype=np.int32), (rows, self.L, 1)).tobytes()).decode())
+        meta.update(finish_reason={"type": "length"}, routed_experts=routing(rows))
         return {"output_ids": out, "meta_info": meta}
 
 
-def test_sglang_aborts_without_routing_and_default_version(tmp_path):
+@pytest.mark.parametrize("abort_kind", ["none", "empty", "short"])
+def test_sglang_aborts_without_routing_and_default_version(tmp_path, abort_kind):
     from moe_rl.replay.layers import RoutingSpec
     from moe_rl.replay.log import ReplayLog
 
     cfg = load_config("configs/tiny.yaml", ["rollout.max_staleness=1", "rollout.prompts_per_step=2", "rollout.group_size=2"])
-    engines, buffer = SGLangLikeEngines(), RolloutBuffer()
+    engines, buffer = SGLangLikeEngines(abort_kind), RolloutBuffer()
     spec = RoutingSpec(num_hidden_layers=2, top_k=2, num_experts=8)
     log = ReplayLog(tmp_path / "routing", num_layers=2, top_k=2, num_experts=8)
     m = RolloutManager(cfg, CountingTask(), engines, buffer, replay_log=log, routing_spec=spec)
@@ -272,7 +283,8 @@ def test_sglang_aborts_without_routing_and_default_version(tmp_path):
     finally:
         m.stop()
     samples = [s for g in groups for s in g.samples]
-    assert engines.aborted_without_routing > 0 and m.stats["aborted_without_routing"] > 0
+    assert engines.aborted_without_routing > 0
+    assert (m.stats["aborted_without_routing"] > 0) == (abort_kind != "empty")  # counted when tokens are dropped
     for s in samples:  # the unreplayable tokens were dropped and regenerated: full length, version 0
         assert len(s.response_ids) == CountingTask().prompt(s.group_id).max_new_tokens
         assert s.versions == [0] * len(s.response_ids) and s.has_routing

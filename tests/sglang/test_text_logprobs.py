@@ -291,3 +291,53 @@ def test_stream_snapshots_carry_text_and_logprobs(tok_server, tokenizer):
     assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
     assert_same(chunks[-1]["meta_info"], {k: whole["meta_info"][k] for k in
                                           ("input_token_logprobs", "output_token_logprobs")})
+
+
+# --- stop strings (with a tokenizer) -------------------------------------------------------------
+def _sglang_stop_len(tokenizer, output, stops):
+    """SGLang's scheduler on ``output`` token by token (Req.update_finish_state's string check,
+    compiled from the installed source; stop_str_max_len from its SamplingParams.normalize):
+    the output length and finish reason at the first match, or None."""
+    import re
+    from http import HTTPStatus
+
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sp = SamplingParams(stop=list(stops))
+    sp.normalize(tokenizer)
+    fin = SimpleNamespace(FINISH_MATCHED_STR=lambda matched: {"type": "stop", "matched": matched})
+    m = sglang_methods("srt/managers/schedule_batch.py", "Req",
+                       ("_stop_match_tail_len", "tail_str", "_locate_str_stop_finished_len", "_check_str_based_finish"),
+                       re=re, HTTPStatus=HTTPStatus, logger=logging.getLogger("sglang-ref"),
+                       FINISH_MATCHED_STR=fin.FINISH_MATCHED_STR, FINISH_ABORT=None, FINISHED_MATCHED_REGEX=None)
+    Req = type("ReqRef", (), m)
+    for j in range(1, len(output) + 1):
+        r = Req()
+        r.sampling_params, r.tokenizer, r.output_ids, r.decoded_text = sp, tokenizer, list(output[:j]), ""
+        r.finished_reason = r.finished_len = None
+        if r._check_str_based_finish(1):
+            return (r.finished_len or j), r.finished_reason
+    return None
+
+
+def test_stop_strings_end_and_trim_like_sglang(tok_server, tokenizer):
+    sp = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    plain = _post(tok_server.url, {"input_ids": PROMPT, "sampling_params": sp})["output_ids"]
+    # a stop string made of the text of output tokens 5 and 6 (it may also occur earlier)
+    stop = tokenizer.decode(plain[5:7]).strip()[1:]
+    n, reason = _sglang_stop_len(tokenizer, plain, [stop, "no such text"])
+    assert n < len(plain)
+    for no_trim in (False, True):
+        out = _post(tok_server.url, {"input_ids": PROMPT, "sampling_params": {
+            **sp, "stop": ["no such text", stop], "no_stop_trim": no_trim}})
+        assert out["output_ids"] == plain[:n]
+        assert out["meta_info"]["finish_reason"] == reason == {"type": "stop", "matched": stop}
+        assert out["text"] == sglang_text(tokenizer, PROMPT, plain[:n], reason, no_stop_trim=no_trim)
+        assert out["text"].endswith(stop) == no_trim
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(server):
+    with pytest.raises(Exception, match="no tokenizer"):
+        _post(server.url, {"input_ids": [3, 4], "sampling_params": {"stop": ["x"]}})
+    out = _post(server.url, {"input_ids": [3, 4], "sampling_params": {"stop": [], "max_new_tokens": 1}})
+    assert len(out["output_ids"]) == 1

@@ -29,7 +29,10 @@ def test_train_world_runs_and_reports(tmp_path, eta, pause):
     for r in rows:
         assert 0.0 <= r["reward_mean"] <= 1.0
         assert r["staleness_max"] <= eta  # the bound, measured per token
-        assert r["routing_match"] == 1.0  # R3 on: the trainer used the engine's experts
+        # R3 on: where the engine's routing is replayed (samples made with the trainer's weights)
+        # the trainer used the engine's experts; a step of only stale samples replays none
+        assert r.get("routing_match", 1.0) == 1.0 and ("routing_match" in r or eta > 0)
+        assert eta > 0 or "routing_match_stale" not in r
         assert r["samples"] == 8 * 4 and r["dropped_stale_groups"] == 0
         assert r["mismatch_k3"] >= 0 and r["sync_s"] > 0
         assert 0 < r["busy_trainer"] <= 1 and 0 < r["busy_rollout"] <= 1

@@ -105,10 +105,13 @@ class MegatronBackend(DataParallelStep):
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.layout: MegatronLayout = self.opts.layout(ep_size=self.ep_size, ep_rank=self.ep_rank)
         log.info(
-            "megatron backend: %s layer spec (%s), experts: %s, dispatcher %s, EP %d (rank %d), recompute %s, replay %s",
+            "megatron backend: %s layer spec (%s), attention: %s, experts: %s, dispatcher %s, EP %d (rank %d), "
+            "recompute %s, replay %s",
             "Transformer Engine" if self.opts.use_te else "local (megatron-core modules)",
             "transformer_engine imports" if self.opts.use_te else "transformer_engine not used",
-            "TEGroupedMLP" if self.opts.grouped_gemm else "SequentialMLP", self.opts.dispatcher,
+            "TEDotProductAttention" if self.opts.use_te else
+            "TorchSDPAttention (fused SDPA per packed sequence, in place of megatron's DotProductAttention)",
+            self.experts_desc(), self.opts.dispatcher,
             self.ep_size, self.ep_rank, self.opts.recompute, self.opts.replay,
         )
 
@@ -137,6 +140,22 @@ class MegatronBackend(DataParallelStep):
             t = cfg.train
             self.optimizer = MainParamsOptimizer(self.dense_params + self.expert_params, lr=t.lr,
                                                  betas=tuple(t.betas), weight_decay=t.weight_decay)
+
+    def experts_desc(self) -> str:
+        """The expert module and, for ours, the grouped GEMM it runs (named in the log)."""
+        name = self.opts.experts
+        if name == "TorchGroupedMLP":
+            from .experts import grouped_kernel_name
+
+            kernel = grouped_kernel_name(self.device, self.dtype)
+            if kernel != "torch._grouped_mm":
+                log.warning("megatron backend: TorchGroupedMLP experts on %s %s fall back to a %s", self.device,
+                            self.dtype, kernel)
+            return f"{name} ({kernel}; megatron-core's GroupedMLP needs the grouped_gemm package, "\
+                   "TEGroupedMLP Transformer Engine)"
+        if name == "SequentialMLP":
+            return f"{name} (train.megatron_grouped_gemm=false: a Python loop over experts)"
+        return name
 
     # --- weights ------------------------------------------------------------------------
     def load_hf_state(self, hf) -> None:

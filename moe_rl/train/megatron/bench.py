@@ -1,7 +1,7 @@
 """Tokens/s and MFU of one training step, native backend vs megatron backend.
 
-    python -m moe_rl.train.megatron.bench [--preset small|medium|large] [--backends native,megatron]
-        [--device cuda|cpu] [--recompute] [--json] [--out FILE]
+    python -m moe_rl.train.megatron.bench [--preset small|medium|large]
+        [--backends native,megatron,megatron_recompute] [--device cuda|cpu] [--json] [--out FILE]
     python -m moe_rl.train.megatron.bench --device cpu --baseline /tmp/base --rounds 3   # A/B on CPU
 
 One step = forward (routing replayed from a fixed record), a policy-gradient surrogate loss,
@@ -21,6 +21,7 @@ Figures go to docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -108,7 +109,7 @@ def _batch(preset: dict):
     return mbs
 
 
-def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | None) -> dict:
+def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | None, profile: bool = False) -> dict:
     n_loss = sum(int((mb.labels != -100).sum()) for mb in mbs)
     tokens = sum(mb.num_tokens for mb in mbs)
     cuda = backend.device.type == "cuda"
@@ -133,6 +134,7 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
         sync()
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
+    top = _profile_top(step, sync, cuda) if profile else None
     mean = sum(times) / len(times)
     # CPU seconds of this process: on a shared machine (other processes taking the cores) a
     # steadier measure of the work a CPU step does than wall time
@@ -140,7 +142,24 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
     return dict(tokens_per_step=tokens, step_s=mean, step_s_min=min(times), tokens_per_s=tokens / mean,
                 cpu_s=cpu_mean, tokens_per_cpu_s=tokens / cpu_mean,
                 model_tflops_per_s=flops / mean / 1e12, mfu=flops / mean / (peak * 1e12) if peak else None,
-                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                **({"profile_top_ops": top} if top is not None else {}))
+
+
+def _profile_top(step, sync, cuda: bool, n: int = 15) -> list[dict]:
+    """One more step under torch.profiler: the ``n`` aten ops with the most self time (device
+    time on CUDA, CPU time otherwise), to see where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        step()
+        sync()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    return [dict(op=e.key, self_ms=getattr(e, key) / 1e3, share=getattr(e, key) / total, calls=e.count)
+            for e in events[:n]]
 
 
 def _compare(args) -> int:
@@ -156,7 +175,9 @@ def _compare(args) -> int:
     cpu_runs = {"this": [], "baseline": []}
     for r in range(args.rounds):
         for side in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
-            env = dict(os.environ, PYTHONPATH=here if side == "this" else args.baseline)
+            # the side's checkout first; the rest of PYTHONPATH (e.g. wheels unpacked into a folder) kept
+            root = here if side == "this" else args.baseline
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
             out = subprocess.run(cmd, env=env, cwd="/tmp", capture_output=True, text=True)
             if out.returncode:
                 print(out.stdout + out.stderr, file=sys.stderr)
@@ -191,14 +212,16 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: medium (cuda), small (cpu)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 (cuda), fp32 (cpu)")
-    ap.add_argument("--backends", default=None, help="comma list; default native,megatron (cuda), native (cpu)")
+    ap.add_argument("--backends", default=None, help="comma list of native, megatron, megatron_recompute; "
+                    "default all three (cuda), native (cpu)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--recompute", action="store_true", help="megatron: full activation recompute")
+    ap.add_argument("--recompute", action="store_true", help="also measure megatron_recompute (full activation recompute)")
     ap.add_argument("--peak-tflops", type=float, help="dense peak for MFU (default: by device name on CUDA)")
     ap.add_argument("--baseline", help="another checkout's root: compare its native tokens/s with this one's")
     ap.add_argument("--rounds", type=int, default=3, help="--baseline: alternating runs per side")
     ap.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared machine)")
+    ap.add_argument("--profile", action="store_true", help="also profile one step per backend (top ops in the JSON)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the JSON result here")
     args = ap.parse_args(argv)
@@ -212,7 +235,13 @@ def main(argv=None) -> int:
         return 2
     if args.baseline:
         return _compare(args)
-    backends = (args.backends or ("native,megatron" if cuda else "native")).split(",")
+    backends = (args.backends or ("native,megatron,megatron_recompute" if cuda else "native")).split(",")
+    if args.recompute and "megatron_recompute" not in backends:
+        backends.append("megatron_recompute")
+    unknown = set(backends) - {"native", "megatron", "megatron_recompute"}
+    if unknown:
+        print(f"bench: unknown --backends {sorted(unknown)} (native, megatron, megatron_recompute)", file=sys.stderr)
+        return 2
 
     import torch.distributed as dist
 
@@ -226,10 +255,11 @@ def main(argv=None) -> int:
     peak = args.peak_tflops or (peak_tflops(device_name) if cuda else None)
     result = dict(device=device_name, torch=torch.__version__, preset=args.preset, dtype=args.dtype,
                   threads=torch.get_num_threads(),
-                  recompute=args.recompute, steps=args.steps, arch=preset["arch"], model_flops=flops,
+                  backends=backends, steps=args.steps, arch=preset["arch"], model_flops=flops,
                   peak_tflops=peak)
-    if "megatron" in backends:
+    if any(b.startswith("megatron") for b in backends):
         from moe_rl.train.megatron import MegatronBackend
+        from moe_rl.train.megatron.model import cpu_forward_shims
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29561")
@@ -244,7 +274,7 @@ def main(argv=None) -> int:
         except Exception:
             pass
     arch = _cfg(preset, "native", args.dtype, False, args.device).model.arch()
-    hf = hf_state_dict(MoEForCausalLM(arch).init_weights(0)) if "megatron" in backends else None
+    hf = hf_state_dict(MoEForCausalLM(arch).init_weights(0)) if any(b.startswith("megatron") for b in backends) else None
 
     if "native" in backends:
         native = NativeBackend(_cfg(preset, "native", args.dtype, False, args.device))
@@ -252,17 +282,29 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 for name, t in iter_local_hf_tensors(native.model):
                     t.copy_(hf[name])
-        result["native"] = _measure(native, mbs, args.steps, args.warmup, flops["flops"], peak)
+        result["native"] = _measure(native, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile)
         del native
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    if "megatron" in backends:
-        meg = MegatronBackend(_cfg(preset, "megatron", args.dtype, args.recompute, args.device), None, hf_state=hf)
-        result["megatron_spec"] = "te" if meg.opts.use_te else "local"
-        result["megatron"] = _measure(meg, mbs, args.steps, args.warmup, flops["flops"], peak)
-        if "native" in result:
-            result["speedup"] = result["megatron"]["tokens_per_s"] / result["native"]["tokens_per_s"]
+    for name in ("megatron", "megatron_recompute"):
+        if name not in backends:
+            continue
+        with (cpu_forward_shims() if not cuda else contextlib.nullcontext()):
+            meg = MegatronBackend(_cfg(preset, "megatron", args.dtype, name == "megatron_recompute", args.device),
+                                  None, hf_state=hf)
+            result["megatron_spec"] = "te" if meg.opts.use_te else "local"
+            result["megatron_experts"] = meg.experts_desc()
+            result[name] = _measure(meg, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile)
+        del meg
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    if "native" in result and "megatron" in result:
+        result["speedup"] = result["megatron"]["tokens_per_s"] / result["native"]["tokens_per_s"]
+    if "megatron" in result and "megatron_recompute" in result:  # the issue's target: <= 1.4 on a GPU
+        result["recompute_step_ratio"] = result["megatron_recompute"]["step_s"] / result["megatron"]["step_s"]
+        result["recompute_cpu_ratio"] = result["megatron_recompute"]["cpu_s"] / result["megatron"]["cpu_s"]
 
     text = json.dumps(result, indent=2)
     if args.out:
@@ -282,6 +324,11 @@ def main(argv=None) -> int:
                   f"{r['model_tflops_per_s']:7.2f} TFLOP/s  {mfu}  {mem}")
         if "speedup" in result:
             print(f"  megatron/native: {result['speedup']:.2f}x  (megatron spec: {result['megatron_spec']})")
+        if "megatron_experts" in result:
+            print(f"  megatron experts: {result['megatron_experts']}")
+        if "recompute_step_ratio" in result:
+            print(f"  megatron step with / without full recompute: {result['recompute_step_ratio']:.2f}x "
+                  f"(CPU-seconds {result['recompute_cpu_ratio']:.2f}x)")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -21,7 +21,7 @@ post_attention_layernorm                ``pre_mlp_layernorm.weight``, or for a d
 mlp.gate (router)                       ``mlp.router.weight``
 experts.{e}.{gate,up}_proj              ``mlp.experts.local_experts.{j}.linear_fc1.weight``
                                         (SequentialMLP) or ``mlp.experts.linear_fc1.weight{j}``
-                                        (TEGroupedMLP): ``[gate; up]``, j = e - ep_rank * E_local
+                                        (TEGroupedMLP, TorchGroupedMLP): ``[gate; up]``, j = e - ep_rank * E_local
 experts.{e}.down_proj                   ``...linear_fc2.weight`` likewise
 mlp.{gate,up}_proj (dense layer)        ``mlp.linear_fc1.weight`` = ``[gate; up]``
 mlp.down_proj (dense layer)             ``mlp.linear_fc2.weight``
@@ -50,15 +50,13 @@ class MegatronLayout:
     """How the GPTModel was built, and where this rank sits in it."""
 
     te: bool = False  # Transformer Engine layer spec (norms fused into the following linear)
-    grouped_gemm: bool = False  # TEGroupedMLP experts (``linear_fc1.weight{j}``); else SequentialMLP
+    grouped_gemm: bool = False  # TEGroupedMLP / TorchGroupedMLP experts (``linear_fc1.weight{j}``); else SequentialMLP
     tp_size: int = 1
     tp_rank: int = 0
     ep_size: int = 1
     ep_rank: int = 0
 
     def __post_init__(self):
-        if self.grouped_gemm and not self.te:
-            raise ValueError("grouped_gemm (TEGroupedMLP) needs the Transformer Engine spec (te=True)")
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.ep_rank < self.ep_size):
             raise ValueError(f"bad layout ranks: {self}")
 

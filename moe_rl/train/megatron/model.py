@@ -49,10 +49,8 @@ class MegatronOptions:
         if use_te and not te_available():
             raise RuntimeError("train.megatron_use_te=true but transformer_engine does not import "
                                "(pip install --no-build-isolation 'transformer_engine[pytorch]')")
-        grouped = use_te if t.megatron_grouped_gemm is None else t.megatron_grouped_gemm
-        if grouped and not use_te:
-            raise ValueError("train.megatron_grouped_gemm=true needs Transformer Engine (TEGroupedMLP); "
-                             "set train.megatron_use_te=true or megatron_grouped_gemm=false")
+        # grouped experts unless turned off: TE's TEGroupedMLP with TE, our TorchGroupedMLP without
+        grouped = True if t.megatron_grouped_gemm is None else t.megatron_grouped_gemm
         opts = cls(use_te, grouped, t.megatron_dispatcher, t.megatron_router_fusion, t.megatron_recompute,
                    replay=cfg.replay.enabled)
         opts.check()
@@ -65,6 +63,13 @@ class MegatronOptions:
                 " megatron-core's fused top-k router returns before RouterReplay is consulted, so the"
                 " recorded experts would be silently ignored. Set train.megatron_router_fusion=false."
             )
+
+    @property
+    def experts(self) -> str:
+        """The expert module: TEGroupedMLP, TorchGroupedMLP (experts.py) or SequentialMLP."""
+        if not self.grouped_gemm:
+            return "SequentialMLP"
+        return "TEGroupedMLP" if self.use_te else "TorchGroupedMLP"
 
     def layout(self, tp_size=1, tp_rank=0, ep_size=1, ep_rank=0) -> MegatronLayout:
         return MegatronLayout(te=self.use_te, grouped_gemm=self.grouped_gemm, tp_size=tp_size,
@@ -178,7 +183,7 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
         moe_router_fusion=opts.router_fusion,
         # RouterReplay serves replay and recording; only the fused router (which bypasses it) goes without
         moe_enable_routing_replay=not opts.router_fusion,
-        moe_grouped_gemm=opts.grouped_gemm,
+        moe_grouped_gemm=opts.experts == "TEGroupedMLP",  # TorchGroupedMLP is swapped into the spec
         moe_token_dispatcher_type=opts.dispatcher,
         # parallelism and precision
         tensor_model_parallel_size=tp_size,
@@ -214,6 +219,32 @@ def _compat_megatron_without_te() -> None:
         log.info("megatron-core without Transformer Engine: bound %d missing TE names in moe_utils to None", len(missing))
 
 
+@contextlib.contextmanager
+def cpu_forward_shims():
+    """Lets megatron-core's forward/backward run on CPU (tests, the CPU bench): it moves the RoPE
+    frequencies and the router weight to ``torch.cuda.current_device()`` and forks/restores CUDA
+    RNG states (dropout regions, recompute). Patched here, for the duration: current device ->
+    "cpu", RNG tracker and CUDA RNG state calls -> no-ops (dropout is 0), and TorchDynamo off
+    (megatron's ``jit_fuser`` helpers would ask the patched current_device for an index)."""
+    import torch._dynamo
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    patches = [(torch.cuda, "current_device", lambda: "cpu"), (torch._dynamo.config, "disable", True),
+               (tracker, "fork", lambda *a, **k: contextlib.nullcontext()), (tracker, "get_states", lambda: {}),
+               (tracker, "set_states", lambda states: None),
+               (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+               (mrandom, "_set_cuda_rng_state", lambda *a, **k: None)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
 def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     """GPTModel with Qwen3-MoE layers: TE spec when ``opts.use_te``, the local spec otherwise."""
     from megatron.core.models.gpt import GPTModel
@@ -222,6 +253,10 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=opts.use_te, normalization="RMSNorm")
+    if opts.experts == "TorchGroupedMLP":
+        use_torch_grouped_experts(spec)
+    if not opts.use_te:
+        use_torch_sdpa_attention(spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -235,6 +270,29 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         parallel_output=True,
     )
+
+
+def use_torch_grouped_experts(block_spec) -> None:
+    """Replaces the expert module (the local spec's SequentialMLP) of every MoE layer spec."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .experts import TorchGroupedMLP
+
+    moe_specs = [s.submodules.mlp for s in block_spec.layer_specs if s.submodules.mlp.module is MoELayer]
+    if not moe_specs:
+        raise RuntimeError("megatron layer spec has no MoELayer to give TorchGroupedMLP experts")
+    for mlp in moe_specs:
+        mlp.submodules.experts = ModuleSpec(module=TorchGroupedMLP)
+
+
+def use_torch_sdpa_attention(block_spec) -> None:
+    """Replaces the local spec's core attention (DotProductAttention: unfused, whole-row scores)
+    with TorchSDPAttention (attention.py: fused SDPA per packed sequence)."""
+    from .attention import TorchSDPAttention
+
+    for s in block_spec.layer_specs:
+        s.submodules.self_attention.submodules.core_attention = TorchSDPAttention
 
 
 # --- routing replay ---------------------------------------------------------------------------
