@@ -227,6 +227,9 @@ class LoraConfig(Strict):
     seed: int = 0
     sync: Literal["adapter", "merged"] = Field("merged", description="what a weight sync sends: the adapter "
                                                "tensors only, or the full merged weights")
+    experts_shared_outer: bool = Field(False, description="one A of experts.gate_up_proj and one B of "
+                                       "experts.down_proj per layer, shared by its experts (SGLang's shared-outer "
+                                       "MoE LoRA); the expert-width factors stay per expert")
 
 class SweepConfig(Strict):
     """``moe-rl sweep``: arms = the cross product of ``grid`` (config key -> values), each run
@@ -302,6 +305,9 @@ class ExperimentConfig(Strict):
         if self.lora.enabled and self.lora.layers is not None and any(
                 not 0 <= i < self.model.num_hidden_layers for i in self.lora.layers):
             raise ValueError(f"lora.layers {self.lora.layers}: indices must be in [0, model.num_hidden_layers)")
+        if self.lora.enabled and self.lora.experts_shared_outer and self.train.ep_size > 1:
+            raise ValueError("lora.experts_shared_outer needs train.ep_size=1 (the shared factors' gradients "
+                             "would need a reduction over the EP group)")
         if self.lora.enabled and self.lora.sync == "adapter" and self.engine.kind == "sglang":
             self._check_sglang_lora()
         if self.data.task == "jsonl" and not self.data.path:

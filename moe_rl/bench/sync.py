@@ -440,12 +440,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora", type=int, default=0, metavar="RANK",
                     help="only the LoRA row: full vs adapter-only sync at this rank (moe_rl.bench.sync_lora)")
     ap.add_argument("--lora-layers", type=int, default=1, help="layers of the Qwen3-30B-A3B-width set for --lora")
+    ap.add_argument("--lora-shared-outer", action="store_true",
+                    help="--lora with lora.experts_shared_outer (one gate_up A and one down B per layer)")
     args = ap.parse_args(argv)
 
     if args.lora:
         from .sync_lora import print_lora, run_lora
 
-        res = run_lora(args.lora, args.lora_layers, args.reps, max(args.buckets))
+        res = run_lora(args.lora, args.lora_layers, args.reps, max(args.buckets), args.lora_shared_outer)
         print(json.dumps(res) if args.json else print_lora(res))
         return 0
     gpu = None

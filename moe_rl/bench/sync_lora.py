@@ -36,14 +36,15 @@ def bench_arch(layers: int) -> MoEArch:
     return MoEArch(**{**QWEN3_30B_A3B, "num_hidden_layers": layers, "vocab_size": vocab})
 
 
-def adapter_numel(arch: MoEArch, rank: int, targets=TARGETS) -> int:
-    """Elements of the adapters on ``arch`` (same shapes as moe_rl.model.lora), by arithmetic."""
+def adapter_numel(arch: MoEArch, rank: int, targets=TARGETS, shared_outer: bool = False) -> int:
+    """Elements of the adapters on ``arch`` (same shapes as moe_rl.model.lora), by arithmetic.
+    ``shared_outer``: gate_up's A [r, H] and down's B [H, r] once per layer, not per expert."""
     H, hd, E, I = arch.hidden_size, arch.head_dim, arch.num_experts, arch.moe_intermediate_size
     q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
     per_layer_attn = {"q_proj": rank * (H + q), "k_proj": rank * (H + kv), "v_proj": rank * (H + kv),
                       "o_proj": rank * (q + H)}
-    per_moe = {"router": rank * (H + E), "experts.gate_up_proj": E * rank * (H + 2 * I),
-               "experts.down_proj": E * rank * (I + H)}
+    per_moe = {"router": rank * (H + E), "experts.gate_up_proj": (1 if shared_outer else E) * rank * H + E * rank * 2 * I,
+               "experts.down_proj": E * rank * I + (1 if shared_outer else E) * rank * H}
     n = 0
     for i in range(arch.num_hidden_layers):
         n += sum(v for t, v in per_layer_attn.items() if t in targets)
@@ -52,7 +53,7 @@ def adapter_numel(arch: MoEArch, rank: int, targets=TARGETS) -> int:
     return n
 
 
-def _receiver(conn, layers: int, rank: int, adapter: bool):
+def _receiver(conn, layers: int, rank: int, adapter: bool, shared_outer: bool):
     torch.set_num_threads(1)
     from moe_rl.model.lora import AdapterServing
     from moe_rl.sync import WeightReceiver
@@ -62,11 +63,11 @@ def _receiver(conn, layers: int, rank: int, adapter: bool):
     if not adapter:
         serve_receiver(conn, WeightReceiver(dict(iter_local_hf_tensors(model)), timeout_s=300))
         return
-    serving = AdapterServing(model, rank, 2.0 * rank, TARGETS)  # the embedded engine's: in its forward
+    serving = AdapterServing(model, rank, 2.0 * rank, TARGETS, shared_outer=shared_outer)  # the engine's: in its forward
     serve_receiver(conn, WeightReceiver(serving.named_tensors(), timeout_s=300))
 
 
-def run_lora(rank: int, layers: int, reps: int, bucket_mb: float) -> dict:
+def run_lora(rank: int, layers: int, reps: int, bucket_mb: float, shared_outer: bool = False) -> dict:
     from moe_rl.model.lora import AdapterSource, LoraAdapters
     from moe_rl.sync import WeightSender
     from moe_rl.sync.local import LocalEngine
@@ -76,15 +77,15 @@ def run_lora(rank: int, layers: int, reps: int, bucket_mb: float) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.uniform_(-0.01, 0.01)
-    ad = LoraAdapters(model, rank, 2.0 * rank, TARGETS).init_weights(0)
+    ad = LoraAdapters(model, rank, 2.0 * rank, TARGETS, shared_outer=shared_outer).init_weights(0)
     ctx = mp.get_context("spawn")
     out = {"rank": rank, "targets": TARGETS, "layers": layers, "vocab_size": arch.vocab_size,
-           "bucket_mb": bucket_mb, "dtype": "bfloat16"}
+           "bucket_mb": bucket_mb, "dtype": "bfloat16", "experts_shared_outer": shared_outer}
     senders, procs, engines = {}, [], []
     try:
         for kind, src in (("full", model), ("adapter", AdapterSource(ad))):
             a, b = ctx.Pipe()
-            proc = ctx.Process(target=_receiver, args=(b, layers, rank, kind == "adapter"), daemon=True)
+            proc = ctx.Process(target=_receiver, args=(b, layers, rank, kind == "adapter", shared_outer), daemon=True)
             proc.start()
             procs.append(proc)
             b.close()
@@ -108,8 +109,8 @@ def run_lora(rank: int, layers: int, reps: int, bucket_mb: float) -> dict:
         full48 = MoEArch(**QWEN3_30B_A3B)
         full_numel = sum(_numel(s) for _, s in hf_param_specs(full48))
         out["qwen3_30b_a3b_full_bytes_bf16"] = 2 * full_numel
-        out["qwen3_30b_a3b_adapter_bytes_bf16"] = 2 * adapter_numel(full48, rank)
-        out["qwen3_30b_a3b_bytes_ratio"] = adapter_numel(full48, rank) / full_numel
+        out["qwen3_30b_a3b_adapter_bytes_bf16"] = 2 * adapter_numel(full48, rank, TARGETS, shared_outer)
+        out["qwen3_30b_a3b_bytes_ratio"] = adapter_numel(full48, rank, TARGETS, shared_outer) / full_numel
         out.update(forward_costs(model, ad))
     finally:
         for s in senders.values():
@@ -172,7 +173,8 @@ def _numel(shape) -> int:
 
 
 def print_lora(r: dict) -> str:
-    lines = [f"LoRA sync, rank {r['rank']} on {', '.join(r['targets'])}; Qwen3-30B-A3B widths, {r['layers']} layer(s), "
+    form = "shared outer expert factors" if r.get("experts_shared_outer") else "per-expert factors"
+    lines = [f"LoRA sync, rank {r['rank']} on {', '.join(r['targets'])} ({form}); Qwen3-30B-A3B widths, {r['layers']} layer(s), "
              f"vocab {r['vocab_size']}, {r['dtype']}, {r['bucket_mb']:.0f} MiB buckets (best of rounds, median)"]
     for kind in ("full", "adapter"):
         lines.append(f"  {kind:<8} {r[f'{kind}_bytes'] / 2**20:10.1f} MiB  {r[f'{kind}_seconds']:.4f} s "

@@ -26,7 +26,8 @@ def attach(engine, cfg) -> None:
     engine.adapter_name = None
     if cfg.lora.enabled and cfg.lora.sync == "adapter":
         lc = cfg.lora
-        engine.adapter = AdapterServing(engine.model, lc.rank, lc.alpha, lc.targets, lc.layers)
+        engine.adapter = AdapterServing(engine.model, lc.rank, lc.alpha, lc.targets, lc.layers,
+                                        lc.experts_shared_outer)
         engine.adapter_name = "default"
         engine.retired_adapters = set()  # names a later load replaced (one adapter is served at a time)
         log.info("engine serves LoRA rank %d on %s (adapter-only weight updates)", lc.rank, lc.targets)

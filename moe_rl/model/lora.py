@@ -13,6 +13,14 @@ adapter sync only writes A and B, and no full-size W' is made (measured in ``moe
 ``addmm`` / ``baddbmm`` per weight, all experts at once); ``merged_hf_tensors`` uses the same op
 for the merged sync and the HF export. Dropout is not implemented (``dropout`` must be 0).
 
+Shared outer factors (``experts_shared_outer``, SGLang's "shared outer" MoE LoRA): the factors
+on the hidden side are shared by a layer's experts, gate_up's A [1, r, H] and down's B [1, H, r],
+and only the factors on the expert-width side stay per expert (gate_up's B [E, 2I, r], down's A
+[E, r, I]). At Qwen3-30B-A3B widths that is ~0.8% of the expert weights at rank 16 instead of
+~2.3% (docs/lora.md). The shared factor is broadcast over the experts (``expand``), so every
+form below computes the same function as a per-expert adapter whose A (or B) is equal across
+experts, which is how it is written to PEFT's and SGLang's per-expert files.
+
 Names: HF (transformers >= 5) fuses an expert's gate and up projections into
 ``experts.gate_up_proj`` [E, 2I, H]; PEFT adapts that 3-D parameter with ``target_parameters``
 and one A per expert shared by gate and up. The native model keeps gate and up apart, so the
@@ -86,14 +94,34 @@ def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) 
     return sites
 
 
-def _ab_shapes(site: _Site, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _ab_shapes(site: _Site, rank: int, shared_outer: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
     ws = [getattr(site.module, a) for a in site.attrs]
     if ws[0].dim() == 2:
         out, inp = ws[0].shape
         return (rank, inp), (out, rank)
     E, _, inp = ws[0].shape
     out = sum(w.shape[1] for w in ws)
-    return (E, rank, inp), (E, out, rank)
+    gate_up = site.target == "experts.gate_up_proj"
+    return ((1 if shared_outer and gate_up else E, rank, inp),
+            (1 if shared_outer and not gate_up else E, out, rank))
+
+
+def per_expert(A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert adapter's factors as [E, ...] stacks: a shared factor (leading dim 1) is
+    broadcast over the experts (a view; autograd sums its gradient over them)."""
+    E = max(A.shape[0], B.shape[0])
+    return A.expand(E, -1, -1), B.expand(E, -1, -1)
+
+
+def _unshare(t: torch.Tensor, like: torch.Tensor, where: str, what: str) -> torch.Tensor:
+    """A per-expert stack read from a file, for a factor held as ``like``: a shared factor needs
+    every expert's copy equal."""
+    if like.shape[0] == 1 and t.shape[0] != 1:
+        if not torch.equal(t, t[:1].expand_as(t)):
+            raise LoraError(f"{where}: {what} differs between experts, but lora.experts_shared_outer holds one "
+                            "copy for all experts")
+        return t[:1]
+    return t
 
 
 class LoraAdapters(nn.Module):
@@ -101,7 +129,7 @@ class LoraAdapters(nn.Module):
     model keeps its HF parameter names and its state dict; adapters have their own."""
 
     def __init__(self, model: MoEForCausalLM, rank: int, alpha: float, targets: list[str],
-                 layers: list[int] | None = None, dropout: float = 0.0):
+                 layers: list[int] | None = None, dropout: float = 0.0, shared_outer: bool = False):
         super().__init__()
         if dropout:
             raise LoraError("lora.dropout: must be 0; adapter dropout is not implemented (and the merged "
@@ -118,6 +146,10 @@ class LoraAdapters(nn.Module):
         self.rank, self.alpha, self.targets = rank, float(alpha), list(targets)
         self.layers = None if layers is None else sorted(set(layers))
         self.scaling = self.alpha / rank
+        self.shared_outer = bool(shared_outer)
+        if self.shared_outer and any(getattr(l.mlp, "ep_size", 1) > 1 for l in model.model.layers):
+            raise LoraError("lora.experts_shared_outer with expert parallelism (train.ep_size > 1) is not supported: "
+                            "the shared factors' gradients would need a reduction over the EP group")
         self.sites = _sites(model, self.targets, self.layers)
         if not self.sites:
             raise LoraError(f"lora: targets {targets} on layers {layers} select no weight of this model")
@@ -125,7 +157,7 @@ class LoraAdapters(nn.Module):
         self.A = nn.ParameterDict()
         self.B = nn.ParameterDict()
         for s in self.sites:
-            a, b = _ab_shapes(s, rank)
+            a, b = _ab_shapes(s, rank, self.shared_outer)
             self.A[_pkey(s.key)] = nn.Parameter(torch.zeros(a, device=ref.device, dtype=ref.dtype))
             self.B[_pkey(s.key)] = nn.Parameter(torch.zeros(b, device=ref.device, dtype=ref.dtype))
         for p in model.parameters():
@@ -140,7 +172,7 @@ class LoraAdapters(nn.Module):
             for s in self.sites:
                 A = self.A[_pkey(s.key)]
                 bound = 1.0 / math.sqrt(A.shape[-1])
-                if A.dim() == 2:
+                if A.dim() == 2 or (self.shared_outer and s.target == "experts.gate_up_proj"):  # dense, or shared
                     A.copy_(torch.empty(A.shape).uniform_(-bound, bound, generator=g))
                 else:
                     moe = self.model.model.layers[s.layer].mlp
@@ -202,6 +234,7 @@ class LoraAdapters(nn.Module):
         if A.dim() == 2:
             yield s.module, "weight", torch.addmm(w("weight"), B, A, alpha=self.scaling)
             return
+        A, B = per_expert(A, B)
         parts = (B[:, : s.split], B[:, s.split:]) if s.split is not None else (B,)
         for attr, Bp in zip(s.attrs, parts):
             yield s.module, attr, torch.baddbmm(w(attr), Bp, A, alpha=self.scaling)
@@ -289,6 +322,7 @@ class LoraAdapters(nn.Module):
                 prefix = "base_model.model." + mod + ".base_layer" * (len(sites) - 1 - depth)
                 A, B = self.A[_pkey(s.key)].detach(), self.B[_pkey(s.key)].detach()
                 if A.dim() == 3:  # PEFT: A [E*r, in] expert-major; B [out, r*E] with expert fastest
+                    A, B = per_expert(A, B)  # PEFT has no shared factor: one copy per expert
                     E, r, inp = A.shape
                     A = A.reshape(E * r, inp)
                     B = B.permute(1, 2, 0).reshape(B.shape[1], r * E)
@@ -313,6 +347,7 @@ class LoraAdapters(nn.Module):
                 modules.add(s.target)
                 continue
             mod = _module_of(s)
+            A, B = per_expert(A, B)
             parts = (("gate_proj", B[:, : s.split]), ("up_proj", B[:, s.split:])) if s.split is not None \
                 else (("down_proj", B),)
             for proj, Bp in parts:
@@ -336,14 +371,15 @@ class LoraAdapters(nn.Module):
                     B.copy_(sd[f"base_model.model.{s.key}.lora_B.weight"])
                     continue
                 mod, projs = _module_of(s), (("gate_proj", "up_proj") if s.split is not None else ("down_proj",))
-                E = A.shape[0]
+                E = max(A.shape[0], B.shape[0])
                 a = {p: torch.stack([sd[f"base_model.model.{mod}.{e}.{p}.lora_A.weight"] for e in range(E)]) for p in projs}
                 if len(projs) == 2 and not torch.equal(a["gate_proj"], a["up_proj"]):
                     raise LoraError(f"{where}: {mod}: gate_proj and up_proj adapters have different A; moe-rl's "
                                     "experts.gate_up_proj target shares one A (PEFT's fused form)")
-                A.copy_(a[projs[0]])
-                B.copy_(torch.cat([torch.stack([sd[f"base_model.model.{mod}.{e}.{p}.lora_B.weight"] for e in range(E)])
-                                   for p in projs], dim=1))
+                A.copy_(_unshare(a[projs[0]], A, where, f"{mod} lora_A"))
+                B.copy_(_unshare(torch.cat([torch.stack([sd[f"base_model.model.{mod}.{e}.{p}.lora_B.weight"]
+                                                         for e in range(E)]) for p in projs], dim=1),
+                                 B, where, f"{mod} lora_B"))
 
     def load_peft_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
         _require_full(self.model)
@@ -364,9 +400,12 @@ class LoraAdapters(nn.Module):
                 A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
                 a, b = sd[ka], sd[kb]
                 if A.dim() == 3:
-                    E, r, inp = A.shape
-                    a = a.reshape(E, r, inp)
-                    b = b.reshape(b.shape[0], r, E).permute(2, 0, 1)
+                    E, r, inp = max(A.shape[0], B.shape[0]), A.shape[1], A.shape[2]
+                    if a.numel() != E * r * inp or b.numel() != b.shape[0] * r * E:
+                        raise LoraError(f"{where}: {ka} / {kb} shapes {tuple(sd[ka].shape)} / {tuple(sd[kb].shape)} "
+                                        f"do not fit rank {self.rank} on {E} experts")
+                    a = _unshare(a.reshape(E, r, inp), A, where, ka)
+                    b = _unshare(b.reshape(b.shape[0], r, E).permute(2, 0, 1), B, where, kb)
                 if tuple(a.shape) != tuple(A.shape) or tuple(b.shape) != tuple(B.shape):
                     raise LoraError(f"{where}: {ka} / {kb} shapes {tuple(sd[ka].shape)} / {tuple(sd[kb].shape)} "
                                     f"do not fit rank {self.rank}")
@@ -402,12 +441,13 @@ class ExpertLora:
 
     def __init__(self, scaling: float):
         self.scaling = scaling
-        self.gate_up: tuple[torch.Tensor, torch.Tensor] | None = None  # A [E, r, H], B [E, 2I, r]
-        self.down: tuple[torch.Tensor, torch.Tensor] | None = None  # A [E, r, I], B [E, H, r]
+        self.gate_up: tuple[torch.Tensor, torch.Tensor] | None = None  # A [E or 1, r, H], B [E, 2I, r]
+        self.down: tuple[torch.Tensor, torch.Tensor] | None = None  # A [E, r, I], B [E or 1, H, r]
 
     def _rows(self, ab, x, offs):
-        A, B = ab
-        return self.scaling * grouped_mm(grouped_mm(x, A, offs), B, offs)
+        A, B = ab  # a factor with leading dim 1 is shared by the experts: one plain matmul over all rows
+        h = F.linear(x, A[0]) if A.shape[0] == 1 else grouped_mm(x, A, offs)
+        return self.scaling * (F.linear(h, B[0]) if B.shape[0] == 1 else grouped_mm(h, B, offs))
 
     def add_gate_up(self, gate_up: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return gate_up if self.gate_up is None else gate_up + self._rows(self.gate_up, x, offs)
@@ -472,7 +512,8 @@ def load_peft(adapters: LoraAdapters, path: str | Path) -> LoraAdapters:
 
 def build_lora(model: MoEForCausalLM, cfg) -> LoraAdapters:
     """Adapters for ``cfg`` (the ``lora:`` config section), seeded."""
-    return LoraAdapters(model, cfg.rank, cfg.alpha, cfg.targets, cfg.layers, cfg.dropout).init_weights(cfg.seed)
+    return LoraAdapters(model, cfg.rank, cfg.alpha, cfg.targets, cfg.layers, cfg.dropout,
+                        cfg.experts_shared_outer).init_weights(cfg.seed)
 
 
 @contextlib.contextmanager
@@ -523,9 +564,9 @@ class AdapterServing:
     base weights are never touched."""
 
     def __init__(self, model: MoEForCausalLM, rank: int, alpha: float, targets: list[str],
-                 layers: list[int] | None = None):
+                 layers: list[int] | None = None, shared_outer: bool = False):
         with torch.no_grad():
-            self.adapters = LoraAdapters(model, rank, alpha, targets, layers)
+            self.adapters = LoraAdapters(model, rank, alpha, targets, layers, shared_outer=shared_outer)
         for p in self.adapters.parameters():
             p.requires_grad_(False)
         self.detach = self.adapters.attach()

@@ -16,11 +16,12 @@ from .test_forward_cpu import LENGTHS, cpu_megatron  # noqa: F401  (fixture)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj", "experts.down_proj"]
 
 
-def build_lora(sync="adapter", targets=TARGETS, layers=None, seed=7, arch=CPU_ARCH, device="cpu", dtype="float32"):
+def build_lora(sync="adapter", targets=TARGETS, layers=None, seed=7, arch=CPU_ARCH, device="cpu", dtype="float32",
+               shared=False):
     """(megatron, native) backends with LoRA: identical base weights and identical random
     adapters (B != 0, so every adapter changes the function)."""
     meg, native = build(arch, device, dtype, seed=seed, lora=LoraConfig(
-        enabled=True, rank=4, alpha=8.0, targets=targets, layers=layers, sync=sync))
+        enabled=True, rank=4, alpha=8.0, targets=targets, layers=layers, sync=sync, experts_shared_outer=shared))
     g = torch.Generator().manual_seed(11)
     ad = {n: (torch.randn(t.shape, generator=g) * 0.2).to(t) for n, t in native.lora.hf_tensors()}
     native.lora.load_hf_tensors(ad)
@@ -33,8 +34,9 @@ def _adv(mb, seed=3):
     return torch.where(torch.rand(mb.num_tokens, generator=g) < 0.5, -1.0, 1.0)
 
 
-def test_lora_logprobs_and_adapter_grads_equal_native(cpu_megatron):
-    meg, native = build_lora()
+@pytest.mark.parametrize("shared", [False, True])
+def test_lora_logprobs_and_adapter_grads_equal_native(cpu_megatron, shared):
+    meg, native = build_lora(shared=shared)
     mb = make_mb(CPU_ARCH["vocab_size"], LENGTHS)
     with native.lora.applied():
         rec_native = native_record(native, mb)  # the adapted router's choice

@@ -15,9 +15,9 @@ ARCH = MoEArch(vocab_size=97, hidden_size=32, moe_intermediate_size=16, intermed
                mlp_only_layers=[1], rope_theta=10000.0)
 
 
-def make(targets=ALL, layers=None, rank=4, alpha=8.0, seed=0):
+def make(targets=ALL, layers=None, rank=4, alpha=8.0, seed=0, shared=False):
     model = MoEForCausalLM(ARCH).init_weights(seed, std=0.1)
-    ad = LoraAdapters(model, rank, alpha, targets, layers).init_weights(seed + 1)
+    ad = LoraAdapters(model, rank, alpha, targets, layers, shared_outer=shared).init_weights(seed + 1)
     g = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():  # B = 0 at init; random B makes every adapter count
         for b in ad.B.values():
@@ -26,7 +26,8 @@ def make(targets=ALL, layers=None, rank=4, alpha=8.0, seed=0):
 
 
 def merged_by_hand(model, ad):
-    """A second, independent merge: one expert at a time, gate/up split by hand."""
+    """A second, independent merge: one expert at a time, gate/up split by hand (a factor
+    shared by the experts, leading dim 1, is used for every expert)."""
     m = copy.deepcopy(model)
     s = ad.alpha / ad.rank
     with torch.no_grad():
@@ -36,8 +37,8 @@ def merged_by_hand(model, ad):
             if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
                 ex = m.get_submodule(key.rsplit(".", 1)[0])
                 I = ex.gate_proj.shape[1]
-                for e in range(A.shape[0]):
-                    d = s * (B[e] @ A[e])
+                for e in range(ARCH.num_experts):
+                    d = s * (B[e if B.shape[0] > 1 else 0] @ A[e if A.shape[0] > 1 else 0])
                     if key.endswith("gate_up_proj"):
                         ex.gate_proj[e] += d[:I]
                         ex.up_proj[e] += d[I:]
@@ -48,10 +49,11 @@ def merged_by_hand(model, ad):
     return m
 
 
-@pytest.mark.parametrize("targets,layers", [(ALL, None), (["experts.down_proj", "router"], [2]),
-                                            (["q_proj", "experts.gate_up_proj"], [0, 1])])
-def test_applied_equals_hand_merge_and_grads_reach_adapters_only(targets, layers):
-    model, ad = make(targets, layers)
+@pytest.mark.parametrize("targets,layers,shared", [(ALL, None, False), (["experts.down_proj", "router"], [2], False),
+                                                   (["q_proj", "experts.gate_up_proj"], [0, 1], False),
+                                                   (ALL, None, True)])
+def test_applied_equals_hand_merge_and_grads_reach_adapters_only(targets, layers, shared):
+    model, ad = make(targets, layers, shared=shared)
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
     ref = merged_by_hand(model, ad)
     with torch.no_grad():
@@ -70,12 +72,13 @@ def test_applied_equals_hand_merge_and_grads_reach_adapters_only(targets, layers
         torch.testing.assert_close(model(ids), base, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("targets,layers", [(ALL, None), (["experts.down_proj", "router"], [2]),
-                                            (["q_proj", "experts.gate_up_proj"], [0, 1])])
-def test_in_forward_equals_hand_merge_and_merged_form_gradients(targets, layers):
+@pytest.mark.parametrize("targets,layers,shared", [(ALL, None, False), (["experts.down_proj", "router"], [2], False),
+                                                   (["q_proj", "experts.gate_up_proj"], [0, 1], False),
+                                                   (ALL, None, True)])
+def test_in_forward_equals_hand_merge_and_merged_form_gradients(targets, layers, shared):
     """The unmerged form (hooks + grouped GEMMs of rank r) computes the hand-merged model, and its
     adapter gradients are the weight-delta form's."""
-    model, ad = make(targets, layers)
+    model, ad = make(targets, layers, shared=shared)
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = merged_by_hand(model, ad)(ids)
@@ -133,6 +136,36 @@ def test_router_adapter_routes_and_replays():
     torch.testing.assert_close(replayed, out, atol=0, rtol=0)
 
 
+def test_shared_outer_shapes_and_gradient():
+    """Shared outer factors: one gate_up A and one down B per layer; the shared factor's gradient
+    is the sum of what a per-expert copy of it would get, expert by expert."""
+    model, ad = make(["experts.gate_up_proj", "experts.down_proj"], shared=True)
+    E, r, H, I = ARCH.num_experts, 4, ARCH.hidden_size, ARCH.moe_intermediate_size
+    A_gu, B_gu = ad.A["model__layers__0__mlp__experts__gate_up_proj"], ad.B["model__layers__0__mlp__experts__gate_up_proj"]
+    A_dn, B_dn = ad.A["model__layers__0__mlp__experts__down_proj"], ad.B["model__layers__0__mlp__experts__down_proj"]
+    assert A_gu.shape == (1, r, H) and B_gu.shape == (E, 2 * I, r)
+    assert A_dn.shape == (E, r, I) and B_dn.shape == (1, H, r)
+    # the same function held per expert (copies of the shared factors), trained by the same loss
+    _, per = make(["experts.gate_up_proj", "experts.down_proj"])
+    with torch.no_grad():
+        for n in ad.A:
+            per.A[n].copy_(ad.A[n].expand_as(per.A[n]))
+            per.B[n].copy_(ad.B[n].expand_as(per.B[n]))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with ad.in_forward():
+        out = model(ids)
+        out.square().mean().backward()
+    with per.in_forward():
+        out_per = per.model(ids)
+        out_per.square().mean().backward()
+    torch.testing.assert_close(out, out_per, atol=1e-6, rtol=0)
+    for n in ad.A:
+        ga, gp = ad.A[n].grad, per.A[n].grad
+        torch.testing.assert_close(ga, gp.sum(0, keepdim=True) if ga.shape[0] == 1 else gp, atol=1e-6, rtol=1e-5)
+        gb, gq = ad.B[n].grad, per.B[n].grad
+        torch.testing.assert_close(gb, gq.sum(0, keepdim=True) if gb.shape[0] == 1 else gq, atol=1e-6, rtol=1e-5)
+
+
 def test_bad_settings_are_named():
     model = MoEForCausalLM(ARCH)
     with pytest.raises(LoraError, match="lora.dropout"):
@@ -145,10 +178,11 @@ def test_bad_settings_are_named():
         LoraAdapters(model, 4, 8, ["router"], layers=[1])  # layer 1 is dense
 
 
-def test_peft_roundtrip(tmp_path):
-    model, ad = make()
+@pytest.mark.parametrize("shared", [False, True])
+def test_peft_roundtrip(tmp_path, shared):
+    model, ad = make(shared=shared)
     save_peft(ad, tmp_path / "a")
-    _, ad2 = make(seed=5)
+    _, ad2 = make(seed=5, shared=shared)
     ad2.model.load_state_dict(model.state_dict())
     load_peft(ad2, tmp_path / "a")
     for (n, a), (_, b) in zip(ad.named_parameters(), ad2.named_parameters()):
@@ -156,14 +190,19 @@ def test_peft_roundtrip(tmp_path):
     _, other = make(rank=2)
     with pytest.raises(LoraError, match="r=4"):
         load_peft(other, tmp_path / "a")
+    if not shared:  # per-expert factors that differ cannot become one shared factor
+        _, sh = make(seed=5, shared=True)
+        with pytest.raises(LoraError, match="differs between experts"):
+            load_peft(sh, tmp_path / "a")
 
 
-def test_per_expert_layout_is_the_same_adapter(tmp_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_per_expert_layout_is_the_same_adapter(tmp_path, shared):
     """The SGLang/transformers-4 layout: rebuilding every weight from its per-expert keys
     by hand gives the merged model."""
     from safetensors.torch import load_file
 
-    model, ad = make(["o_proj", "experts.gate_up_proj", "experts.down_proj"], layers=[0, 2])
+    model, ad = make(["o_proj", "experts.gate_up_proj", "experts.down_proj"], layers=[0, 2], shared=shared)
     save_peft(ad, tmp_path / "pe", layout="per_expert")
     sd = load_file(tmp_path / "pe" / "adapter_model.safetensors")
     cfg = json.loads((tmp_path / "pe" / "adapter_config.json").read_text())
@@ -184,7 +223,7 @@ def test_per_expert_layout_is_the_same_adapter(tmp_path):
     ids = torch.randint(0, 97, (2, 9))
     with torch.no_grad(), ad.applied():
         torch.testing.assert_close(m(ids), model(ids), atol=1e-6, rtol=0)
-    _, back = make(["o_proj", "experts.gate_up_proj", "experts.down_proj"], layers=[0, 2], seed=9)
+    _, back = make(["o_proj", "experts.gate_up_proj", "experts.down_proj"], layers=[0, 2], seed=9, shared=shared)
     load_peft(back, tmp_path / "pe")
     for (n, x), (_, y) in zip(ad.named_parameters(), back.named_parameters()):
         assert torch.equal(x, y), n
@@ -196,9 +235,10 @@ def test_per_expert_layout_is_the_same_adapter(tmp_path):
 def test_bench_adapter_size_arithmetic_matches_the_adapters():
     from moe_rl.bench.sync_lora import adapter_numel
 
-    for targets in (ALL, ["experts.down_proj", "k_proj"]):
-        _, ad = make(targets)
-        assert adapter_numel(ARCH, 4, targets) == sum(p.numel() for p in ad.parameters())
+    for targets in (ALL, ["experts.down_proj", "k_proj"], ["experts.gate_up_proj"]):
+        for shared in (False, True):
+            _, ad = make(targets, shared=shared)
+            assert adapter_numel(ARCH, 4, targets, shared) == sum(p.numel() for p in ad.parameters())
 
 
 # PEFT adapts transformers 5's fused 3-D experts ([E, out, in]) with target_parameters from
@@ -208,11 +248,13 @@ peft = pytest.importorskip("peft", minversion="0.19")
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 
-@pytest.mark.parametrize("targets,layers", [(ALL, None), (["experts.down_proj", "router", "v_proj"], [2])])
-def test_peft_loads_adapter_on_hf_base(tmp_path, targets, layers):
+@pytest.mark.parametrize("targets,layers,shared", [(ALL, None, False), (["experts.down_proj", "router", "v_proj"], [2], False),
+                                                   (ALL, None, True)])
+def test_peft_loads_adapter_on_hf_base(tmp_path, targets, layers, shared):
     """PEFT's LoRA (target_modules + target_parameters on the fused 3-D experts) on
-    transformers' Qwen3MoeForCausalLM gives moe-rl's merged logits (fp32, 1e-5)."""
-    model, ad = make(targets, layers)
+    transformers' Qwen3MoeForCausalLM gives moe-rl's merged logits (fp32, 1e-5); shared outer
+    factors are written once per expert."""
+    model, ad = make(targets, layers, shared=shared)
     save_hf(model, tmp_path / "base")
     save_peft(ad, tmp_path / "adapter", base_model=str(tmp_path / "base"))
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()

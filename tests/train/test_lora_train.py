@@ -55,6 +55,25 @@ def test_lora_adapter_sync_checkpoint_and_resume(tmp_path):
         torch.testing.assert_close(merged(ids), base(ids), atol=1e-6, rtol=0)
 
 
+def test_lora_shared_outer_adapter_sync(tmp_path):
+    """Shared outer expert factors through the main job: adapter-only sync to the embedded engine
+    (same log-probs), and a checkpoint whose PEFT file loads into per-expert adapters equal to
+    the shared ones broadcast over the experts."""
+    out, _ = train(tmp_path, "train.steps=3", *LORA, "lora.sync=adapter", "lora.experts_shared_outer=true",
+                   "checkpoint.every=3")
+    _check_rows(read_metrics(out / "metrics.jsonl"))
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    cfg = load_config("configs/tiny.yaml", [])
+    targets = ["q_proj", "o_proj", "router", "experts.gate_up_proj", "experts.down_proj"]
+    base = MoEForCausalLM(cfg.model.arch()).init_weights(cfg.model.init_seed, std=cfg.model.init_std)
+    shared = load_peft(LoraAdapters(base, 4, 8.0, targets, shared_outer=True), ckpt / "adapter")
+    per = load_peft(LoraAdapters(base, 4, 8.0, targets), ckpt / "adapter")
+    key = "model__layers__0__mlp__experts__gate_up_proj"
+    assert shared.A[key].shape[0] == 1 and per.A[key].shape[0] == cfg.model.num_experts
+    assert torch.equal(per.A[key], shared.A[key].expand_as(per.A[key]))
+    assert any(b.abs().max() > 0 for b in shared.B.values())  # trained
+
+
 def test_lora_merged_sync(tmp_path):
     out, _ = train(tmp_path, "train.steps=3", *LORA, "lora.sync=merged")
     _check_rows(read_metrics(out / "metrics.jsonl"))

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from moe_rl.model import MoEArch, MoEForCausalLM
-from moe_rl.model.lora import LoraAdapters, LoraError, swapped_parameters
+from moe_rl.model.lora import LoraAdapters, LoraError, per_expert, swapped_parameters
 
 from .convert import MegatronLayout, expert_names, fuse_qkv, split_qkv
 
@@ -49,7 +49,7 @@ def build_native_adapters(arch: MoEArch, lora_cfg, ep_group, device, dtype) -> L
     with torch.device("meta"):
         shadow = MoEForCausalLM(arch, ep_group=ep_group).to(dtype)
     adapters = LoraAdapters(shadow, lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets, lora_cfg.layers,
-                            lora_cfg.dropout)
+                            lora_cfg.dropout, lora_cfg.experts_shared_outer)
     adapters.to_empty(device=device)
     return adapters.init_weights(lora_cfg.seed)
 
@@ -97,7 +97,7 @@ class MegatronLora:
                 names = [expert_names(self.layout, layer, j)[0 if s.target == "experts.gate_up_proj" else 1]
                          for j in range(E_local)]
                 base = torch.stack([get(n) for n in names])
-                A, B = self._ab(s.key, base)
+                A, B = per_expert(*self._ab(s.key, base))
                 out.update(zip(names, torch.baddbmm(base, B, A, alpha=s_).unbind(0)))
         if qkv:
             name = p + "self_attention.linear_qkv.weight"
