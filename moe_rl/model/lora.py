@@ -330,11 +330,18 @@ class LoraAdapters(nn.Module):
                 out[prefix + ".lora_B.weight"] = B.contiguous().clone()
         return out
 
-    def per_expert_state_dict(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+    def per_expert_state_dict(self, shared_3d: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
         """PEFT keys of per-expert modules (``experts.{e}.{gate,up,down}_proj``; transformers
         4.x's layout, and what SGLang's LoRA loader reads for routed experts): gate and up
-        each get the shared A. Returns (state dict, target_modules)."""
+        each get the shared A. Returns (state dict, target_modules).
+
+        ``shared_3d`` (shared outer factors only): SGLang's shared-outer form instead, one 3-D
+        tensor per expert factor and no expert index in the key (``experts.gate_up_proj.lora_A``
+        [1, r, H], ``.lora_B`` [E, 2I, r]; ``experts.down_proj.lora_A`` [E, r, I], ``.lora_B``
+        [1, H, r]), which an SGLang server started with ``--experts-shared-outer-loras`` loads."""
         _require_full(self.model)
+        if shared_3d and not self.shared_outer:
+            raise LoraError("SGLang's shared-outer adapter form needs lora.experts_shared_outer=true")
         out, modules = {}, set()
         for s in self.sites:
             A, B = self.A[_pkey(s.key)].detach(), self.B[_pkey(s.key)].detach()
@@ -347,6 +354,12 @@ class LoraAdapters(nn.Module):
                 modules.add(s.target)
                 continue
             mod = _module_of(s)
+            if shared_3d:
+                proj = s.target.split(".")[1]
+                modules.update(("gate_proj", "up_proj") if s.split is not None else ("down_proj",))
+                out[f"base_model.model.{mod}.{proj}.lora_A.weight"] = A.contiguous().clone()
+                out[f"base_model.model.{mod}.{proj}.lora_B.weight"] = B.contiguous().clone()
+                continue
             A, B = per_expert(A, B)
             parts = (("gate_proj", B[:, : s.split]), ("up_proj", B[:, s.split:])) if s.split is not None \
                 else (("down_proj", B),)
@@ -358,7 +371,25 @@ class LoraAdapters(nn.Module):
         return out, sorted(modules)
 
     def load_per_expert_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
-        """Inverse of ``per_expert_state_dict``. Gate and up must share A (this form's adapter)."""
+        """Inverse of ``per_expert_state_dict`` (either form). Gate and up must share A (this
+        form's adapter)."""
+        if self.shared_outer and not any(".experts.0." in k for k in sd):  # SGLang's 3-D shared-outer form
+            mine, _ = self.per_expert_state_dict(shared_3d=True)
+            missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
+            if missing or extra:
+                raise LoraError(f"{where}: keys do not match this lora config: missing {missing[:3]}, unexpected {extra[:3]}")
+            bad = [k for k in mine if tuple(sd[k].shape) != tuple(mine[k].shape)]
+            if bad:
+                raise LoraError(f"{where}: {bad[0]} has shape {tuple(sd[bad[0]].shape)}, this lora config "
+                                f"{tuple(mine[bad[0]].shape)}")
+            with torch.no_grad():
+                for (_, t), k in zip(self.hf_tensors(), mine):  # the same site order, A then B
+                    t.copy_(sd[k])
+            return
+        if not any(".experts.0." in k for k in sd) and any(".experts.gate_up_proj.lora_" in k or
+                                                            ".experts.down_proj.lora_" in k for k in sd):
+            raise LoraError(f"{where}: an adapter in SGLang's shared-outer form (3-D expert tensors); it loads "
+                            "with lora.experts_shared_outer=true")
         mine, _ = self.per_expert_state_dict()
         missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
         if missing or extra:
@@ -464,19 +495,20 @@ def _require_full(model: MoEForCausalLM) -> None:
 def save_peft(adapters: LoraAdapters, path: str | Path, base_model: str | None = None,
               layout: str = "fused") -> Path:
     """Writes adapter_config.json + adapter_model.safetensors atomically (temp dir + rename).
-    ``layout``: "fused" (PEFT ``target_parameters`` on transformers 5's 3-D experts) or
-    "per_expert" (one module per expert: SGLang's loader, transformers 4.x)."""
+    ``layout``: "fused" (PEFT ``target_parameters`` on transformers 5's 3-D experts),
+    "per_expert" (one module per expert: SGLang's loader, transformers 4.x) or "shared_outer"
+    (SGLang's 3-D form of shared outer factors)."""
     cfg = adapters.peft_config()
     cfg["base_model_name_or_path"] = base_model
     if layout == "fused":
         sd = adapters.peft_state_dict()
-    elif layout == "per_expert":
-        sd, modules = adapters.per_expert_state_dict()
+    elif layout in ("per_expert", "shared_outer"):
+        sd, modules = adapters.per_expert_state_dict(shared_3d=layout == "shared_outer")
         cfg.update(target_modules=modules, target_parameters=None)
         if adapters.layers is not None:
             cfg["layers_to_transform"] = adapters.layers
     else:
-        raise ValueError(f"layout must be 'fused' or 'per_expert', got {layout!r}")
+        raise ValueError(f"layout must be 'fused', 'per_expert' or 'shared_outer', got {layout!r}")
     with atomic_dir(path) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
         save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -503,8 +535,9 @@ def load_peft(adapters: LoraAdapters, path: str | Path) -> LoraAdapters:
         raise LoraError(f"{path}/adapter_config.json: r={cfg.get('r')}, lora_alpha={cfg.get('lora_alpha')}; "
                         f"the lora config has rank={adapters.rank}, alpha={adapters.alpha}")
     where = str(Path(path) / "adapter_model.safetensors")
-    if any(".experts.0." in k for k in sd):  # the per-expert layout (save_peft(layout="per_expert"))
-        adapters.load_per_expert_state_dict(sd, where)
+    if any(".experts.0." in k for k in sd) or any(k.endswith("experts.gate_up_proj.lora_A.weight") or
+                                                   k.endswith("experts.down_proj.lora_A.weight") for k in sd):
+        adapters.load_per_expert_state_dict(sd, where)  # the per-expert or SGLang's shared-outer form
     else:
         adapters.load_peft_state_dict(sd, where)
     return adapters

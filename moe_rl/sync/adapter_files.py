@@ -3,7 +3,9 @@ PEFT directory through SGLang's LoRA endpoints, not through the bucketed broadca
 
 After each optimizer step the trainer's lead writes the adapter in the per-expert layout SGLang's
 loader reads (``save_peft(layout="per_expert")``: ``...mlp.experts.{e}.{gate,up,down}_proj``,
-attention ``...self_attn.{q,k,v,o}_proj``) to ``<dir>/moe-rl-v<version>``, then on every engine:
+attention ``...self_attn.{q,k,v,o}_proj``; with ``lora.experts_shared_outer`` SGLang's 3-D
+shared-outer form, ``save_peft(layout="shared_outer")``) to ``<dir>/moe-rl-v<version>``, then on
+every engine:
 
 1. ``/pause_generation`` (abort): in-flight requests stop; the rollout manager resubmits them
    after the update (its gate is closed meanwhile, so no request names an adapter mid-switch);
@@ -57,7 +59,10 @@ class AdapterFileSync:
     async def sync_async(self, version) -> SyncStats:
         t0 = time.perf_counter()
         name = f"{NAME_PREFIX}{version}"
-        path = save_peft(self.adapters, self.dir / name, layout="per_expert")
+        # SGLang's shared-outer form keeps the shared factors once (a server started with
+        # --experts-shared-outer-loras); otherwise one module per expert
+        layout = "shared_outer" if self.adapters.shared_outer else "per_expert"
+        path = save_peft(self.adapters, self.dir / name, layout=layout)
         async with EngineClient(self.urls, api_key=self.api_key, timeout_s=self.timeout_s) as c:
             await self._each(c, "/pause_generation", {"mode": "abort"})
             loaded: list[str] = []

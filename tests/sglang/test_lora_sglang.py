@@ -14,7 +14,7 @@ import torch
 from moe_rl.config import ExperimentConfig
 from moe_rl.engine import EngineClient, EngineHTTPError
 from moe_rl.engine.server import build_model
-from moe_rl.model.lora import LoraAdapters, read_peft, save_peft
+from moe_rl.model.lora import LoraAdapters, LoraError, load_peft, read_peft, save_peft
 from moe_rl.sync.adapter_files import AdapterFileSync
 
 from ..engine.helpers import CFG, ServerProc, check_against_native, run
@@ -92,6 +92,71 @@ def test_sglang_reads_our_adapter_files(tmp_path):
     qkv = w[f"base_model.model.model.layers.{moe}.self_attn.qkv_proj.lora_B.weight"]
     q_b = ad.B[f"model.layers.{moe}.self_attn.q_proj".replace(".", "__")]
     torch.testing.assert_close(qkv[: q_b.shape[0]], q_b, atol=0, rtol=0)
+
+
+def test_sglang_reads_our_shared_outer_files(tmp_path):
+    """SGLang's shared-outer MoE LoRA form (lora.experts_shared_outer): its code maps every key,
+    detects the form, stacks gate/up as its memory pool expects, and the function it computes
+    (gate = B[:I] A[:r], up = B[I:] A[r:2r] per expert, down = B_shared A_e) is our adapter."""
+    ad = LoraAdapters(build_model(CFG), 4, 8.0, TARGETS, shared_outer=True).init_weights(1)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for b in ad.B.values():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.2)
+    path = save_peft(ad, tmp_path / "so", layout="shared_outer")
+    cfg = LoRAConfig(str(path))
+    f = sglang_functions("srt/lora/utils.py", ["get_normalized_target_modules", "get_target_module_name"])
+    targets = f["get_normalized_target_modules"](cfg.target_modules)
+    assert targets == {"qkv_proj", "gate_up_proj", "down_proj"}
+    norm = sglang_functions("srt/lora/lora.py", ["normalize_qkv_proj", "normalize_gate_up_proj"], cls="LoRAAdapter")
+    detect = sglang_functions("srt/lora/lora_manager.py", ["_detect_shared_outer_loras"], cls="LoRAManager")
+    _, sd = read_peft(path)
+    per_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in sd.items():
+        per_layer.setdefault(get_layer_id(name), {})[name] = t
+    for w in per_layer.values():
+        norm["normalize_qkv_proj"](None, list(w), w)
+        norm["normalize_gate_up_proj"](None, list(w), w)
+        for name, t in w.items():
+            module = f["get_target_module_name"](name, targets)
+            # mem_pool.py: no expert index, a 3-D tensor under "experts" -> the shared-outer branch
+            assert re.search(r"experts\.(\d+)\.", name) is None
+            assert ("experts" in name and t.dim() == 3) == (module != "qkv_proj"), name
+    from types import SimpleNamespace
+    fake = SimpleNamespace(loras={"a": SimpleNamespace(layers=[SimpleNamespace(weights=w) for w in per_layer.values()])})
+    assert detect["_detect_shared_outer_loras"](fake) is True
+    # the function SGLang's kernels compute from these tensors, merged by hand, expert by expert
+    m = build_model(CFG)
+    m.load_state_dict(ad.model.state_dict())
+    s_ = ad.scaling
+    with torch.no_grad():
+        for layer, w in per_layer.items():
+            pre = f"base_model.model.model.layers.{layer}."
+            for x in ("q", "v"):
+                name = pre + f"self_attn.{x}_proj"
+                if name + ".lora_A.weight" in sd:
+                    m.get_submodule(name[len("base_model.model."):]).weight += s_ * sd[name + ".lora_B.weight"] @ sd[name + ".lora_A.weight"]
+            if pre + "mlp.experts.gate_up_proj.lora_A.weight" not in w:
+                continue
+            ex = m.model.layers[layer].mlp.experts
+            A2, Bgu = w[pre + "mlp.experts.gate_up_proj.lora_A.weight"], w[pre + "mlp.experts.gate_up_proj.lora_B.weight"]
+            Ad, Bd = w[pre + "mlp.experts.down_proj.lora_A.weight"], w[pre + "mlp.experts.down_proj.lora_B.weight"]
+            r, I = ad.rank, ex.gate_proj.shape[1]
+            assert A2.shape[0] == 1 and A2.shape[1] == 2 * r and Bd.shape[0] == 1  # shared: expert dim 1
+            for e in range(ex.gate_proj.shape[0]):
+                ex.gate_proj[e] += s_ * Bgu[e][:I] @ A2[0][:r]
+                ex.up_proj[e] += s_ * Bgu[e][I:] @ A2[0][r:]
+                ex.down_proj[e] += s_ * Bd[0] @ Ad[e]
+    ids = torch.randint(0, CFG.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), ad.applied():
+        torch.testing.assert_close(m(ids), ad.model(ids), atol=1e-6, rtol=0)
+    # round trip, and per-expert adapters refuse the form by name
+    back = LoraAdapters(build_model(CFG), 4, 8.0, TARGETS, shared_outer=True)
+    load_peft(back, path)
+    for (n, x), (_, y) in zip(ad.named_parameters(), back.named_parameters()):
+        assert torch.equal(x, y), n
+    with pytest.raises(LoraError, match="experts_shared_outer"):
+        load_peft(LoraAdapters(build_model(CFG), 4, 8.0, TARGETS), path)
 
 
 def test_endpoint_bodies_are_sglang_requests():

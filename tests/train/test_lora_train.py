@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from moe_rl.config import load_config
@@ -79,14 +80,17 @@ def test_lora_merged_sync(tmp_path):
     _check_rows(read_metrics(out / "metrics.jsonl"))
 
 
-def test_lora_adapter_sync_through_sglang_lora_endpoints(tmp_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_lora_adapter_sync_through_sglang_lora_endpoints(tmp_path, shared):
     """engine.kind=sglang with lora.sync=adapter: every step's adapter goes as a PEFT directory
     over /load_lora_adapter (moe_rl.sync.adapter_files) to a `moe-rl serve` engine, and the
-    rollouts name it. Synchronous, so the engine's log-probs must be the trainer's."""
+    rollouts name it. Synchronous, so the engine's log-probs must be the trainer's. With shared
+    outer factors the files are SGLang's 3-D shared-outer form."""
     from tests.engine.helpers import OVERRIDES, ServerProc
 
     targets = "lora.targets=[q_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]"
-    common = ["lora.enabled=true", "lora.sync=adapter", "lora.rank=4", "lora.alpha=8", targets]
+    common = ["lora.enabled=true", "lora.sync=adapter", "lora.rank=4", "lora.alpha=8", targets,
+              f"lora.experts_shared_outer={str(shared).lower()}"]
     s = ServerProc(common)
     try:
         out, _ = train(tmp_path, *OVERRIDES, *common, "rollout.max_staleness=0", "train.lr=0.01", "train.steps=3",
@@ -98,3 +102,7 @@ def test_lora_adapter_sync_through_sglang_lora_endpoints(tmp_path):
     for r in rows:
         assert r["mismatch_k3"] < 1e-6
     assert sorted(p.name for p in (out / "lora_sync").iterdir()) == ["moe-rl-v3"]  # older versions unloaded
+    from moe_rl.model.lora import read_peft
+    _, sd = read_peft(out / "lora_sync" / "moe-rl-v3")
+    assert any(".experts.0." in k for k in sd) == (not shared)
+    assert any(k.endswith("mlp.experts.gate_up_proj.lora_A.weight") and t.shape[0] == 1 for k, t in sd.items()) == shared
