@@ -42,6 +42,16 @@ def reference(hidden, weight, labels, temperature):
     return torch.where(ignored, zero, logp), torch.where(ignored, zero, ent)
 
 
+def fp32_materialised(hidden, weight, labels, temperature):
+    """The plain fp32 computation (full logits, log_softmax), on the inputs' device."""
+    with torch.no_grad():
+        lp_all = torch.log_softmax((hidden.float() @ weight.float().T) / temperature, dim=-1)
+        ignored = labels == -100
+        logp = lp_all.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+        ent = -(lp_all.exp() * lp_all).sum(-1)
+        return logp.masked_fill(ignored, 0.0), ent.masked_fill(ignored, 0.0)
+
+
 def make_inputs(n, h, v, dtype, seed=0, shift=0.0, ignore_every=5):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g)
@@ -83,6 +93,13 @@ def check(impl, n, h, v, dtype, temperature, plan=None, shift=0.0, grads="both",
     ref_logp, ref_ent = reference(h2, w2, labels, temperature)
 
     tol_lp, tol_ent, tol_grad = TOL[dtype]
+    if dtype == torch.float32:
+        # No fp32 computation beats the device's fp32 GEMM rounding, which grows with h (a GPU's
+        # cuBLAS at h=4096 was seen 1.1e-5 off fp64): the bar is the fixed tolerance or twice the
+        # plain materialised fp32 computation's own error on this device, whichever is larger.
+        mat_lp, mat_ent = fp32_materialised(hidden, weight, labels, temperature)
+        tol_lp = max(tol_lp, 2 * float((mat_lp.double() - ref_logp.detach()).abs().max()))
+        tol_ent = max(tol_ent, 2 * float((mat_ent.double() - ref_ent.detach()).abs().max()))
     if logit_scale_tol and dtype == torch.float32:
         # fp32 logits of magnitude |z| are only exact to ~|z| * 2^-24 each (an fp32
         # materialised computation is ~1e-4 off the fp64 reference here too), so the
