@@ -20,7 +20,8 @@ CASES = {
                 ["kl_replay", "kl_no_replay", "routing_match_replay", "routing_match_no_replay"]),
     "async": (["--steps", "3"],
               ["samples_per_s_async", "samples_per_s_sync", "busy_trainer_async", "busy_rollout_async",
-               "final_reward_async", "final_reward_sync", "final_eval_reward_async", "final_eval_reward_sync"]),
+               "final_reward_async", "final_reward_sync", "final_eval_reward_async", "final_eval_reward_sync",
+               "final_reward_by_version_async", "final_reward_by_version_sync"]),
 }
 
 

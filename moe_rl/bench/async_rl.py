@@ -6,7 +6,9 @@ each run as a real ``moe-rl train`` world (1 trainer rank + 1 embedded-engine ra
 samples/s, the busy fraction of each pool and the final reward (mean of the last quarter of
 steps) of each run, and the final policy's reward on a fixed prompt set (``final_eval_reward``,
 moe_rl/experiments/evaluate.py: the per-step reward of an asynchronous run is earned by policies
-up to eta versions older than the one it trained, this is the trained policy itself).
+up to eta versions older than the one it trained, this is the trained policy itself), and the
+final reward by sampling version (``final_reward_by_version``: both runs' batches sampled by
+the same window of policy versions, the last quarter that both reached; the lag removed).
 
 ``--multi-turn``: the same comparison on multi-turn episodes (configs/guess_number.yaml) whose
 environment steps take a long-tailed time (``GuessEnv``'s Pareto latency, ``--env-latency``
@@ -27,6 +29,7 @@ import numpy as np
 
 from moe_rl.config import load_config
 from moe_rl.experiments.evaluate import evaluate_run
+from moe_rl.experiments.sweep import reward_in_versions, version_window
 from moe_rl.train.tracking import read_metrics
 
 EVAL_PROMPTS, EVAL_SAMPLES = 64, 4
@@ -65,6 +68,7 @@ def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[s
         "staleness_max": max(row["staleness_max"] for row in rows),
         "dropped_stale_groups": rows[-1]["dropped_stale_groups"],
         "mean_response_len": float(np.mean([row["response_len_mean"] for row in rows])),
+        "_rows": rows,
     }
 
 
@@ -90,6 +94,10 @@ def main(argv: list[str]) -> int:
             if not a.json:
                 print(f"running eta={eta} ({a.steps} steps) ...", file=sys.stderr, flush=True)
             runs[name] = run_once(a.config, eta, a.steps, Path(tmp) / name, a.overrides, workload)
+    # by sampling version: both runs over the same window of the policy versions that sampled
+    lo, hi = version_window([r["_rows"] for r in runs.values()])
+    for r in runs.values():
+        r["final_reward_by_version"] = reward_in_versions(r.pop("_rows"), lo, hi)
     A, S = runs["async"], runs["sync"]
     summary = {
         "samples_per_s_async": A["samples_per_s"], "samples_per_s_sync": S["samples_per_s"],
@@ -97,6 +105,8 @@ def main(argv: list[str]) -> int:
         "busy_trainer_async": A["busy_trainer"], "busy_rollout_async": A["busy_rollout"],
         "busy_trainer_sync": S["busy_trainer"], "busy_rollout_sync": S["busy_rollout"],
         "final_reward_async": A["final_reward"], "final_reward_sync": S["final_reward"],
+        "final_reward_by_version_async": A["final_reward_by_version"],
+        "final_reward_by_version_sync": S["final_reward_by_version"],
         "final_eval_reward_async": A["final_eval_reward"], "final_eval_reward_sync": S["final_eval_reward"],
         "device": "cpu", "workload": "multi-turn" if a.multi_turn else "long-tail single-turn",
     }
@@ -108,6 +118,10 @@ def main(argv: list[str]) -> int:
             print(f"{name:6s} {r['samples_per_s']:10.2f} {r['busy_trainer']:11.2f} {r['busy_rollout']:13.2f} "
                   f"{r['reward_first']:9.3f}->{r['final_reward']:.3f} {r['staleness_max']:9d}")
         print(f"speedup async/sync: {summary['speedup']:.2f}x")
+        if A["final_reward_by_version"] is not None and S["final_reward_by_version"] is not None:
+            print(f"final reward by sampling version (versions {lo:.0f}-{hi:.0f}; the async run's per-step reward "
+                  f"lags by its staleness): async {A['final_reward_by_version']:.3f}, "
+                  f"sync {S['final_reward_by_version']:.3f}")
         if A["final_eval_reward"] is not None:
             print(f"final policy on {EVAL_PROMPTS} fixed prompts x {EVAL_SAMPLES}: async {A['final_eval_reward']:.3f}, "
                   f"sync {S['final_eval_reward']:.3f}")

@@ -171,6 +171,14 @@ def gen_versions(rows: list[dict]) -> np.ndarray:
     return _col(rows, "step") - 1 - np.nan_to_num(_col(rows, "staleness_mean"))
 
 
+def version_window(all_rows: list[list[dict]]) -> tuple[float, float]:
+    """The last quarter of the sampling-policy versions that every run sampled with: comparing
+    runs over the same window of versions does not charge a stale run its lag."""
+    hi = min(float(gen_versions(rows).max()) for rows in all_rows)
+    lo = min(float(rows[-1]["step"]) for rows in all_rows) * 0.75 - 1
+    return lo, hi
+
+
 def reward_in_versions(rows: list[dict], lo: float, hi: float) -> float | None:
     """Mean batch reward over the steps whose batch was sampled by a policy version in [lo, hi]."""
     v = gen_versions(rows)
@@ -236,9 +244,7 @@ def summarise(runs: list[Run], out: Path, threshold: float, evaluate: tuple[str,
     # final reward by version: the same window of sampling-policy versions for every run (the last
     # quarter of versions that every run has sampled with), so a stale run is not charged its lag
     if curves:
-        all_rows = [rows for rr in curves.values() for rows in rr]
-        hi = min(float(gen_versions(rows).max()) for rows in all_rows)
-        lo = min(float(rows[-1]["step"]) for rows in all_rows) * 0.75 - 1
+        lo, hi = version_window([rows for rr in curves.values() for rows in rr])
         for arm, rr in curves.items():
             for st, rows in zip(arms[arm], rr):
                 st["final_reward_by_version"] = reward_in_versions(rows, lo, hi)

@@ -96,6 +96,14 @@ def test_reward_by_version_shifts_by_staleness():
     assert reward_in_versions(rows, 9, 10) is None
 
 
+def test_version_window_is_the_last_quarter_every_run_sampled():
+    from moe_rl.experiments.sweep import version_window
+
+    sync = [{"step": t, "reward_mean": 0.0, "staleness_mean": 0.0} for t in range(1, 101)]  # versions 0..99
+    stale = [{"step": t, "reward_mean": 0.0, "staleness_mean": 1.5} for t in range(1, 101)]  # versions -1.5..97.5
+    assert version_window([sync, stale]) == (74.0, 97.5)  # from 100 * 0.75 - 1 to the lower of the two tops
+
+
 def test_paired_differences_match_a_plain_recomputation():
     from moe_rl.experiments.sweep import paired
 
