@@ -51,7 +51,8 @@ case $stage in
   kernels)
     install
     step bench_logprobs timeout 300 moe-rl bench logprobs --json --profile "$OUT/logprobs_profile"
-    step bench_sync_gpu timeout 200 moe-rl bench sync --gpu only --json ;;
+    step bench_sync_gpu timeout 200 moe-rl bench sync --gpu only --json
+    step fp32_error timeout 120 python3 scripts/fp32_logprob_error.py --device cuda ;;
   train-bench)  # native, megatron, megatron + recompute per preset, one profiled step each
     install
     step train_medium timeout 220 env OUT="$OUT" bash scripts/gpu_bench_train.sh medium
