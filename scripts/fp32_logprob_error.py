@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_rl.kernels import fused_logprobs  # noqa: E402
-from tests.kernels.test_fused_logprobs import fp32_materialised, make_inputs, reference  # noqa: E402
+from tests.kernels.test_fused_logprobs import make_inputs, reference  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
 
     out = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "shape": [a.n, a.h, a.v], "temperature": a.temperature,
-           "materialised_fp32": err(*fp32_materialised(hidden, weight, labels, a.temperature))}
+           "materialised_fp32": err(*reference(hidden, weight, labels, a.temperature, dtype=torch.float32))}
     for impl in (["torch", "triton"] if a.device == "cuda" else ["torch"]):
         with torch.no_grad():
             out[f"fused_{impl}"] = err(*fused_logprobs(hidden, weight, labels, a.temperature,
