@@ -353,13 +353,12 @@ class LoraAdapters(nn.Module):
                 out[f"base_model.model.{s.key}.lora_B.weight"] = B.contiguous().clone()
                 modules.add(s.target)
                 continue
-            mod = _module_of(s)
-            if shared_3d:
-                proj = s.target.split(".")[1]
+            if shared_3d:  # the site's own name: ...mlp.experts.{gate_up,down}_proj
                 modules.update(("gate_proj", "up_proj") if s.split is not None else ("down_proj",))
-                out[f"base_model.model.{mod}.{proj}.lora_A.weight"] = A.contiguous().clone()
-                out[f"base_model.model.{mod}.{proj}.lora_B.weight"] = B.contiguous().clone()
+                out[f"base_model.model.{s.key}.lora_A.weight"] = A.contiguous().clone()
+                out[f"base_model.model.{s.key}.lora_B.weight"] = B.contiguous().clone()
                 continue
+            mod = _module_of(s)
             A, B = per_expert(A, B)
             parts = (("gate_proj", B[:, : s.split]), ("up_proj", B[:, s.split:])) if s.split is not None \
                 else (("down_proj", B),)
@@ -373,7 +372,10 @@ class LoraAdapters(nn.Module):
     def load_per_expert_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
         """Inverse of ``per_expert_state_dict`` (either form). Gate and up must share A (this
         form's adapter)."""
-        if self.shared_outer and not any(".experts.0." in k for k in sd):  # SGLang's 3-D shared-outer form
+        if is_shared_outer_file(sd):
+            if not self.shared_outer:
+                raise LoraError(f"{where}: an adapter in SGLang's shared-outer form (3-D expert tensors); it loads "
+                                "with lora.experts_shared_outer=true")
             mine, _ = self.per_expert_state_dict(shared_3d=True)
             missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
             if missing or extra:
@@ -382,14 +384,10 @@ class LoraAdapters(nn.Module):
             if bad:
                 raise LoraError(f"{where}: {bad[0]} has shape {tuple(sd[bad[0]].shape)}, this lora config "
                                 f"{tuple(mine[bad[0]].shape)}")
-            with torch.no_grad():
-                for (_, t), k in zip(self.hf_tensors(), mine):  # the same site order, A then B
-                    t.copy_(sd[k])
+            with torch.no_grad():  # in this form every key is the adapter tensor's own name
+                for name, t in self.hf_tensors():
+                    t.copy_(sd[f"base_model.model.{name}.weight"])
             return
-        if not any(".experts.0." in k for k in sd) and any(".experts.gate_up_proj.lora_" in k or
-                                                            ".experts.down_proj.lora_" in k for k in sd):
-            raise LoraError(f"{where}: an adapter in SGLang's shared-outer form (3-D expert tensors); it loads "
-                            "with lora.experts_shared_outer=true")
         mine, _ = self.per_expert_state_dict()
         missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
         if missing or extra:
@@ -442,6 +440,11 @@ class LoraAdapters(nn.Module):
                                     f"do not fit rank {self.rank}")
                 A.copy_(a)
                 B.copy_(b)
+
+
+def is_shared_outer_file(sd: dict[str, torch.Tensor]) -> bool:
+    """Keys of SGLang's 3-D shared-outer form: expert adapters without an expert index."""
+    return any(k.endswith((".experts.gate_up_proj.lora_A.weight", ".experts.down_proj.lora_A.weight")) for k in sd)
 
 
 def _group_by_module(sites: list[_Site]) -> list[list[_Site]]:
@@ -535,8 +538,7 @@ def load_peft(adapters: LoraAdapters, path: str | Path) -> LoraAdapters:
         raise LoraError(f"{path}/adapter_config.json: r={cfg.get('r')}, lora_alpha={cfg.get('lora_alpha')}; "
                         f"the lora config has rank={adapters.rank}, alpha={adapters.alpha}")
     where = str(Path(path) / "adapter_model.safetensors")
-    if any(".experts.0." in k for k in sd) or any(k.endswith("experts.gate_up_proj.lora_A.weight") or
-                                                   k.endswith("experts.down_proj.lora_A.weight") for k in sd):
+    if any(".experts.0." in k for k in sd) or is_shared_outer_file(sd):
         adapters.load_per_expert_state_dict(sd, where)  # the per-expert or SGLang's shared-outer form
     else:
         adapters.load_peft_state_dict(sd, where)
