@@ -36,7 +36,8 @@ EVAL_PROMPTS, EVAL_SAMPLES = 64, 4
 
 
 def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[str],
-             workload: tuple[str, ...] = ("data.task_args.long_tail=true",)) -> dict:
+             workload: tuple[str, ...] = ("data.task_args.long_tail=true",)) -> tuple[dict, list[dict]]:
+    """The run's summary figures, and its per-step metrics rows."""
     args = [sys.executable, "-m", "moe_rl.cli", "train", config, f"rollout.max_staleness={eta}",
             f"train.steps={steps}", f"output_dir={out_dir}", "logging.progress=false", "logging.tensorboard=false",
             *workload, "checkpoint.every=0", *overrides]
@@ -68,8 +69,7 @@ def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[s
         "staleness_max": max(row["staleness_max"] for row in rows),
         "dropped_stale_groups": rows[-1]["dropped_stale_groups"],
         "mean_response_len": float(np.mean([row["response_len_mean"] for row in rows])),
-        "_rows": rows,
-    }
+    }, rows
 
 
 def main(argv: list[str]) -> int:
@@ -89,15 +89,15 @@ def main(argv: list[str]) -> int:
             a.config = "configs/guess_number.yaml"
         workload = (f"env.args.latency_s={a.env_latency}", f"env.args.latency_max_s={a.env_latency_max}")
     with tempfile.TemporaryDirectory(prefix="moe-rl-bench-async-") as tmp:
-        runs = {}
+        runs, rows = {}, {}
         for name, eta in (("async", a.eta), ("sync", 0)):
             if not a.json:
                 print(f"running eta={eta} ({a.steps} steps) ...", file=sys.stderr, flush=True)
-            runs[name] = run_once(a.config, eta, a.steps, Path(tmp) / name, a.overrides, workload)
+            runs[name], rows[name] = run_once(a.config, eta, a.steps, Path(tmp) / name, a.overrides, workload)
     # by sampling version: both runs over the same window of the policy versions that sampled
-    lo, hi = version_window([r["_rows"] for r in runs.values()])
-    for r in runs.values():
-        r["final_reward_by_version"] = reward_in_versions(r.pop("_rows"), lo, hi)
+    lo, hi = version_window(list(rows.values()))
+    for name, r in runs.items():
+        r["final_reward_by_version"] = reward_in_versions(rows[name], lo, hi)
     A, S = runs["async"], runs["sync"]
     summary = {
         "samples_per_s_async": A["samples_per_s"], "samples_per_s_sync": S["samples_per_s"],
