@@ -216,8 +216,13 @@ def test_serve_takes_slime_requests(tok_server, tokenizer, top_p, seed):
     out = _post(tok_server.url, body)
     # slime reads these: tokens and log-probs from output_token_logprobs, the text, then meta_info
     toks = [item[1] for item in out["meta_info"]["output_token_logprobs"]]
-    assert toks == out["output_ids"] and len(toks) == 5
-    assert out["text"] == sglang_text(tokenizer, body["input_ids"], out["output_ids"], out["meta_info"]["finish_reason"],
+    assert toks == out["output_ids"]
+    fin = out["meta_info"]["finish_reason"]
+    if fin["type"] == "length":
+        assert len(toks) == 5
+    else:  # slime's default body has no seed: an EOS sampled early ends the answer there, as in SGLang
+        assert fin["type"] == "stop" and fin["matched"] == toks[-1] and len(toks) < 5, fin
+    assert out["text"] == sglang_text(tokenizer, body["input_ids"], out["output_ids"], fin,
                                       skip=True, spaces=False, no_stop_trim=True)
     _read_like_sglang_clients(out, 3)
 
