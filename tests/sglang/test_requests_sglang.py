@@ -285,6 +285,12 @@ def test_serve_takes_miles_requests(tok_server, tokenizer, skip, seed):
     _check([("POST", "/generate", first)])
     out1 = _post(tok_server.url, first)
     sample.update(out1)
+    if sample.status == "completed":  # unseeded: an EOS sampled within 3 tokens ends the sample, as in SGLang
+        fin = out1["meta_info"]["finish_reason"]
+        assert seed is None and fin["matched"] == out1["output_ids"][-1] and len(out1["output_ids"]) <= 3, fin
+        assert sample.response == sglang_text(tokenizer, prompt, out1["output_ids"], fin, skip=skip, spaces=False,
+                                               no_stop_trim=True)
+        return  # miles resumes only a truncated sample
     assert sample.status == "truncated" and len(sample.tokens) == len(prompt) + 3
     resume = _miles_body(list(sample.tokens), budget - (len(sample.tokens) - len(prompt)), skip, seed)
     _check([("POST", "/generate", resume)])
