@@ -166,6 +166,15 @@ def test_shared_outer_shapes_and_gradient():
         torch.testing.assert_close(gb, gq.sum(0, keepdim=True) if gb.shape[0] == 1 else gq, atol=1e-6, rtol=1e-5)
 
 
+def test_shared_outer_with_expert_parallelism_is_refused_by_name():
+    from moe_rl.config import load_config
+
+    for kv in (["train.ep_size=2", "pools.trainer=2"], ["train.ep_size=2", "pools.trainer=2", "train.backend=megatron"]):
+        with pytest.raises(ValueError, match="lora.experts_shared_outer needs train.ep_size=1"):
+            load_config("configs/tiny.yaml", ["lora.enabled=true", "lora.experts_shared_outer=true", *kv])
+        load_config("configs/tiny.yaml", ["lora.enabled=true", *kv])  # per-expert factors with EP are accepted
+
+
 def test_bad_settings_are_named():
     model = MoEForCausalLM(ARCH)
     with pytest.raises(LoraError, match="lora.dropout"):
