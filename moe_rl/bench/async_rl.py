@@ -3,7 +3,7 @@
 The same task, model and sample budget, on a long-tailed response-length distribution
 (the task's ``long_tail`` option draws each prompt's max_new_tokens from a heavy-tailed law),
 each run as a real ``moe-rl train`` world (1 trainer rank + 1 embedded-engine rank). Reports
-samples/s, the busy fraction of each pool and the final reward (mean of the last quarter of
+samples/s, the busy fraction of each pool, the mean token staleness (the lag of the per-step reward) and the final reward (mean of the last quarter of
 steps) of each run, and the final policy's reward on a fixed prompt set (``final_eval_reward``,
 moe_rl/experiments/evaluate.py: the per-step reward of an asynchronous run is earned by policies
 up to eta versions older than the one it trained, this is the trained policy itself), and the
@@ -67,6 +67,7 @@ def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[s
         "final_reward": float(np.mean([row["reward_mean"] for row in rows[-q:]])),
         "final_eval_reward": ev["eval_reward"] if ev else None,
         "staleness_max": max(row["staleness_max"] for row in rows),
+        "staleness_mean": float(np.mean([row["staleness_mean"] for row in rows])),
         "dropped_stale_groups": rows[-1]["dropped_stale_groups"],
         "mean_response_len": float(np.mean([row["response_len_mean"] for row in rows])),
     }, rows
@@ -113,10 +114,10 @@ def main(argv: list[str]) -> int:
     if a.json:
         print(json.dumps({"runs": runs, "summary": summary}))
     else:
-        print(f"{'':6s} {'samples/s':>10s} {'busy train':>11s} {'busy rollout':>13s} {'reward first->final':>20s} {'max stale':>9s}")
+        print(f"{'':6s} {'samples/s':>10s} {'busy train':>11s} {'busy rollout':>13s} {'reward first->final':>20s} {'stale mean/max':>14s}")
         for name, r in runs.items():
             print(f"{name:6s} {r['samples_per_s']:10.2f} {r['busy_trainer']:11.2f} {r['busy_rollout']:13.2f} "
-                  f"{r['reward_first']:9.3f}->{r['final_reward']:.3f} {r['staleness_max']:9d}")
+                  f"{r['reward_first']:9.3f}->{r['final_reward']:.3f} {r['staleness_mean']:9.2f}/{r['staleness_max']:d}")
         print(f"speedup async/sync: {summary['speedup']:.2f}x")
         if A["final_reward_by_version"] is not None and S["final_reward_by_version"] is not None:
             print(f"final reward by sampling version (versions {lo:.0f}-{hi:.0f}; the async run's per-step reward "
