@@ -125,6 +125,9 @@ class AlgoConfig(Strict):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     tis_cap: float | None = Field(2.0, gt=0, description="truncated importance sampling cap; null = off")
+    tis_level: Literal["token", "sequence"] = Field(
+        "token", description="behaviour correction pi_prox/pi_behav per token, or one weight per sequence "
+        "(the product over its tokens, truncated at tis_cap): docs/algorithms.md")
     icepop_low: float | None = Field(0.5, gt=0)
     icepop_high: float | None = Field(2.0, gt=0)
     loss_agg: Literal["token", "sequence", "token_sum_norm"] = "token"

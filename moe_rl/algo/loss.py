@@ -23,7 +23,10 @@ Per token t (A = advantage, u = pi_theta/pi_prox, w = pi_prox/pi_behav)::
 
 ``w`` is detached and, with ``tis_cap``, truncated at the cap (TIS). IcePop: a token whose
 train/infer ratio w lies outside [icepop_low, icepop_high] is masked out (contributes zero)
-before truncation. With ``kl_coef`` the k3 estimator of KL(pi_theta || pi_ref),
+before truncation. ``tis_level="sequence"`` replaces w_t by one weight per sequence,
+W_i = prod over its tokens not masked by IcePop of w_t, truncated at ``tis_cap``: the
+likelihood ratio of the whole response, which a per-token w leaves out for a stale sample
+(the prefix that led to token t was drawn by the older policy too). With ``kl_coef`` the k3 estimator of KL(pi_theta || pi_ref),
 ``exp(ref - logp) - (ref - logp) - 1``, is added per token; with ``entropy_coef`` the
 per-token entropy (given) is subtracted.
 
@@ -139,7 +142,7 @@ def policy_loss(
     zero = torch.zeros((), dtype=dtype, device=logp.device)
 
     # per-sequence bookkeeping (GSPO's ratio, sequence aggregation)
-    need_seqs = cfg.policy_loss == "gspo" or cfg.loss_agg == "sequence"
+    need_seqs = cfg.policy_loss == "gspo" or cfg.loss_agg == "sequence" or cfg.tis_level == "sequence"
     if need_seqs:
         _, inv = torch.unique(seq_ids, return_inverse=True)
         S = int(inv.max()) + 1 if T else 0
@@ -155,6 +158,9 @@ def policy_loss(
         ice |= w > cfg.icepop_high
     ice &= keep
     live = keep & ~ice
+    if cfg.tis_level == "sequence":  # W_i = prod of the live tokens' w, on each of them
+        log_W = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, torch.where(live, log_w, zero))
+        w = log_W.exp()[inv]
     if cfg.tis_cap is not None:
         tis = (w > cfg.tis_cap) & live
         w = w.clamp(max=cfg.tis_cap)

@@ -91,10 +91,19 @@ def ref_loss(logp, prox, behav, adv, mask, seq, c, norm_tokens=None):
         toks = [t for t in range(len(seq)) if seq[t] == s and mask[t]]
         if c.policy_loss == "gspo" and toks:
             log_s = sum(float(logp[t].detach()) - prox[t] for t in toks) / len(toks)
-        for t in toks:
+
+        def dropped(t):  # IcePop
             w = math.exp(prox[t] - behav[t])
-            if c.icepop_low is not None and (w < c.icepop_low or w > c.icepop_high):
+            return c.icepop_low is not None and (w < c.icepop_low or w > c.icepop_high)
+
+        W = 1.0  # tis_level=sequence: the product of the sequence's kept tokens' weights
+        for t in toks:
+            if not dropped(t):
+                W *= math.exp(prox[t] - behav[t])
+        for t in toks:
+            if dropped(t):
                 continue
+            w = W if c.tis_level == "sequence" else math.exp(prox[t] - behav[t])
             if c.tis_cap is not None:
                 w = min(w, c.tis_cap)
             A = adv[t]
@@ -148,7 +157,8 @@ CASES = [
     dict(policy_loss=p, loss_agg=a, **extra)
     for p in ("ppo", "gspo", "cispo")
     for a in ("token", "sequence", "token_sum_norm")
-    for extra in ({}, dict(tis_cap=1.5, icepop_low=0.5, icepop_high=2.0))
+    for extra in ({}, dict(tis_cap=1.5, icepop_low=0.5, icepop_high=2.0),
+                  dict(tis_level="sequence"), dict(tis_level="sequence", tis_cap=1.2, icepop_low=0.5, icepop_high=2.0))
 ]
 
 
@@ -232,6 +242,7 @@ def test_token_sum_norm_needs_its_constant():
     ("algo.overlong_penalty=-0.5", "algo.overlong_penalty: Input should be greater than or equal to 0"),
     ("rollout.dynamic_sampling=maybe", "rollout.dynamic_sampling: Input should be a valid boolean"),
     ("rollout.max_sampling_rounds=0", "rollout.max_sampling_rounds: Input should be greater than or equal to 1"),
+    ("algo.tis_level=seq", "algo.tis_level: Input should be 'token' or 'sequence'"),
 ])
 def test_bad_algo_values_name_their_key(override, expected):
     with pytest.raises(ConfigError) as e:
@@ -242,7 +253,7 @@ def test_bad_algo_values_name_their_key(override, expected):
 def test_every_choice_validates():
     for kv in ("algo.advantage=drgrpo", "algo.advantage=rloo", "algo.policy_loss=gspo", "algo.policy_loss=cispo",
                "algo.loss_agg=token_sum_norm", "algo.loss_norm_tokens=512", "rollout.dynamic_sampling=true",
-               "rollout.max_sampling_rounds=5", "algo.overlong_buffer=4", "algo.overlong_penalty=0.5"):
+               "rollout.max_sampling_rounds=5", "algo.overlong_buffer=4", "algo.overlong_penalty=0.5", "algo.tis_level=sequence"):
         load_config("configs/tiny.yaml", [kv])
     c = load_config("configs/tiny.yaml")
     assert c.rollout.max_sampling_rounds == 3 and not c.rollout.dynamic_sampling and c.algo.overlong_buffer == 0
