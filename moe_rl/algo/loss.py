@@ -26,9 +26,9 @@ train/infer ratio w lies outside [icepop_low, icepop_high] is masked out (contri
 before truncation. ``tis_level="sequence"`` replaces w_t by one weight per sequence,
 W_i = prod over its tokens not masked by IcePop of w_t, truncated at ``tis_cap``: the
 likelihood ratio of the whole response, which a per-token w leaves out for a stale sample
-(the prefix that led to token t was drawn by the older policy too). With ``kl_coef`` the k3 estimator of KL(pi_theta || pi_ref),
-``exp(ref - logp) - (ref - logp) - 1``, is added per token; with ``entropy_coef`` the
-per-token entropy (given) is subtracted.
+(the prefix that led to token t was drawn by the older policy too). With ``kl_coef`` the k3
+estimator of KL(pi_theta || pi_ref), ``exp(ref - logp) - (ref - logp) - 1``, is added per
+token; with ``entropy_coef`` the per-token entropy (given) is subtracted.
 
 Aggregation and distributed training
 -----------------------------------

@@ -4,8 +4,8 @@ The same task, model and sample budget, on a long-tailed response-length distrib
 (the task's ``long_tail`` option draws each prompt's max_new_tokens from a heavy-tailed law),
 each run as a real ``moe-rl train`` world (1 trainer rank + 1 embedded-engine rank). Reports
 samples/s, the busy fraction of each pool, the mean token staleness (the lag of the per-step
-reward) and the final reward (mean of the last quarter of
-steps) of each run, and the final policy's reward on a fixed prompt set (``final_eval_reward``,
+reward) and the final reward (mean of the last quarter of steps) of each run, and the final
+policy's reward on a fixed prompt set (``final_eval_reward``,
 moe_rl/experiments/evaluate.py: the per-step reward of an asynchronous run is earned by policies
 up to eta versions older than the one it trained, this is the trained policy itself), and the
 final reward by sampling version (``final_reward_by_version``: both runs' batches sampled by
