@@ -150,9 +150,6 @@ class TrainConfig(Strict):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    momentum_staleness: bool = Field(
-        False, description="take each batch's mean token staleness off Adam's momentum age "
-        "beta1/(1-beta1): stale samples already carry older policies' direction (docs/algorithms.md)")
     grad_clip: float | None = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch")
     ep_size: int = Field(1, ge=1)

@@ -56,9 +56,6 @@ class TrainBackend(Protocol):
     def optimizer_step(self) -> dict[str, float]:
         """Reduces gradients over the data-parallel groups, clips, steps, zeroes grads."""
 
-    def set_beta1(self, beta1: float) -> None:
-        """Adam's momentum coefficient for the next steps."""
-
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every tensor this rank holds: all dense tensors, and the
         experts of this EP rank under their global HF names."""
@@ -90,11 +87,6 @@ class DataParallelStep:
             self.dense_params + self.expert_params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
             weight_decay=cfg.train.weight_decay,
         )
-
-    def set_beta1(self, beta1: float) -> None:
-        """Adam's momentum coefficient for the next steps (train.momentum_staleness)."""
-        for g in self.optimizer.param_groups:
-            g["betas"] = (beta1, g["betas"][1])
 
     def optimizer_step(self) -> dict[str, float]:
         for p in self.dense_params + self.expert_params:

@@ -88,19 +88,6 @@ def take_groups(cfg, buffer: RolloutBuffer, manager: RolloutManager, version: in
     return kept, taken, dyn
 
 
-def beta1_for_staleness(beta1: float, staleness: float) -> float:
-    """Adam's beta1 for a batch whose tokens are ``staleness`` policy versions old on average.
-
-    Adam's momentum averages gradients whose mean age is beta1 / (1 - beta1) steps (9 at 0.9).
-    A stale sample's gradient already points where an older policy's data pointed, so
-    asynchrony adds its staleness to that age ("asynchrony begets momentum", Mitliagkas et al.
-    2016). Taking it off keeps the update's total lag what the configured beta1 gives a
-    synchronous run: 0.9 becomes 0.882 at a mean staleness of 1.5, and stays 0.9 at 0.
-    """
-    age = max(beta1 / (1.0 - beta1) - staleness, 0.0)
-    return age / (1.0 + age)
-
-
 # --- batch -> micro-batches ---------------------------------------------------------------
 def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay_log, use_replay: bool):
     """Packs ``samples`` (this rank's shard) into exactly ``n_micro`` micro-batches; a rank
@@ -366,13 +353,7 @@ class Trainer:
             while self.step < cfg.train.steps:
                 batch, info = self._take_batch()
                 t0 = time.perf_counter()
-                beta1 = None
-                if cfg.train.momentum_staleness:
-                    beta1 = beta1_for_staleness(cfg.train.betas[0], float(np.mean(info["staleness"] or [0])))
-                    self.backend.set_beta1(beta1)
                 metrics = self.train_step(batch)
-                if beta1 is not None:
-                    metrics["adam_beta1"] = beta1
                 train_s = time.perf_counter() - t0
                 self.version += 1
                 if self.lead:

@@ -26,27 +26,3 @@ def test_gspo_rloo_dynamic_sampling_world_accounts_for_every_prompt(tmp_path):
     buffered = [g["group_id"] for g in rollout["buffer"]["groups"]]
     accounted = consumed + buffered + rollout["pending"] + rollout["buffer"]["dropped_ids"]
     assert sorted(accounted) == list(range(rollout["next_index"]))
-
-
-def test_beta1_for_staleness_keeps_the_momentum_age():
-    from moe_rl.train.loop import beta1_for_staleness
-
-    assert beta1_for_staleness(0.9, 0.0) == 0.9  # synchronous: unchanged
-    b = beta1_for_staleness(0.9, 1.5)  # mean age 9 -> 7.5 steps
-    assert abs(b / (1 - b) - 7.5) < 1e-12 and abs(b - 7.5 / 8.5) < 1e-15
-    assert beta1_for_staleness(0.5, 3.0) == 0.0  # age 1 < staleness: no momentum left, never negative
-
-
-def test_momentum_staleness_world_sets_adams_beta1_from_each_batch(tmp_path):
-    from moe_rl.train.loop import beta1_for_staleness
-
-    out, _ = train(tmp_path, "train.steps=5", "rollout.max_staleness=2", "train.momentum_staleness=true",
-                   "checkpoint.every=5", "data.task_args.long_tail=true")
-    rows = read_metrics(out / "metrics.jsonl")
-    assert any(r["staleness_mean"] > 0 for r in rows)
-    for r in rows:  # the batch's mean token staleness, as logged, sets the step's beta1
-        assert abs(r["adam_beta1"] - beta1_for_staleness(0.9, r["staleness_mean"])) < 1e-12
-    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
-    state = torch.load(ckpt / "trainer_rank0.pt", weights_only=False)
-    groups = state["backend"]["optimizer"]["param_groups"]  # what the optimizer stepped with
-    assert {g["betas"][0] for g in groups} == {rows[-1]["adam_beta1"]}
