@@ -130,9 +130,6 @@ class AlgoConfig(Strict):
         "(the product over its tokens, truncated at tis_cap): docs/algorithms.md")
     icepop_low: float | None = Field(0.5, gt=0)
     icepop_high: float | None = Field(2.0, gt=0)
-    stale_bounds: Literal["fixed", "per_version"] = Field(
-        "fixed", description="per_version: a token sampled s policy versions before the one trained has the "
-        "behaviour bounds tis_cap, icepop_low, icepop_high raised to the power 1 + s (docs/algorithms.md)")
     loss_agg: Literal["token", "sequence", "token_sum_norm"] = "token"
     loss_norm_tokens: int | None = Field(None, ge=1, description="token_sum_norm's constant divisor; "
                                          "null = rollout.max_new_tokens x sequences in the step")

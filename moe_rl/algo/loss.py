@@ -26,11 +26,7 @@ train/infer ratio w lies outside [icepop_low, icepop_high] is masked out (contri
 before truncation. ``tis_level="sequence"`` replaces w_t by one weight per sequence,
 W_i = prod over its tokens not masked by IcePop of w_t, truncated at ``tis_cap``: the
 likelihood ratio of the whole response, which a per-token w leaves out for a stale sample
-(the prefix that led to token t was drawn by the older policy too). ``stale_bounds="per_version"``
-gives a token sampled s versions before the trained policy (``staleness``) the bounds
-``tis_cap ** (1 + s)``, ``icepop_low ** (1 + s)`` and ``icepop_high ** (1 + s)``: the bounds are
-meant for the engine/trainer mismatch, while a stale token's w also holds the s updates made
-since it was sampled, which are the learning itself rather than noise. With ``kl_coef`` the k3
+(the prefix that led to token t was drawn by the older policy too). With ``kl_coef`` the k3
 estimator of KL(pi_theta || pi_ref), ``exp(ref - logp) - (ref - logp) - 1``, is added per
 token; with ``entropy_coef`` the per-token entropy (given) is subtracted.
 
@@ -113,22 +109,19 @@ def policy_loss(
     entropy: Tensor | None = None,
     num_tokens_global: int | float | None = None,
     num_seqs_global: int | float | None = None,
-    staleness: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The policy loss (``cfg.policy_loss``) of one micro-batch; every input is per response
     token, 1-D [T].
 
     ``mask``: 1 (or True) where the token counts. ``seq_ids``: the sample each token belongs
-    to (any integers). ``advantages``: per token (a sequence's advantage repeated).
-    ``staleness``: per token, how many policy versions older than the trained one its
-    sampler was (None: all 0); used by ``stale_bounds="per_version"``. Returns
+    to (any integers). ``advantages``: per token (a sequence's advantage repeated). Returns
     ``(loss, metrics)``; the loss is a scalar whose sum over a step's micro-batches and ranks
     is the step's loss (see the module docstring for the normalisers).
     """
     T = logp.shape[0]
     for name, t in (("proximal_logp", proximal_logp), ("behaviour_logp", behaviour_logp),
                     ("advantages", advantages), ("mask", mask), ("seq_ids", seq_ids),
-                    ("ref_logp", ref_logp), ("entropy", entropy), ("staleness", staleness)):
+                    ("ref_logp", ref_logp), ("entropy", entropy)):
         if t is not None and t.shape != (T,):
             raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)}, expected ({T},) like logp")
     if cfg.loss_agg not in ("token", "sequence", "token_sum_norm"):
@@ -158,28 +151,19 @@ def policy_loss(
     # behaviour weight w = pi_prox / pi_behav: IcePop mask, then TIS truncation
     log_w = prox - behav
     w = log_w.exp()
-    # each bound b is b ** (1 + staleness) per token under stale_bounds="per_version"
-    power = None
-    if cfg.stale_bounds == "per_version" and staleness is not None:
-        power = 1.0 + staleness.detach().to(device=logp.device, dtype=dtype).clamp(min=0)
-
-    def bound(b: float) -> float | Tensor:
-        return b if power is None else torch.pow(torch.tensor(b, dtype=dtype, device=logp.device), power)
-
     ice = torch.zeros_like(keep)
     if cfg.icepop_low is not None:
-        ice |= w < bound(cfg.icepop_low)
+        ice |= w < cfg.icepop_low
     if cfg.icepop_high is not None:
-        ice |= w > bound(cfg.icepop_high)
+        ice |= w > cfg.icepop_high
     ice &= keep
     live = keep & ~ice
     if cfg.tis_level == "sequence":  # W_i = prod of the live tokens' w, on each of them
         log_W = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, torch.where(live, log_w, zero))
         w = log_W.exp()[inv]
     if cfg.tis_cap is not None:
-        cap = torch.as_tensor(bound(cfg.tis_cap), dtype=dtype, device=logp.device)
-        tis = (w > cap) & live
-        w = torch.minimum(w, cap)
+        tis = (w > cfg.tis_cap) & live
+        w = w.clamp(max=cfg.tis_cap)
     else:
         tis = torch.zeros_like(keep)
 

@@ -290,7 +290,6 @@ class Trainer:
             adv = torch.tensor([s["advantage"] for s in chunk for _ in s["response_ids"]], dtype=torch.float32)
             seq_ids = torch.tensor([i for i, s in enumerate(chunk) for _ in s["response_ids"]])
             mask = torch.tensor([m for s in chunk for m in _loss_mask(s)], dtype=torch.float32)
-            staleness = torch.tensor([self.version - v for s in chunk for v in s["versions"]])
             ref_logp = None
             if self.ref is not None:
                 with torch.no_grad():
@@ -298,7 +297,7 @@ class Trainer:
             loss, m = policy_loss(
                 logp, logp.detach(), behav, adv, mask, seq_ids, algo, ref_logp=ref_logp,
                 entropy=None if ent_all is None else ent_all[resp_pos],
-                num_tokens_global=n_tok, num_seqs_global=n_seq, staleness=staleness,
+                num_tokens_global=n_tok, num_seqs_global=n_seq,
             )
             loss.backward()
             mm = mismatch_metrics(logp.detach(), behav, mask)

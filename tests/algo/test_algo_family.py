@@ -82,13 +82,9 @@ def test_overlong_penalty_matches_dapo_formula():
 
 
 # --- policy losses ------------------------------------------------------------------------
-def ref_loss(logp, prox, behav, adv, mask, seq, c, norm_tokens=None, stale=None):
+def ref_loss(logp, prox, behav, adv, mask, seq, c, norm_tokens=None):
     """Scalar-at-a-time loss; logp is a list of 0-d tensors with grad."""
     lo, hi = 1 - c.clip_low, 1 + c.clip_high
-    stale = stale or [0] * len(seq)
-
-    def bound(b, t):  # stale_bounds=per_version: b ** (1 + staleness of token t)
-        return b ** (1 + stale[t]) if c.stale_bounds == "per_version" else b
     seqs = sorted(set(seq))
     token_terms, per_seq = [], {}
     for s in seqs:
@@ -98,7 +94,7 @@ def ref_loss(logp, prox, behav, adv, mask, seq, c, norm_tokens=None, stale=None)
 
         def dropped(t):  # IcePop
             w = math.exp(prox[t] - behav[t])
-            return c.icepop_low is not None and (w < bound(c.icepop_low, t) or w > bound(c.icepop_high, t))
+            return c.icepop_low is not None and (w < c.icepop_low or w > c.icepop_high)
 
         W = 1.0  # tis_level=sequence: the product of the sequence's kept tokens' weights
         for t in toks:
@@ -109,7 +105,7 @@ def ref_loss(logp, prox, behav, adv, mask, seq, c, norm_tokens=None, stale=None)
                 continue
             w = W if c.tis_level == "sequence" else math.exp(prox[t] - behav[t])
             if c.tis_cap is not None:
-                w = min(w, bound(c.tis_cap, t))
+                w = min(w, c.tis_cap)
             A = adv[t]
             if c.policy_loss == "cispo":
                 u = math.exp(float(logp[t].detach()) - prox[t])
@@ -162,11 +158,8 @@ CASES = [
     for p in ("ppo", "gspo", "cispo")
     for a in ("token", "sequence", "token_sum_norm")
     for extra in ({}, dict(tis_cap=1.5, icepop_low=0.5, icepop_high=2.0),
-                  dict(tis_level="sequence"), dict(tis_level="sequence", tis_cap=1.2, icepop_low=0.5, icepop_high=2.0),
-                  dict(tis_cap=1.5, icepop_low=0.5, icepop_high=2.0, stale_bounds="per_version"),
-                  dict(tis_level="sequence", tis_cap=1.2, icepop_low=0.5, icepop_high=2.0, stale_bounds="per_version"))
+                  dict(tis_level="sequence"), dict(tis_level="sequence", tis_cap=1.2, icepop_low=0.5, icepop_high=2.0))
 ]
-STALENESS = [0, 1, 2, 0, 1, 0, 0, 0, 1, 2, 1, 1, 2, 2, 0, 1]  # per token of batch(): versions behind
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
@@ -174,12 +167,12 @@ def test_policy_loss_matches_plain_reference(kw):
     c = cfg(**kw, **({"loss_norm_tokens": 64} if kw["loss_agg"] == "token_sum_norm" else {}))
     logp, prox, behav, adv, mask, seq = batch()
     x = logp.clone().requires_grad_(True)
-    loss, m = policy_loss(x, prox, behav, adv, mask, seq, c, staleness=torch.tensor(STALENESS))
+    loss, m = policy_loss(x, prox, behav, adv, mask, seq, c)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
 
     xs = [logp[t].clone().requires_grad_(True) for t in range(len(seq))]
-    ref = ref_loss(xs, prox.tolist(), behav.tolist(), adv.tolist(), mask.tolist(), seq.tolist(), c, 64, STALENESS)
+    ref = ref_loss(xs, prox.tolist(), behav.tolist(), adv.tolist(), mask.tolist(), seq.tolist(), c, 64)
     ref.backward()
     ref_grad = torch.stack([v.grad if v.grad is not None else torch.zeros((), dtype=torch.float64) for v in xs])
 
@@ -232,31 +225,6 @@ def test_only_masked_tokens_gives_zero_loss_and_no_nan():
             assert loss.item() == 0.0 and (x.grad == 0).all()
 
 
-def test_per_version_bounds_widen_with_staleness_only():
-    # behaviour weights w = 3 (three tokens) and 1/3; defaults tis_cap 2, IcePop [0.5, 2]
-    logw = torch.log(torch.tensor([3.0, 3.0, 3.0, 1 / 3], dtype=torch.float64))
-    prox, behav = torch.zeros(4, dtype=torch.float64), -logw
-    stale = torch.tensor([0, 1, 2, 1])
-    adv, mask, seq = torch.ones(4, dtype=torch.float64), torch.ones(4), torch.arange(4)
-    for mode, kept in (("fixed", [0, 0, 0, 0]), ("per_version", [0, 1, 1, 1])):
-        x = prox.clone().requires_grad_(True)  # logp = prox: ratio 1, d loss / d logp = -A w / n
-        c = cfg(stale_bounds=mode, tis_cap=2.0, icepop_low=0.5, icepop_high=2.0)
-        loss, m = policy_loss(x, prox, behav, adv, mask, seq, c, staleness=stale)
-        loss.backward()
-        # fixed: every token is outside [0.5, 2] and IcePop drops it; per_version: only the
-        # fresh one (s = 0); the others are inside [0.5 ** (1 + s), 2 ** (1 + s)] and uncut
-        want = -torch.tensor([3.0, 3.0, 3.0, 1 / 3], dtype=torch.float64) * torch.tensor(kept) / 4
-        assert torch.allclose(x.grad, want)
-        assert m["icepop_frac"] == pytest.approx(1 - sum(kept) / 4)
-    c = cfg(stale_bounds="per_version", tis_cap=2.0)  # TIS alone: 2 ** (1 + s)
-    x = prox.clone().requires_grad_(True)
-    policy_loss(x, prox, behav, adv, mask, seq, c, staleness=stale)[0].backward()
-    assert torch.allclose(x.grad, -torch.tensor([2.0, 3.0, 3.0, 1 / 3], dtype=torch.float64) / 4)
-    x = prox.clone().requires_grad_(True)  # no staleness given: the fixed bounds
-    policy_loss(x, prox, behav, adv, mask, seq, c)[0].backward()
-    assert torch.allclose(x.grad, -torch.tensor([2.0, 2.0, 2.0, 1 / 3], dtype=torch.float64) / 4)
-
-
 def test_token_sum_norm_needs_its_constant():
     z = torch.zeros(2)
     with pytest.raises(ValueError, match="algo.loss_norm_tokens"):
@@ -275,7 +243,6 @@ def test_token_sum_norm_needs_its_constant():
     ("rollout.dynamic_sampling=maybe", "rollout.dynamic_sampling: Input should be a valid boolean"),
     ("rollout.max_sampling_rounds=0", "rollout.max_sampling_rounds: Input should be greater than or equal to 1"),
     ("algo.tis_level=seq", "algo.tis_level: Input should be 'token' or 'sequence'"),
-    ("algo.stale_bounds=wide", "algo.stale_bounds: Input should be 'fixed' or 'per_version'"),
 ])
 def test_bad_algo_values_name_their_key(override, expected):
     with pytest.raises(ConfigError) as e:
@@ -286,8 +253,7 @@ def test_bad_algo_values_name_their_key(override, expected):
 def test_every_choice_validates():
     for kv in ("algo.advantage=drgrpo", "algo.advantage=rloo", "algo.policy_loss=gspo", "algo.policy_loss=cispo",
                "algo.loss_agg=token_sum_norm", "algo.loss_norm_tokens=512", "rollout.dynamic_sampling=true",
-               "rollout.max_sampling_rounds=5", "algo.overlong_buffer=4", "algo.overlong_penalty=0.5", "algo.tis_level=sequence",
-               "algo.stale_bounds=per_version"):
+               "rollout.max_sampling_rounds=5", "algo.overlong_buffer=4", "algo.overlong_penalty=0.5", "algo.tis_level=sequence"):
         load_config("configs/tiny.yaml", [kv])
     c = load_config("configs/tiny.yaml")
     assert c.rollout.max_sampling_rounds == 3 and not c.rollout.dynamic_sampling and c.algo.overlong_buffer == 0
