@@ -330,8 +330,7 @@ def plot(curves: dict[str, list[list[dict]]], out: Path) -> None:
     for arm, rr in curves.items():
         n = min(len(r) for r in rr)
         per_step = np.mean([_col(r[:n], "samples") for r in rr])
-        x = np.mean([(_col(r[:n], "step") - 1 - np.nan_to_num(_col(r[:n], "staleness_mean"))) * per_step
-                     for r in rr], axis=0)
+        x = np.mean([gen_versions(r[:n]) * per_step for r in rr], axis=0)
         y = np.array([_col(r[:n], "reward_mean") for r in rr])
         line, = ax.plot(x, np.nanmean(y, 0), label=f"{arm} (n={len(rr)})")
         ax.fill_between(x, np.nanmin(y, 0), np.nanmax(y, 0), color=line.get_color(), alpha=0.2)
