@@ -36,14 +36,15 @@ def main() -> None:
     ap.add_argument("--eval-samples", type=int, default=4)
     ap.add_argument("arms", nargs="+", type=Path)
     a = ap.parse_args()
-    runs = [r for d in a.arms for r in read_runs(d)]
+    by_arm = {d: read_runs(d) for d in a.arms}
+    runs = [r for arm_runs in by_arm.values() for r in arm_runs]
     configs = {dict(r.values)["config"] for r in runs}
     if len(configs) != 1:
         raise SystemExit(f"the arms ran different config files {sorted(configs)}; compare arms of one experiment")
     summarise(runs, a.out, a.threshold, (configs.pop(), a.eval_prompts, a.eval_samples))
     print((a.out / "summary.md").read_text())
-    for d in a.arms:
-        st = [np.mean([r["staleness_mean"] for r in read_metrics(run.dir / "metrics.jsonl")]) for run in read_runs(d)]
+    for d, arm_runs in by_arm.items():
+        st = [np.mean([r["staleness_mean"] for r in read_metrics(run.dir / "metrics.jsonl")]) for run in arm_runs]
         print(f"{d}: mean token staleness {np.mean(st):.2f}")
 
 
