@@ -105,8 +105,6 @@ class SyncConfig(Strict):
     # trainer colocated with its engine uses gloo (CUDA buckets staged through host memory by
     # gloo) or ipc (the engine maps the trainer's bucket: CUDA IPC; one machine, embedded engines)
     backend: Literal["auto", "nccl", "gloo", "ipc"] = "auto"
-    lookahead: float = Field(0.0, ge=0, description="engines get theta + k (theta - theta_before_step): "
-                             "weights extrapolated k steps along the last update (k ~ the mean staleness); 0 = off")
 
 
 class PlacementConfig(Strict):
@@ -127,9 +125,9 @@ class AlgoConfig(Strict):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     tis_cap: float | None = Field(2.0, gt=0, description="truncated importance sampling cap; null = off")
-    tis_level: Literal["token", "sequence", "prefix"] = Field(
+    tis_level: Literal["token", "sequence"] = Field(
         "token", description="behaviour correction pi_prox/pi_behav per token, or one weight per sequence "
-        "(the product over its tokens, truncated at tis_cap), or per token the product over its prefix: docs/algorithms.md")
+        "(the product over its tokens, truncated at tis_cap): docs/algorithms.md")
     icepop_low: float | None = Field(0.5, gt=0)
     icepop_high: float | None = Field(2.0, gt=0)
     loss_agg: Literal["token", "sequence", "token_sum_norm"] = "token"

@@ -26,9 +26,7 @@ train/infer ratio w lies outside [icepop_low, icepop_high] is masked out (contri
 before truncation. ``tis_level="sequence"`` replaces w_t by one weight per sequence,
 W_i = prod over its tokens not masked by IcePop of w_t, truncated at ``tis_cap``: the
 likelihood ratio of the whole response, which a per-token w leaves out for a stale sample
-(the prefix that led to token t was drawn by the older policy too). ``tis_level="prefix"``
-gives token t the product over its sequence's live tokens up to and including t
-(per-decision importance sampling: the prefix corrected, not the tokens after it). With ``kl_coef`` the k3
+(the prefix that led to token t was drawn by the older policy too). With ``kl_coef`` the k3
 estimator of KL(pi_theta || pi_ref), ``exp(ref - logp) - (ref - logp) - 1``, is added per
 token; with ``entropy_coef`` the per-token entropy (given) is subtracted.
 
@@ -67,18 +65,6 @@ def k3(log_ratio: Tensor) -> Tensor:
     """k3 = exp(d) - d - 1 >= 0 for d = log q - log p (Schulman's low-variance KL estimator);
     zero iff d == 0. Computed with expm1 for accuracy at small d."""
     return torch.expm1(log_ratio) - log_ratio
-
-
-def _prefix_sums(x: Tensor, inv: Tensor, S: int) -> Tensor:
-    """Inclusive running sum of ``x`` within each sequence (``inv``: the sequence index of each
-    token); a sequence's tokens must be contiguous and in order, as the trainer packs them."""
-    T = x.shape[0]
-    if T and int((inv[1:] != inv[:-1]).sum()) + 1 != S:
-        raise ValueError("algo.tis_level=prefix: each sequence's tokens must be contiguous")
-    c = x.cumsum(0)
-    first = torch.full((S,), T, dtype=torch.long, device=x.device).scatter_reduce_(
-        0, inv, torch.arange(T, device=x.device), "amin")
-    return c - (c - x)[first][inv]
 
 
 def loss_normalisers(mask: Tensor, seq_ids: Tensor) -> tuple[int, int]:
@@ -156,7 +142,7 @@ def policy_loss(
     zero = torch.zeros((), dtype=dtype, device=logp.device)
 
     # per-sequence bookkeeping (GSPO's ratio, sequence aggregation)
-    need_seqs = cfg.policy_loss == "gspo" or cfg.loss_agg == "sequence" or cfg.tis_level != "token"
+    need_seqs = cfg.policy_loss == "gspo" or cfg.loss_agg == "sequence" or cfg.tis_level == "sequence"
     if need_seqs:
         _, inv = torch.unique(seq_ids, return_inverse=True)
         S = int(inv.max()) + 1 if T else 0
@@ -175,8 +161,6 @@ def policy_loss(
     if cfg.tis_level == "sequence":  # W_i = prod of the live tokens' w, on each of them
         log_W = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, torch.where(live, log_w, zero))
         w = log_W.exp()[inv]
-    elif cfg.tis_level == "prefix":  # W_it = prod of the live w_ik for k <= t (per-decision IS)
-        w = _prefix_sums(torch.where(live, log_w, zero), inv, S).exp()
     if cfg.tis_cap is not None:
         tis = (w > cfg.tis_cap) & live
         w = w.clamp(max=cfg.tis_cap)

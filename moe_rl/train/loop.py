@@ -19,7 +19,6 @@ route it; ``replay_rows`` merges the two routings when a batch mixes fresh and s
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -130,31 +129,6 @@ def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay
     return out
 
 
-class Lookahead:
-    """Engines sample with the trainer's weights extrapolated along the step just taken,
-    theta + k (theta - theta_before), k = ``sync.lookahead``: a first-order guess of the weights
-    the trainer will hold when those samples are trained on, k versions later. The trainer's
-    own weights are put back right after the sync."""
-
-    def __init__(self, params: list[torch.Tensor], k: float):
-        self.params, self.k = params, k
-
-    @torch.no_grad()
-    def snapshot(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.params]
-
-    @contextlib.contextmanager
-    def applied(self, before: list[torch.Tensor]):
-        with torch.no_grad():
-            now = self.snapshot()
-            torch._foreach_add_(self.params, torch._foreach_sub(now, before), alpha=self.k)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, now)
-
-
 # --- the trainer ----------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg, groups):
@@ -178,8 +152,6 @@ class Trainer:
         self.buffer = RolloutBuffer()
         self.reader: ReplayLog | None = None
         self.writer: ReplayLog | None = None
-        self.lookahead = (Lookahead(self.backend.dense_params + self.backend.expert_params, cfg.sync.lookahead)
-                          if cfg.sync.lookahead > 0 else None)
 
     # --- set-up ---------------------------------------------------------------------------
     def _engine_urls(self) -> list[str]:
@@ -380,7 +352,6 @@ class Trainer:
             while self.step < cfg.train.steps:
                 batch, info = self._take_batch()
                 t0 = time.perf_counter()
-                before = self.lookahead.snapshot() if self.lookahead else None
                 metrics = self.train_step(batch)
                 train_s = time.perf_counter() - t0
                 self.version += 1
@@ -388,11 +359,7 @@ class Trainer:
                     self.manager.begin_update()
                 t1 = time.perf_counter()
                 try:
-                    if self.lookahead:
-                        with self.lookahead.applied(before):
-                            sync = self.sender.sync(str(self.version))
-                    else:
-                        sync = self.sender.sync(str(self.version))
+                    sync = self.sender.sync(str(self.version))
                     if self.lead:  # engines the sync could not reach serve no rollouts until one does
                         self.manager.client.set_stale(sync.skipped)
                         self.manager.client.lora_path = getattr(self.sender, "lora_name", None)

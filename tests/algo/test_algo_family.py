@@ -100,12 +100,10 @@ def ref_loss(logp, prox, behav, adv, mask, seq, c, norm_tokens=None):
         for t in toks:
             if not dropped(t):
                 W *= math.exp(prox[t] - behav[t])
-        P = 1.0  # tis_level=prefix: the product of the kept tokens' weights up to and including t
         for t in toks:
             if dropped(t):
                 continue
-            P *= math.exp(prox[t] - behav[t])
-            w = {"sequence": W, "prefix": P}.get(c.tis_level, math.exp(prox[t] - behav[t]))
+            w = W if c.tis_level == "sequence" else math.exp(prox[t] - behav[t])
             if c.tis_cap is not None:
                 w = min(w, c.tis_cap)
             A = adv[t]
@@ -160,8 +158,7 @@ CASES = [
     for p in ("ppo", "gspo", "cispo")
     for a in ("token", "sequence", "token_sum_norm")
     for extra in ({}, dict(tis_cap=1.5, icepop_low=0.5, icepop_high=2.0),
-                  dict(tis_level="sequence"), dict(tis_level="sequence", tis_cap=1.2, icepop_low=0.5, icepop_high=2.0),
-                  dict(tis_level="prefix", tis_cap=None), dict(tis_level="prefix", tis_cap=1.2, icepop_low=0.5, icepop_high=2.0))
+                  dict(tis_level="sequence"), dict(tis_level="sequence", tis_cap=1.2, icepop_low=0.5, icepop_high=2.0))
 ]
 
 
@@ -245,7 +242,7 @@ def test_token_sum_norm_needs_its_constant():
     ("algo.overlong_penalty=-0.5", "algo.overlong_penalty: Input should be greater than or equal to 0"),
     ("rollout.dynamic_sampling=maybe", "rollout.dynamic_sampling: Input should be a valid boolean"),
     ("rollout.max_sampling_rounds=0", "rollout.max_sampling_rounds: Input should be greater than or equal to 1"),
-    ("algo.tis_level=seq", "algo.tis_level: Input should be 'token', 'sequence' or 'prefix'"),
+    ("algo.tis_level=seq", "algo.tis_level: Input should be 'token' or 'sequence'"),
 ])
 def test_bad_algo_values_name_their_key(override, expected):
     with pytest.raises(ConfigError) as e:
