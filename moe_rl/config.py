@@ -149,6 +149,9 @@ class TrainConfig(Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch")
+    # optimizer updates per rollout batch (slime's num_steps_per_rollout, AReaL's ppo_n_minibatches):
+    # the batch is split into this many minibatches; weights sync, and the version advances, once per batch
+    minibatches: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)
     tp_size: int = Field(1, ge=1)
     threads: int | None = Field(None, ge=1, description="torch threads of a trainer rank")
@@ -283,6 +286,9 @@ class ExperimentConfig(Strict):
             raise ValueError("engine.kind=embedded needs pools.rollout >= 1")
         if self.engine.kind == "sglang" and not self.engine.urls and not self.engine.sglang_model_path:
             raise ValueError("engine.kind=sglang needs engine.urls (attach) or engine.sglang_model_path (launch)")
+        if self.train.minibatches > self.rollout.prompts_per_step * self.rollout.group_size:
+            raise ValueError(f"train.minibatches={self.train.minibatches} exceeds the samples of a step "
+                             f"(rollout.prompts_per_step x group_size = {self.rollout.prompts_per_step * self.rollout.group_size})")
         if self.algo.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer={self.algo.overlong_buffer} exceeds "
                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")

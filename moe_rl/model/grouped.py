@@ -71,13 +71,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def native_grouped_mm(x: torch.Tensor) -> bool:
-    """Where ``torch._grouped_mm`` is known to run: CPU (torch's per-group C++ loop, any float
-    dtype) and CUDA bf16 on sm_90+ (CUTLASS). Elsewhere (CUDA fp32/fp16, older GPUs):
+    """Where ``torch._grouped_mm`` is known to run: CPU (torch's per-group C++ loop; fp32, bf16,
+    fp16) and CUDA bf16 on sm_90+ (CUTLASS). Elsewhere (float64, CUDA fp32/fp16, older GPUs):
     ``padded_grouped_mm``."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
-        return _TORCH >= (2, 13)  # the CPU kernel, with autograd, checked on 2.13 (older: not known)
+        return _TORCH >= (2, 13) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)  # the CPU kernel, with autograd, checked on 2.13 (older: not known)
     return (x.device.type == "cuda" and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 

@@ -6,11 +6,12 @@ Per step:
 
   take B groups (staleness bound eta; DAPO dynamic sampling) -> advantages -> per rank: packed
   micro-batches with the engine's routing to replay -> log-probs (fused kernel) -> policy loss ->
-  backward -> optimizer step (version += 1) -> pause engines, bucketed weight sync, continue -> metrics,
-  checkpoint.
+  backward -> optimizer step (train.minibatches of them) -> version += 1 -> pause engines, bucketed
+  weight sync, continue -> metrics, checkpoint.
 
-With one optimizer update per batch the proximal policy (the trainer before its update) is
-the very forward that is being differentiated, so its log-probs are that forward's, detached.
+With one optimizer update per batch (``train.minibatches: 1``) the proximal policy (the trainer
+before its update) is the very forward that is being differentiated, so its log-probs are that
+forward's, detached; with several, they are a no-grad forward taken before the first update.
 
 Routing replay (R3) and staleness: by default every sample's engine routing is replayed, stale
 ones too (R3 as slime/MILES run it). ``replay.stale: trainer`` routes a stale sample (one made
@@ -245,47 +246,102 @@ class Trainer:
         return obj[0]
 
     def train_step(self, batch: list[dict]) -> dict:
+        """``train.minibatches`` optimizer updates on ``batch`` (one by default). Every
+        minibatch is packed and routed, and its proximal log-probs taken, with the weights the
+        batch started from: the decoupled objective's proximal policy, so the clip acts from
+        the second update on."""
         cfg = self.cfg
-        mbs = cfg.train.micro_batch_size
-        T = self.n_trainers
-        shard = batch[self.rank :: T] if T > 1 else batch
-        n_micro = max(1, math.ceil(math.ceil(len(batch) / T) / mbs))
+        n_mini = min(cfg.train.minibatches, max(len(batch), 1))
         if self.reader is not None:
             self.reader.refresh()
-        mbs_list = make_micro_batches(shard, mbs, n_micro, self.arch, self.reader, cfg.replay.enabled)
-        n_tok = sum(sum(_loss_mask(s)) for s in batch)  # trained tokens: the model's, not an environment's
-        n_seq = sum(1 for s in batch if s["response_ids"])
-        temp = cfg.rollout.temperature
-        algo = cfg.algo
-        # which samples' engine routing is replayed (module docstring): decided on the whole
-        # batch, so every rank makes the same number of forward calls (expert parallelism)
-        fresh = [cfg.replay.stale == "engine" or all(v == self.version for v, m in zip(s["versions"], _loss_mask(s)) if m)
-                 for s in batch]
-        mixed = any(fresh) and not all(fresh)
-        fresh_shard = fresh[self.rank :: T] if T > 1 else fresh
-        if algo.loss_agg == "token_sum_norm" and algo.loss_norm_tokens is None:
-            algo = algo.model_copy(update={"loss_norm_tokens": cfg.rollout.max_new_tokens * max(len(batch), 1)})
+        parts = [batch[len(batch) * j // n_mini : len(batch) * (j + 1) // n_mini] for j in range(n_mini)]
+        prepared = [self._prepare(part) for part in parts]
+        proximal = [None] + [self._proximal(p) for p in prepared[1:]]
         # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n, stale match, stale total
         sums = torch.zeros(10, dtype=torch.float64)
         max_ratio = torch.zeros(1, dtype=torch.float64)
-        need_entropy = cfg.algo.entropy_coef > 0
-        for m_i, (mb, chunk, resp_pos, (engine_routing, has_rec)) in enumerate(mbs_list):
+        steps = []
+        for prep, prox in zip(prepared, proximal):
+            self._accumulate(prep, prox, sums, max_ratio)
+            steps.append(self.backend.optimizer_step())
+        T = self.n_trainers
+        if T > 1:
+            dist.all_reduce(sums, group=self.groups.trainer)
+            dist.all_reduce(max_ratio, op=dist.ReduceOp.MAX, group=self.groups.trainer)
+        n = max(float(sums[2]), 1.0)
+        out = {
+            "loss": float(sums[0]) / n_mini,  # each minibatch's loss is normalised on its own
+            "mismatch_k3": float(sums[1]) / n,
+            "mismatch_max_ratio": float(max_ratio),
+            "clip_frac": float(sums[6]) / n,
+            "icepop_frac": float(sums[7]) / n,
+            "train_tokens": int(sums[2]),
+            **({"entropy": float(sums[5]) / n} if cfg.algo.entropy_coef > 0 else {}),
+            **{k: float(np.mean([s[k] for s in steps])) for k in steps[0]},
+        }
+        if sums[4] > 0:  # R3: where the engine's routing was replayed
+            out["routing_match"] = float(sums[3] / sums[4])
+        if sums[9] > 0:  # stale samples: the older router's experts vs the trainer's own
+            out["routing_match_stale"] = float(sums[8] / sums[9])
+        return out
+
+    def _prepare(self, part: list[dict]) -> dict:
+        """One minibatch: this rank's shard packed into micro-batches, each with the routing it
+        replays (module docstring), resolved with the current weights."""
+        cfg = self.cfg
+        mbs, T = cfg.train.micro_batch_size, self.n_trainers
+        shard = part[self.rank :: T] if T > 1 else part
+        n_micro = max(1, math.ceil(math.ceil(len(part) / T) / mbs))
+        micro = make_micro_batches(shard, mbs, n_micro, self.arch, self.reader, cfg.replay.enabled)
+        # which samples' engine routing is replayed: decided on the whole minibatch, so every
+        # rank makes the same number of forward calls (expert parallelism)
+        fresh = [cfg.replay.stale == "engine" or all(v == self.version for v, m in zip(s["versions"], _loss_mask(s)) if m)
+                 for s in part]
+        mixed = any(fresh) and not all(fresh)
+        fresh_shard = fresh[self.rank :: T] if T > 1 else fresh
+        algo = cfg.algo
+        if algo.loss_agg == "token_sum_norm" and algo.loss_norm_tokens is None:
+            algo = algo.model_copy(update={"loss_norm_tokens": cfg.rollout.max_new_tokens * max(len(part), 1)})
+        out = []
+        for m_i, (mb, chunk, resp_pos, (engine_routing, has_rec)) in enumerate(micro):
             keep = fresh_shard[m_i * mbs : m_i * mbs + len(chunk)]
             if cfg.replay.enabled and not all(fresh):
                 own = None
                 if mixed:  # the trainer's own routing for the stale samples' rows (every rank, every call)
                     own = []
                     with torch.no_grad():
-                        self.backend.logprobs(MicroBatch(mb.input_ids, mb.cu_seqlens, mb.labels), temp, record=own)
+                        self.backend.logprobs(MicroBatch(mb.input_ids, mb.cu_seqlens, mb.labels), cfg.rollout.temperature,
+                                              record=own)
                 if chunk:
                     mb = MicroBatch(mb.input_ids, mb.cu_seqlens, mb.labels,
                                     replay_rows(mb.replay, own, keep, mb.cu_seqlens))
+            out.append((mb, chunk, resp_pos, engine_routing, has_rec, keep))
+        return dict(micro=out, algo=algo, n_tok=sum(sum(_loss_mask(s)) for s in part),
+                    n_seq=sum(1 for s in part if s["response_ids"]))
+
+    @torch.no_grad()
+    def _proximal(self, prep: dict) -> list[torch.Tensor | None]:
+        """The proximal log-probs of a minibatch's response tokens, one per micro-batch."""
+        out = []
+        for mb, chunk, resp_pos, *_ in prep["micro"]:
+            logp_all = self.backend.logprobs(mb, self.cfg.rollout.temperature)[0]  # every rank, every call
+            out.append(logp_all[resp_pos].detach() if chunk else None)
+        return out
+
+    def _accumulate(self, prep: dict, proximal: list | None, sums: torch.Tensor, max_ratio: torch.Tensor) -> None:
+        """Forward and backward of one minibatch's micro-batches (gradients accumulate), adding
+        its metrics to ``sums``. ``proximal`` None: the proximal policy is this very forward."""
+        cfg = self.cfg
+        temp = cfg.rollout.temperature
+        need_entropy = cfg.algo.entropy_coef > 0
+        for m_i, (mb, chunk, resp_pos, engine_routing, has_rec, keep) in enumerate(prep["micro"]):
             used = [] if engine_routing is not None else None
             logp_all, ent_all = self.backend.logprobs(mb, temp, with_entropy=need_entropy, record=used)
             if not chunk:
                 (logp_all.sum() * 0.0).backward()
                 continue
             logp = logp_all[resp_pos]
+            prox = logp.detach() if proximal is None else proximal[m_i]
             behav = torch.tensor([x for s in chunk for x in s["behaviour_logprobs"]], dtype=torch.float32)
             adv = torch.tensor([s["advantage"] for s in chunk for _ in s["response_ids"]], dtype=torch.float32)
             seq_ids = torch.tensor([i for i, s in enumerate(chunk) for _ in s["response_ids"]])
@@ -295,17 +351,17 @@ class Trainer:
                 with torch.no_grad():
                     ref_logp = self.ref.logprobs(mb, temp)[0][resp_pos]
             loss, m = policy_loss(
-                logp, logp.detach(), behav, adv, mask, seq_ids, algo, ref_logp=ref_logp,
+                logp, prox, behav, adv, mask, seq_ids, prep["algo"], ref_logp=ref_logp,
                 entropy=None if ent_all is None else ent_all[resp_pos],
-                num_tokens_global=n_tok, num_seqs_global=n_seq,
+                num_tokens_global=prep["n_tok"], num_seqs_global=prep["n_seq"],
             )
             loss.backward()
-            mm = mismatch_metrics(logp.detach(), behav, mask)
+            mm = mismatch_metrics(prox, behav, mask)  # the weights that sampled vs those the batch started from
             n = mm["num_tokens"]
             sums[0] += float(loss.detach())
             sums[1] += mm["mismatch_k3"] * n
             sums[2] += n
-            max_ratio = torch.maximum(max_ratio, torch.tensor([mm["mismatch_max_ratio"]], dtype=torch.float64))
+            max_ratio.copy_(torch.maximum(max_ratio, torch.tensor([mm["mismatch_max_ratio"]], dtype=torch.float64)))
             if used is not None:
                 # replayed rows (fresh samples) vs rows the trainer routed itself (stale ones)
                 replayed = stale_rows(keep, mb.cu_seqlens).logical_not() if cfg.replay.enabled else has_rec
@@ -319,26 +375,6 @@ class Trainer:
                 sums[5] += m["entropy"] * n
             sums[6] += m["clip_frac"] * n
             sums[7] += m["icepop_frac"] * n
-        stats = self.backend.optimizer_step()
-        if T > 1:
-            dist.all_reduce(sums, group=self.groups.trainer)
-            dist.all_reduce(max_ratio, op=dist.ReduceOp.MAX, group=self.groups.trainer)
-        n = max(float(sums[2]), 1.0)
-        out = {
-            "loss": float(sums[0]),
-            "mismatch_k3": float(sums[1]) / n,
-            "mismatch_max_ratio": float(max_ratio),
-            "clip_frac": float(sums[6]) / n,
-            "icepop_frac": float(sums[7]) / n,
-            "train_tokens": int(sums[2]),
-            **({"entropy": float(sums[5]) / n} if need_entropy else {}),
-            **stats,
-        }
-        if sums[4] > 0:  # R3: where the engine's routing was replayed
-            out["routing_match"] = float(sums[3] / sums[4])
-        if sums[9] > 0:  # stale samples: the older router's experts vs the trainer's own
-            out["routing_match_stale"] = float(sums[8] / sums[9])
-        return out
 
     # --- the run --------------------------------------------------------------------------
     def run(self):

@@ -1,5 +1,5 @@
 """The algorithm family end to end: a `moe-rl train` world with GSPO, RLOO, token_sum_norm,
-overlong shaping and dynamic sampling on (at the start of the echo task most groups score all
+overlong shaping, two optimizer updates per batch and dynamic sampling on (at the start of the echo task most groups score all
 zeros, so groups are dropped and replaced)."""
 import torch
 
@@ -10,7 +10,7 @@ from tests.train.test_main_job import train
 def test_gspo_rloo_dynamic_sampling_world_accounts_for_every_prompt(tmp_path):
     out, _ = train(tmp_path, "train.steps=4", "algo.policy_loss=gspo", "algo.advantage=rloo",
                    "algo.loss_agg=token_sum_norm", "algo.overlong_buffer=4", "rollout.dynamic_sampling=true",
-                   "rollout.max_sampling_rounds=2", "rollout.max_staleness=1")
+                   "rollout.max_sampling_rounds=2", "rollout.max_staleness=1", "train.minibatches=2")
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
