@@ -130,6 +130,10 @@ class AlgoConfig(Strict):
         "(the product over its tokens, truncated at tis_cap): docs/algorithms.md")
     icepop_low: float | None = Field(0.5, gt=0)
     icepop_high: float | None = Field(2.0, gt=0)
+    ratio_anchor: Literal["proximal", "behaviour"] = Field(
+        "proximal", description="the policy the ratio and its clip are taken against: the trainer before its "
+        "update (decoupled PPO, corrected by the behaviour weight), or the engine that sampled (coupled PPO, "
+        "slime's --use-rollout-logprobs; the behaviour weight, so TIS and IcePop, is then 1): docs/algorithms.md")
     loss_agg: Literal["token", "sequence", "token_sum_norm"] = "token"
     loss_norm_tokens: int | None = Field(None, ge=1, description="token_sum_norm's constant divisor; "
                                          "null = rollout.max_new_tokens x sequences in the step")

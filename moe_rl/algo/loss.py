@@ -134,8 +134,9 @@ def policy_loss(
 
     dtype = torch.promote_types(logp.dtype, torch.float32)
     logp = logp.to(dtype)
-    prox = proximal_logp.detach().to(dtype)
     behav = behaviour_logp.detach().to(dtype)
+    # coupled PPO: the ratio is against the sampling policy itself, so w = 1 below
+    prox = behav if cfg.ratio_anchor == "behaviour" else proximal_logp.detach().to(dtype)
     adv = advantages.detach().to(dtype)
     keep = mask > 0
     n_local = int(keep.sum())

@@ -85,6 +85,8 @@ def test_overlong_penalty_matches_dapo_formula():
 def ref_loss(logp, prox, behav, adv, mask, seq, c, norm_tokens=None):
     """Scalar-at-a-time loss; logp is a list of 0-d tensors with grad."""
     lo, hi = 1 - c.clip_low, 1 + c.clip_high
+    if c.ratio_anchor == "behaviour":  # coupled PPO: ratios against the sampler, no behaviour weight
+        prox = behav
     seqs = sorted(set(seq))
     token_terms, per_seq = [], {}
     for s in seqs:
@@ -159,7 +161,8 @@ CASES = [
     for a in ("token", "sequence", "token_sum_norm")
     for extra in ({}, dict(tis_cap=1.5, icepop_low=0.5, icepop_high=2.0),
                   dict(tis_level="sequence"), dict(tis_level="sequence", tis_cap=1.2, icepop_low=0.5, icepop_high=2.0))
-]
+] + [dict(policy_loss=p, loss_agg=a, ratio_anchor="behaviour", tis_cap=1.5, icepop_low=0.5, icepop_high=2.0)
+     for p in ("ppo", "gspo", "cispo") for a in ("token", "sequence")]
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
@@ -181,7 +184,7 @@ def test_policy_loss_matches_plain_reference(kw):
     assert torch.allclose(x.grad, ref_grad, rtol=1e-9, atol=1e-12)
     assert (x.grad[mask == 0] == 0).all()  # masked tokens: exactly zero
     assert 0 < m["clip_frac"] < 1  # the batch clips some tokens, not all
-    if c.icepop_low is not None:  # and the behaviour correction acts on some
+    if c.icepop_low is not None and c.ratio_anchor == "proximal":  # and the behaviour correction acts on some
         assert m["icepop_frac"] > 0 and m["tis_frac"] > 0
 
 
@@ -257,3 +260,22 @@ def test_every_choice_validates():
         load_config("configs/tiny.yaml", [kv])
     c = load_config("configs/tiny.yaml")
     assert c.rollout.max_sampling_rounds == 3 and not c.rollout.dynamic_sampling and c.algo.overlong_buffer == 0
+
+
+def test_behaviour_anchor_clips_what_the_sampler_already_moved():
+    """Coupled PPO at one update per batch (logp = prox): a stale token whose probability rose
+    past 1 + clip_high since it was sampled gets no gradient for A > 0; the decoupled loss
+    with the raw weight gives it w times the on-policy gradient; a token within the range
+    gets the same gradient from both."""
+    prox = torch.tensor([-1.0, -1.0], dtype=torch.float64)
+    behav = torch.tensor([-1.5, -1.05], dtype=torch.float64)  # w = e^0.5 = 1.65 (past 1.28), e^0.05
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    args = (behav, adv, torch.ones(2), torch.tensor([0, 1]))
+    grads = {}
+    for anchor in ("proximal", "behaviour"):
+        x = prox.clone().requires_grad_(True)
+        policy_loss(x, prox, *args, cfg(ratio_anchor=anchor, tis_cap=None, icepop_low=None, icepop_high=None))[0].backward()
+        grads[anchor] = x.grad
+    w = (prox - behav).exp()
+    assert torch.allclose(grads["proximal"], -w / 2)  # token mean over 2 tokens
+    assert grads["behaviour"][0] == 0 and torch.isclose(grads["behaviour"][1], -w[1] / 2)
