@@ -249,14 +249,17 @@ class Trainer:
         """``train.minibatches`` optimizer updates on ``batch`` (one by default). Every
         minibatch is packed and routed, and its proximal log-probs taken, with the weights the
         batch started from: the decoupled objective's proximal policy, so the clip acts from
-        the second update on."""
+        the second update on (with ``algo.ratio_anchor: behaviour`` the clip is against the
+        engine's log-probs, and no proximal forward is taken)."""
         cfg = self.cfg
         n_mini = min(cfg.train.minibatches, max(len(batch), 1))
         if self.reader is not None:
             self.reader.refresh()
         parts = [batch[len(batch) * j // n_mini : len(batch) * (j + 1) // n_mini] for j in range(n_mini)]
         prepared = [self._prepare(part) for part in parts]
-        proximal = [None] + [self._proximal(p) for p in prepared[1:]]
+        # coupled PPO (ratio_anchor=behaviour) never reads the proximal log-probs: no extra forward
+        coupled = cfg.algo.ratio_anchor == "behaviour"
+        proximal = [None] * n_mini if coupled else [None] + [self._proximal(p) for p in prepared[1:]]
         # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n, stale match, stale total
         sums = torch.zeros(10, dtype=torch.float64)
         max_ratio = torch.zeros(1, dtype=torch.float64)

@@ -48,6 +48,8 @@ def _reference(cfg, batch, n_mini):
     opt = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
     with torch.no_grad():
         prox = [_seq_logp(model, s["prompt_ids"], s["response_ids"], temp) for s in batch]
+    if a.ratio_anchor == "behaviour":  # coupled PPO: ratios against the sampler, no behaviour weight
+        prox = [torch.tensor(s["behaviour_logprobs"]) for s in batch]
     clipped = 0
     size = len(batch)
     for j in range(n_mini):
@@ -82,9 +84,9 @@ def _trainer(cfg):
     return trainer
 
 
-@pytest.mark.parametrize("n_mini", [1, 3])
-def test_minibatch_updates_match_plain_torch(n_mini):
-    cfg = load_config(None, [*TINY, f"train.minibatches={n_mini}"])
+@pytest.mark.parametrize("n_mini, anchor", [(1, "proximal"), (3, "proximal"), (3, "behaviour")])
+def test_minibatch_updates_match_plain_torch(n_mini, anchor):
+    cfg = load_config(None, [*TINY, f"train.minibatches={n_mini}", f"algo.ratio_anchor={anchor}"])
     trainer = _trainer(cfg)
     init = MoEForCausalLM(cfg.model.arch()).init_weights(cfg.model.init_seed, std=cfg.model.init_std)
     batch = _batch(init, cfg.rollout.temperature)
