@@ -10,7 +10,7 @@ import torch
 from moe_rl.algo import compute_advantages, constant_groups, overlong_penalty, policy_loss
 from moe_rl.config import AlgoConfig, ConfigError, load_config
 
-PLAIN = dict(clip_low=0.2, clip_high=0.28, tis_cap=None, icepop_low=None, icepop_high=None)
+PLAIN = dict(clip_low=0.2, clip_high=0.28, tis_cap=None, icepop_low=None, icepop_high=None, ratio_anchor="proximal")
 
 
 def cfg(**kw):

@@ -106,13 +106,14 @@ def test_minibatch_updates_match_plain_torch(n_mini, anchor):
 
 def test_recomputing_the_proximal_after_each_update_would_differ():
     """The reference can tell: a proximal policy taken afresh before each update (no clip can
-    act) gives different weights than the trainer's."""
-    cfg = load_config(None, [*TINY, "train.minibatches=3"])
+    act) gives different weights than the trainer's (decoupled loss; the coupled one's anchor,
+    the sampler, does not move between updates)."""
+    cfg = load_config(None, [*TINY, "train.minibatches=3", "algo.ratio_anchor=proximal"])
     trainer = _trainer(cfg)
     init = MoEForCausalLM(cfg.model.arch()).init_weights(cfg.model.init_seed, std=cfg.model.init_std)
     batch = _batch(init, cfg.rollout.temperature)
     trainer.train_step(batch)
-    one_each = _trainer(load_config(None, [*TINY, "train.minibatches=1"]))
+    one_each = _trainer(load_config(None, [*TINY, "train.minibatches=1", "algo.ratio_anchor=proximal"]))
     for j in range(3):  # three single-update steps: the proximal is refreshed each time
         one_each.train_step(batch[2 * j : 2 * j + 2])
     diff = max(float((p - q).detach().abs().max()) for p, q in zip(trainer.backend.model.parameters(),
