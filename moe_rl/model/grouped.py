@@ -77,7 +77,8 @@ def native_grouped_mm(x: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
-        return _TORCH >= (2, 13) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)  # the CPU kernel, with autograd, checked on 2.13 (older: not known)
+        # the CPU kernel, with autograd, checked on 2.13 (older: not known); it refuses float64
+        return _TORCH >= (2, 13) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return (x.device.type == "cuda" and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
