@@ -131,12 +131,10 @@ class AlgoConfig(Strict):
     icepop_low: float | None = Field(0.5, gt=0)
     icepop_high: float | None = Field(2.0, gt=0)
     ratio_anchor: Literal["proximal", "behaviour"] = Field(
-        "behaviour", description="the policy the ratio and its clip are taken against: the engine that sampled "
-        "(coupled PPO, slime's --use-rollout-logprobs; the behaviour weight, so TIS and IcePop, is then 1), or the "
-        "trainer before its update (decoupled PPO, corrected by the behaviour weight). Unset or null: behaviour "
-        "for ppo (it keeps staleness from costing reward per sample, docs/experiments.md), proximal for gspo and "
-        "cispo (not measured with behaviour; gspo's 3e-4 clip range is sized for the ratio to the proximal "
-        "policy). docs/algorithms.md")
+        "proximal", description="the policy the ratio and its clip are taken against: the trainer before its "
+        "update (decoupled PPO, corrected by the behaviour weight: TIS, IcePop), or the engine that sampled "
+        "(coupled PPO, slime's --use-rollout-logprobs; the behaviour weight is then 1). behaviour keeps "
+        "staleness from costing reward per sample with ppo; configs/tiny.yaml sets it (docs/algorithms.md)")
     loss_agg: Literal["token", "sequence", "token_sum_norm"] = "token"
     loss_norm_tokens: int | None = Field(None, ge=1, description="token_sum_norm's constant divisor; "
                                          "null = rollout.max_new_tokens x sequences in the step")
@@ -145,13 +143,6 @@ class AlgoConfig(Strict):
     overlong_penalty: float = Field(1.0, ge=0, description="reward penalty of a response cut at max_new_tokens")
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_anchor(cls, data):
-        if isinstance(data, dict) and data.get("ratio_anchor") is None:
-            data = {**data, "ratio_anchor": "behaviour" if data.get("policy_loss", "ppo") == "ppo" else "proximal"}
-        return data
 
 
 class TrainConfig(Strict):
