@@ -328,7 +328,7 @@ class Trainer:
         out = []
         for mb, chunk, resp_pos, *_ in prep["micro"]:
             logp_all = self.backend.logprobs(mb, self.cfg.rollout.temperature)[0]  # every rank, every call
-            out.append(logp_all[resp_pos].detach() if chunk else None)
+            out.append(logp_all[resp_pos] if chunk else None)
         return out
 
     def _accumulate(self, prep: dict, proximal: list | None, sums: torch.Tensor, max_ratio: torch.Tensor) -> None:
@@ -364,7 +364,7 @@ class Trainer:
             sums[0] += float(loss.detach())
             sums[1] += mm["mismatch_k3"] * n
             sums[2] += n
-            max_ratio.copy_(torch.maximum(max_ratio, torch.tensor([mm["mismatch_max_ratio"]], dtype=torch.float64)))
+            max_ratio.clamp_(min=mm["mismatch_max_ratio"])
             if used is not None:
                 # replayed rows (fresh samples) vs rows the trainer routed itself (stale ones)
                 replayed = stale_rows(keep, mb.cu_seqlens).logical_not() if cfg.replay.enabled else has_rec

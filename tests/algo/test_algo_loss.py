@@ -6,7 +6,7 @@ import torch
 from moe_rl.algo import k3, loss_normalisers, mismatch_metrics, policy_loss
 from moe_rl.config import AlgoConfig
 
-PLAIN = dict(clip_low=0.2, clip_high=0.28, tis_cap=None, icepop_low=None, icepop_high=None, ratio_anchor="proximal")
+PLAIN = dict(clip_low=0.2, clip_high=0.28, tis_cap=None, icepop_low=None, icepop_high=None)
 
 
 def cfg(**kw):
@@ -113,7 +113,7 @@ def _batch(seed):
 @pytest.mark.parametrize("agg", ["token", "sequence"])
 def test_split_over_ranks_and_micro_batches_sums_to_whole_batch(agg):
     lens, seq, logp0, prox, behav, adv, mask, ref, ent0 = _batch(0)
-    c = AlgoConfig(ratio_anchor="proximal", loss_agg=agg, clip_low=0.2, clip_high=0.28, tis_cap=1.5, icepop_low=0.5,
+    c = AlgoConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28, tis_cap=1.5, icepop_low=0.5,
                    icepop_high=2.0, kl_coef=0.05, entropy_coef=0.01)
 
     def run(idx, **norm):
@@ -148,7 +148,7 @@ def test_split_over_ranks_and_micro_batches_sums_to_whole_batch(agg):
 def test_on_policy_gradient_is_plain_policy_gradient():
     _, seq, logp0, _, _, adv, mask, _, _ = _batch(1)
     logp = logp0.clone().requires_grad_(True)
-    loss, m = policy_loss(logp, logp, logp, adv, mask, seq, AlgoConfig())  # defaults; on-policy either anchor is plain PG
+    loss, m = policy_loss(logp, logp, logp, adv, mask, seq, AlgoConfig())  # defaults: TIS+IcePop on
     loss.backward()
     N = int(mask.sum())
     assert torch.allclose(logp.grad, -adv * mask / N)
