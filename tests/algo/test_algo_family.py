@@ -10,7 +10,7 @@ import torch
 from moe_rl.algo import compute_advantages, constant_groups, overlong_penalty, policy_loss
 from moe_rl.config import AlgoConfig, ConfigError, load_config
 
-PLAIN = dict(clip_low=0.2, clip_high=0.28, tis_cap=None, icepop_low=None, icepop_high=None, ratio_anchor="proximal")
+PLAIN = dict(clip_low=0.2, clip_high=0.28, tis_cap=None, icepop_low=None, icepop_high=None)
 
 
 def cfg(**kw):
@@ -246,6 +246,9 @@ def test_token_sum_norm_needs_its_constant():
     ("rollout.dynamic_sampling=maybe", "rollout.dynamic_sampling: Input should be a valid boolean"),
     ("rollout.max_sampling_rounds=0", "rollout.max_sampling_rounds: Input should be greater than or equal to 1"),
     ("algo.tis_level=seq", "algo.tis_level: Input should be 'token' or 'sequence'"),
+    ("algo.ratio_anchor=engine", "algo.ratio_anchor: Input should be 'proximal' or 'behaviour'"),
+    ("train.minibatches=0", "train.minibatches: Input should be greater than or equal to 1"),
+    ("train.minibatches=33", "train.minibatches=33 exceeds the samples of a step"),
 ])
 def test_bad_algo_values_name_their_key(override, expected):
     with pytest.raises(ConfigError) as e:

@@ -86,6 +86,18 @@ def test_grouped_equals_per_expert_reference(monkeypatch, kernel, align, dtype, 
         assert torch.equal(ids, replay) and grads["experts.gate_proj"][5].abs().max() == 0
 
 
+def test_float64_takes_the_padded_path():
+    """torch._grouped_mm's CPU kernel refuses float64; grouped_mm then pads, with the same result
+    as a per-group matmul."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)  # group 1 empty
+    assert not grouped_ops.native_grouped_mm(x)
+    want = torch.cat([x[0:2] @ w[0].T, x[2:7] @ w[2].T])
+    torch.testing.assert_close(grouped_ops.grouped_mm(x, w, offs), want, rtol=1e-12, atol=1e-12)
+
+
 def test_replayed_routing_is_bit_identical_to_the_record():
     moe = make_moe(num_experts=16, top_k=4)
     x = torch.randn(50, 32, generator=torch.Generator().manual_seed(3))

@@ -1,6 +1,6 @@
 """The algorithm family end to end: a `moe-rl train` world with GSPO, RLOO, token_sum_norm,
-overlong shaping, two optimizer updates per batch and dynamic sampling on (at the start of the echo task most groups score all
-zeros, so groups are dropped and replaced)."""
+overlong shaping, two optimizer updates per batch and dynamic sampling on (at the start of the
+echo task most groups score all zeros, so groups are dropped and replaced)."""
 import torch
 
 from moe_rl.train.tracking import read_metrics
