@@ -5,6 +5,7 @@ Unknown keys are errors (with the closest valid key suggested); every error name
 from __future__ import annotations
 
 import difflib
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,6 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .model.arch import MoEArch
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -241,6 +244,30 @@ class LoraConfig(Strict):
     experts_shared_outer: bool = Field(False, description="one A of experts.gate_up_proj and one B of "
                                        "experts.down_proj per layer, shared by its experts (SGLang's shared-outer "
                                        "MoE LoRA); the expert-width factors stay per expert")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rank_turns_lora_on(cls, data: Any) -> Any:
+        """verl's convention (``lora_rank > 0`` is what turns LoRA on): ``lora.rank`` given
+        without ``lora.enabled`` enables the adapters, and says so; a rank of 0 is verl's off."""
+        if isinstance(data, dict) and data.get("rank") == 0 and "enabled" not in data:
+            data = {k: v for k, v in data.items() if k != "rank"}
+        if isinstance(data, dict) and "rank" in data and "enabled" not in data:
+            log.warning("lora.rank=%s is set and lora.enabled is not: LoRA is on (lora.enabled=true), as in verl, "
+                        "where a LoRA rank turns it on", data["rank"])
+            data = {**data, "enabled": True}
+        return data
+
+    @model_validator(mode="after")
+    def _settings_need_lora(self) -> "LoraConfig":
+        """Other lora.* keys alone would train without adapters, silently: refused. An explicit
+        ``lora.enabled: false`` keeps them (a sweep arm without LoRA, a dumped config)."""
+        given = sorted(self.model_fields_set - {"enabled"})
+        if given and not self.enabled and "enabled" not in self.model_fields_set:
+            keys = ", ".join(f"lora.{k}" for k in given)
+            raise ValueError(f"{keys} set but lora.enabled is false (its default), so no adapter would train: set "
+                             f"lora.enabled=true (or lora.rank, which turns LoRA on as in verl), or drop {keys}")
+        return self
 
 class SweepConfig(Strict):
     """``moe-rl sweep``: arms = the cross product of ``grid`` (config key -> values), each run
