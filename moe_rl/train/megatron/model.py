@@ -297,7 +297,9 @@ def use_torch_sdpa_attention(block_spec) -> None:
 
 # --- routing replay ---------------------------------------------------------------------------
 def check_replay(replay: list[torch.Tensor], num_layers: int, n_tokens: int, top_k: int, num_experts: int) -> None:
-    """The checks megatron's RouterReplay does not do (it gathers whatever it is given)."""
+    """The checks megatron's RouterReplay does not do (it gathers whatever it is given): on the
+    host for a host record, by an asynchronous device assert for a device-resident one (as the
+    native model's router does)."""
     if len(replay) != num_layers:
         raise RoutingError(f"replay record has {len(replay)} layers, the model has {num_layers} MoE layers")
     for i, ids in enumerate(replay):
@@ -306,7 +308,11 @@ def check_replay(replay: list[torch.Tensor], num_layers: int, n_tokens: int, top
             raise RoutingError(f"{where}: expected an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
         if tuple(ids.shape) != (n_tokens, top_k):
             raise RoutingError(f"{where}: shape {tuple(ids.shape)}, expected [tokens={n_tokens}, top_k={top_k}]")
-        if n_tokens:
+        if n_tokens and ids.device.type != "cpu":  # the loop's replay is on the device: no host read
+            srt = ids.sort(dim=1).values
+            ok = (srt[:, 0] >= 0).all() & (srt[:, -1] < num_experts).all() & ~(srt[:, 1:] == srt[:, :-1]).any()
+            torch._assert_async(ok, f"{where}: expert id out of range [0, {num_experts}) or duplicated")
+        elif n_tokens:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= num_experts:
                 raise RoutingError(f"{where}: expert id out of range [0, {num_experts}): min {lo}, max {hi}")
