@@ -31,8 +31,8 @@ indexing, repeat_interleave without output_size). Counting them over one trainin
 issue 30 asks for; ``Recording.syncs`` is that count.
 
 Process-global: PrivateUse1 can be renamed once per process, and the rename makes ``fakedev``
-PyTorch's current accelerator. Use it in a fresh process (:func:`fresh_process`,
-:func:`run_isolated`) so that no other test in the session runs with it.
+PyTorch's current accelerator. Use it in a fresh process (:func:`fresh_process`) so that no
+other test in the session runs with it.
 """
 from __future__ import annotations
 
@@ -265,8 +265,3 @@ def fresh_process():
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         yield lambda fn, *args, **kwargs: pool.submit(_call, fn, args, kwargs).result()
 
-
-def run_isolated(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` in a process of its own (see ``fresh_process``)."""
-    with fresh_process() as run:
-        return run(fn, *args, **kwargs)
