@@ -285,10 +285,25 @@ class SweepConfig(Strict):
     eval_samples: int = Field(4, ge=1, description="samples per evaluation prompt")
 
 
+class FaultConfig(Strict):
+    """Fault injection for the run-safety suite (moe_rl/faults.py, docs/run_safety.md): when the
+    named point is reached the ``at``-th time in a process (of ``rank``, or any), ``action``
+    happens there. Off (``point: null``) in every real run."""
+
+    point: Literal["engine.generate", "sync.bucket", "checkpoint.write", "routing.append"] | None = None
+    at: int = Field(1, ge=1, description="fire on the at-th time the point is reached in a process")
+    action: Literal["kill_tree", "kill", "enospc"] = Field(
+        "kill_tree", description="kill_tree: SIGKILL the launcher and every process under it at once; kill: SIGKILL "
+        "this process; enospc: fail the write with OSError(ENOSPC) (checkpoint.write only)")
+    rank: int | None = Field(None, ge=0, description="the global rank where it fires; None = any rank reaching it")
+
+
 class ExperimentConfig(Strict):
     name: str = "moe-rl"
     output_dir: str = "runs/default"
-    resume: bool = False
+    resume: bool = Field(False, description="continue the run in output_dir from its latest checkpoint")
+    overwrite_output_dir: bool = Field(False, description="start over in an output_dir that holds a run: its "
+                                       "metrics, checkpoints, routing log and TensorBoard logs are deleted first")
     seed: int = 0
     model: ModelConfig = ModelConfig()
     pools: PoolsConfig = PoolsConfig()
@@ -305,11 +320,18 @@ class ExperimentConfig(Strict):
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+    fault: FaultConfig = FaultConfig()
 
     sweep: SweepConfig = SweepConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("resume=true continues the run in output_dir, overwrite_output_dir=true deletes it: "
+                             "set one of them")
+        if self.fault.action == "enospc" and self.fault.point not in (None, "checkpoint.write"):
+            raise ValueError(f"fault.action=enospc fails a checkpoint write: it needs fault.point=checkpoint.write, "
+                             f"not {self.fault.point}")
         if self.pools.trainer % self.train.ep_size:
             raise ValueError(f"pools.trainer={self.pools.trainer} must be a multiple of train.ep_size={self.train.ep_size}")
         if not self.model.path and self.model.num_experts % self.train.ep_size:

@@ -278,6 +278,17 @@ class RolloutManager:
     def _uid(self, index: int, j: int) -> str:
         return f"p{index}-s{j}" if self.attempt == 0 else f"p{index}-s{j}-a{self.attempt}"
 
+    @staticmethod
+    def next_attempt(checkpointed: int, replay_log=None) -> int:
+        """The attempt of a (re)started run: above the checkpoint's and above that of the last
+        record in the routing log (attempts only grow, so it is the largest there). A run
+        resumed twice from one checkpoint must not reuse the uids its first resumption logged."""
+        logged = -1
+        if replay_log is not None and len(replay_log):
+            uid = replay_log.uids()[-1]
+            logged = int(uid.rsplit("-a", 1)[1]) if "-a" in uid else 0
+        return max(checkpointed, logged) + 1
+
     def _request(self, prompt, index: int, j: int, out: list[int], resumes: int) -> dict:
         """The /generate fields of sample j of a prompt, continuing after ``out``."""
         cfg = self.cfg.rollout

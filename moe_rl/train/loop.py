@@ -249,11 +249,7 @@ class Trainer:
             self.sender = WeightSender.from_config(self.backend.hf_source(), cfg.sync, self.groups,
                                                   engines=self.urls if self.lead else (), wire_dtype=wire)
         if self.record_routing:
-            if self.lead:
-                if not cfg.resume and self.replay_dir.exists():
-                    import shutil
-
-                    shutil.rmtree(self.replay_dir)
+            if self.lead:  # a fresh start's log is empty: moe_rl.rundir refused or deleted an old one
                 self.writer = ReplayLog(self.replay_dir, len(self.arch.moe_layers), self.arch.num_experts_per_tok,
                                         self.arch.num_experts)
             self._trainer_barrier()
@@ -271,7 +267,8 @@ class Trainer:
             self.manager = RolloutManager(
                 cfg, self.task, client, self.buffer, self.writer, spec,
                 start_index=m.get("next_index", 0), pending=m.get("pending"), version=self.version,
-                submitted=m.get("submitted", 0), attempt=m.get("attempt", -1) + 1,
+                submitted=m.get("submitted", 0),
+                attempt=RolloutManager.next_attempt(m.get("attempt", -1), self.writer),
             )
             self.tracker = Tracker(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                                    total_steps=cfg.train.steps, start_step=self.step)
