@@ -130,8 +130,8 @@ def test_spec_edits_take_both_megatron_spec_forms(form):
     use_torch_grouped_experts(spec)
     use_torch_sdpa_attention(spec)
     mlps = [_spec_submodules(layer).mlp for layer in spec.layer_specs]
-    assert [_spec_module(m) is MoELayer for m in mlps] == [True, False, True]  # moe_layer_freq [1, 0, 1]
-    assert all(_spec_module(_spec_submodules(m).experts) is TorchGroupedMLP for m in mlps if _spec_module(m) is MoELayer)
+    assert [_spec_module(m) is MoELayer for m in mlps] == [True, False, True]
+    assert [_spec_module(_spec_submodules(m).experts) for m in (mlps[0], mlps[2])] == [TorchGroupedMLP] * 2
     assert all(_spec_submodules(_spec_submodules(layer).self_attention).core_attention is TorchSDPAttention
                for layer in spec.layer_specs)
 

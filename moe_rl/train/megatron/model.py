@@ -304,8 +304,9 @@ def use_torch_grouped_experts(block_spec) -> None:
     mlps = [_spec_submodules(s).mlp for s in block_spec.layer_specs]
     moe_specs = [m for m in mlps if _spec_module(m) is MoELayer]
     if not moe_specs:
-        raise RuntimeError("megatron layer spec has no MoELayer to give TorchGroupedMLP experts; "
-                           f"its MLP entries build {sorted({getattr(_spec_module(m), '__name__', repr(m)) for m in mlps})}")
+        built = sorted({getattr(_spec_module(m), "__name__", repr(m)) for m in mlps})
+        raise RuntimeError(f"megatron layer spec has no MoELayer to give TorchGroupedMLP experts; its MLP entries "
+                           f"build {built}")
     for mlp in moe_specs:
         _spec_submodules(mlp).experts = TorchGroupedMLP
 
