@@ -1,6 +1,6 @@
 """Tokens/s and MFU of one training step, native backend vs megatron backend.
 
-    python -m moe_rl.train.megatron.bench [--preset small|medium|large]
+    python -m moe_rl.train.megatron.bench [--preset tiny|small|medium|large]
         [--backends native,megatron,megatron_recompute] [--device cuda|cpu] [--json] [--out FILE]
         [--profile] [--profile-dir DIR]
     python -m moe_rl.train.megatron.bench --device cpu --baseline /tmp/base --rounds 3   # A/B on CPU
@@ -36,6 +36,11 @@ from pathlib import Path
 import torch
 
 PRESETS = {
+    # the CPU dry run of scripts/gpu_round.sh and the tests: a fraction of a second per step on a CPU
+    "tiny": dict(arch=dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_experts=8, num_experts_per_tok=2),
+                 seq=64, seqs_per_micro=2, micro=2),
     # a smoke size: seconds per step on any GPU
     "small": dict(arch=dict(vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
@@ -351,6 +356,10 @@ def main(argv=None) -> int:
         if "recompute_step_ratio" in result:
             print(f"  megatron step with / without full recompute: {result['recompute_step_ratio']:.2f}x "
                   f"(CPU-seconds {result['recompute_cpu_ratio']:.2f}x)")
+    if any(b.startswith("megatron") for b in backends):
+        from moe_rl.train.megatron.model import destroy_parallel_state
+
+        destroy_parallel_state()  # megatron's groups die with the process group: leave no stale state
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if ok == set(backends) else 1
