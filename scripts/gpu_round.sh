@@ -129,9 +129,7 @@ stages() {
 ALL_STAGES=(install train_medium train_large logprobs engine pytest_gpu gpu_1x)
 EXTRA_STAGES=(pytest_suite sync_gpu fp32_error)
 
-fetch() {
-  local exclude; exclude="$(git rev-parse --git-common-dir)/info/exclude"
-  grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
+fetch() {  # .whl/ is in .gitignore
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .whl \
