@@ -161,7 +161,7 @@ def round_(tmp_path, *stages, **env):
     work, out = tmp_path / "round", tmp_path / "out"
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_round.sh"), *stages], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, GPU_ROUND_DEVICE="cpu", GPU_ROUND_WORK=str(work),
-                                             OUT=str(out), **env))
+                                             OUT=str(out), PYTHON=sys.executable, **env))
     return r, json.loads((out / "gpu_summary.json").read_text())
 
 
