@@ -8,6 +8,7 @@ and actions). Written against the API megatron-core 0.16 and 0.19 share.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -272,18 +273,42 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     )
 
 
+def _spec_module(spec):
+    """The class a layer-spec entry builds. megatron-core 0.16 wraps it in a ``ModuleSpec``
+    (``.module``); 0.19 holds builders, ``functools.partial(cls, submodules=...)`` (``.func``),
+    or the class itself."""
+    if isinstance(spec, functools.partial):
+        return spec.func
+    return getattr(spec, "module", spec)
+
+
+def _spec_submodules(spec):
+    """The submodules dataclass of a layer-spec entry, as megatron-core 0.19's
+    ``spec_utils.get_submodules`` reads it: a partial's ``submodules`` keyword, else
+    ``.submodules`` (a 0.16 ``ModuleSpec``)."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
+
+
 def use_torch_grouped_experts(block_spec) -> None:
-    """Replaces the expert module (the local spec's SequentialMLP) of every MoE layer spec."""
+    """Replaces the expert module (the local spec's SequentialMLP) of every MoE layer spec.
+
+    The class itself goes into ``MoESubmodules.experts``: 0.16 builds it with
+    ``build_module(cls, n, config, pg_collection=...)`` and 0.19 calls the builder as
+    ``cls(n, config, pg_collection=..., name=...)``; both reach ``TorchGroupedMLP.__init__``."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from .experts import TorchGroupedMLP
 
-    moe_specs = [s.submodules.mlp for s in block_spec.layer_specs if s.submodules.mlp.module is MoELayer]
+    mlps = [_spec_submodules(s).mlp for s in block_spec.layer_specs]
+    moe_specs = [m for m in mlps if _spec_module(m) is MoELayer]
     if not moe_specs:
-        raise RuntimeError("megatron layer spec has no MoELayer to give TorchGroupedMLP experts")
+        built = sorted({getattr(_spec_module(m), "__name__", repr(m)) for m in mlps})
+        raise RuntimeError(f"megatron layer spec has no MoELayer to give TorchGroupedMLP experts; its MLP entries "
+                           f"build {built}")
     for mlp in moe_specs:
-        mlp.submodules.experts = ModuleSpec(module=TorchGroupedMLP)
+        _spec_submodules(mlp).experts = TorchGroupedMLP
 
 
 def use_torch_sdpa_attention(block_spec) -> None:
@@ -292,7 +317,7 @@ def use_torch_sdpa_attention(block_spec) -> None:
     from .attention import TorchSDPAttention
 
     for s in block_spec.layer_specs:
-        s.submodules.self_attention.submodules.core_attention = TorchSDPAttention
+        _spec_submodules(_spec_submodules(s).self_attention).core_attention = TorchSDPAttention
 
 
 # --- routing replay ---------------------------------------------------------------------------
