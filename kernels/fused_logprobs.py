@@ -29,16 +29,18 @@ Implementations (``impl``):
   split of ``_SPLIT_V`` columns) loops over ``BLOCK_N``-wide vocab tiles, each a ``tl.dot``
   over the hidden dimension accumulating in fp32, and keeps online ``(max, sum-exp, U)`` for
   its split plus the target logit; a tiny torch reduction merges the ``[splits, N]`` partials.
-  Backward: per (row slab, vocab chunk) a Triton kernel recomputes the logits tile by tile and
-  writes ``d_logits`` for the chunk in the input dtype; two GEMMs turn it into ``d_weight``
-  (written per chunk, accumulated over row slabs) and ``d_hidden`` (accumulated over vocab
-  chunks in fp32, with the bf16 rounding of ``d_logits`` compensated along the chunk's mean
-  weight row, see :func:`_backward`). Slab and chunk sizes are chosen so the backward's
-  scratch stays under ~0.8% of the materialised fp32 logits (see :func:`_plan`). Work:
+  Backward (:func:`_backward_triton`): per (row slab, vocab chunk) a Triton kernel
+  recomputes the logits tile by tile and writes ``d_logits`` for the chunk in the input dtype
+  into a reused buffer; two cuBLAS GEMMs turn it into ``d_weight`` (written per chunk,
+  accumulated over row slabs) and ``d_hidden`` (accumulated over vocab chunks in fp32, with
+  the bf16 rounding of ``d_logits`` compensated along the mean weight row). Slabs and chunks
+  are large (1024 x 16384 at N=8192, V=151936: three GEMMs of ~69 GFLOP per step, 152 steps)
+  under a scratch budget of ~1.5% of the materialised fp32 logits (see :func:`_plan`). Work:
   2NHV forward, 6NHV backward (the logits are recomputed), against 6NHV for the three bare
-  GEMMs of an unfused LM head. Also runs on CPU tensors under Triton's interpreter
-  (``TRITON_INTERPRET=1`` set before this module is imported), which is how CI exercises the
-  kernels.
+  GEMMs of an unfused LM head: a floor of 8/6 = 1.33x. A loss whose per-token gradient is
+  known in the forward does better: ``moe_rl.kernels.fused_token_loss`` (3 GEMMs).
+  Also runs on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before this
+  module is imported), which is how CI exercises the kernels.
 * ``"torch"`` (the default for CPU tensors): the same algorithm in plain torch, chunked over
   rows and vocabulary, with the logits chunk computed in fp32.
 
@@ -55,6 +57,7 @@ gradient of its (replicated) ``hidden``: do not reduce it again.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -75,10 +78,17 @@ IGNORE_INDEX = -100
 # Triton's interpreter is chosen when the kernels are decorated, i.e. at import of this module.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+log = logging.getLogger(__name__)
+
 # Forward: width of the vocabulary range one program reduces (multiple of every BLOCK_N).
 _SPLIT_V = 2048
-# Backward scratch budget as a fraction of the materialised fp32 logits (N * V * 4 bytes).
-_BWD_BUDGET_FRACTION = 0.008
+# Backward scratch budget: this fraction of the materialised fp32 logits (N * V * 4 bytes), or
+# the floor if that is larger (small N: the fraction would force slivers of GEMMs).
+_BWD_BUDGET_FRACTION = 0.015
+_BWD_BUDGET_FLOOR = 64 * 2**20
+# Backward vocab chunk widths tried, widest first, and the slab height they must leave.
+_BWD_VOCAB_CHUNKS = (16384, 8192, 4096, 2048)
+_BWD_MIN_ROWS = 512
 # Backward: column-group width of the d_logits rounding-error sums (divides every BLOCK_N).
 _ERR_GROUP = 128
 
@@ -174,7 +184,7 @@ if triton is not None:
     @triton.jit
     def _dlogits_kernel(h_ptr, w_ptr, labels_ptr, mx_ptr, logs_ptr, ent_ptr, gl_ptr, ge_ptr, dz_ptr,
                         err_ptr, R, C, H, v_off, stride_hn, stride_hk, stride_wv, stride_wk,
-                        stride_dm, stride_dn, inv_t,
+                        stride_dm, stride_dn, stride_eg, inv_t,
                         HAS_GL: tl.constexpr, HAS_GE: tl.constexpr, TRACK_ERR: tl.constexpr,
                         ERR_GROUP: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -213,22 +223,26 @@ if triton is not None:
         tl.store(d_ptrs, dz_out, mask=mask)
         if TRACK_ERR:
             # Rounding error of d_logits summed per row over each ERR_GROUP-wide column group
-            # (see _backward). The [groups, R] layout does not depend on BLOCK_N, so whichever
-            # config the autotuner picks writes every group: nothing stale is left behind.
+            # (see _backward_triton). The [groups, rows] layout does not depend on BLOCK_N, so
+            # whichever config the autotuner picks writes every group: nothing stale is left.
             err = tl.where(mask, dz_out.to(tl.float32) - dz, 0.0)
             G: tl.constexpr = BLOCK_N // ERR_GROUP
             err = tl.sum(tl.reshape(err, (BLOCK_M, G, ERR_GROUP)), axis=2)
             grp = pid_n * G + tl.arange(0, G)
-            e_ptrs = err_ptr + grp[None, :] * R + offs_m[:, None]
+            e_ptrs = err_ptr + grp[None, :] * stride_eg + offs_m[:, None]
             tl.store(e_ptrs, err, mask=row_mask[:, None] & (grp[None, :] * ERR_GROUP < C))
 
     def _gpu_configs():
+        """A small set for Hopper (sm_90, 228 KiB shared memory per SM, 132 SMs on an H100 SXM /
+        H200): 128x256 tiles on two consumer warpgroups (8 warps) are what cuBLAS's own bf16
+        kernels use at these shapes (nvjet ..._128x256_64x4_...); 3-4 stages of 64-deep K
+        slices fit (48 KiB per stage). 128x128 / 256x128 cover a tall or short grid."""
         cfg = triton.Config
         return [
             cfg({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+            cfg({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
+            cfg({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
             cfg({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            cfg({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            cfg({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4),
         ]
 
     # The interpreter runs one fixed small config (its blocks are numpy arrays; autotuning there
@@ -267,28 +281,53 @@ class Plan:
     vocab: int
 
 
-def _plan(n: int, h: int, v: int, itemsize: int, impl: str = "triton") -> Plan:
-    """Chunking under a scratch budget of ~0.8% of the fp32 logits ``n * v * 4``.
+def _balanced_rows(n: int, max_rows: int, step: int = 128) -> int:
+    """Slab height: at most ``max_rows`` (a multiple of ``step``, at least ``step``), with the
+    ``n`` rows split into equal slabs, so the last one is not a sliver."""
+    if max_rows >= n:
+        return max(n, 1)
+    max_rows = max(step, max_rows // step * step)
+    slabs = -(-n // max_rows)
+    rows = -(-n // slabs)
+    rows = -(-rows // step) * step
+    return min(rows, max_rows)
 
-    Triton path, backward scratch per slab row: fp32 d_hidden accumulator (4h) + one product
-    in the input dtype (itemsize * h) + the d_logits chunk (itemsize * vocab); slabs are
-    multiples of 128 rows (GEMM-friendly). Torch path: fp32 copies of the slab (4h), the
-    d_hidden accumulator (4h) and about three fp32 ``[rows, vocab]`` temporaries. One slab
-    (no d_weight accumulation across slabs) whenever it fits. Small problems exceed the
-    fraction because of the minimum slab height (128 rows: smaller slabs make the CPU path's
-    many small ops slow, and the GPU's GEMMs inefficient).
+
+def _plan(n: int, h: int, v: int, itemsize: int, impl: str = "triton") -> Plan:
+    """Backward chunking under a scratch budget: the larger of ``_BWD_BUDGET_FRACTION`` of the
+    fp32 logits (``n * v * 4`` bytes) and ``_BWD_BUDGET_FLOOR``.
+
+    Triton path, scratch per slab row: the fp32 d_hidden accumulator (4h), for bf16/fp16 inputs
+    the fp32 product of one chunk (4h), the d_logits chunk (itemsize * vocab) and the rounding
+    sums (4 bytes per 128 columns of the vocabulary). The widest vocab chunk (of 16384, 8192,
+    4096, 2048) that still leaves slabs of ``_BWD_MIN_ROWS`` rows is taken: every chunk costs
+    one pass over the fp32 accumulator, and every slab one more rounding of d_weight (it is
+    accumulated over slabs in the weight's dtype) plus a d_weight GEMM as deep as the slab.
+    At (8192, 4096, 151936) bf16 that is 1024-row slabs x 16384-column chunks: three GEMMs
+    of 1024 x 16384 x 4096 per step (512 output tiles of 128x256 each, ~4 waves on 132 SMs)
+    and 8 slabs. Torch path: fp32 copies of the slab (4h), the d_hidden accumulator (4h) and
+    about three fp32 ``[rows, vocab]`` temporaries, 4096-column chunks.
     """
-    vocab = max(1, min(v, 4096))
-    budget = _BWD_BUDGET_FRACTION * n * v * 4
-    if impl == "triton":
-        per_row, step = 4 * h + itemsize * h + itemsize * vocab, 128
-    else:
-        per_row, step = 8 * h + 12 * vocab, 128
-    rows = int(budget // per_row)
-    if rows >= n:
-        return Plan(rows=max(n, 1), vocab=vocab)
-    rows = max(step, rows // step * step)
-    return Plan(rows=min(rows, n), vocab=vocab)
+    budget = max(_BWD_BUDGET_FRACTION * n * v * 4, _BWD_BUDGET_FLOOR)
+    if impl != "triton":
+        vocab = max(1, min(v, 4096))
+        return Plan(rows=_balanced_rows(n, int(budget // (8 * h + 12 * vocab))), vocab=vocab)
+    acc = 4 * h if itemsize == 4 else 8 * h
+    err = 0 if itemsize == 4 else 4 * -(-v // _ERR_GROUP)
+    for vocab in _BWD_VOCAB_CHUNKS:
+        vocab = max(1, min(v, vocab))
+        rows = int(budget // (acc + err + itemsize * vocab))
+        if rows >= min(n, _BWD_MIN_ROWS):
+            break
+    return Plan(rows=_balanced_rows(n, rows), vocab=vocab)
+
+
+def plan_scratch_bytes(plan: Plan, n: int, h: int, v: int, itemsize: int) -> int:
+    """The Triton backward's scratch for ``plan`` (what :func:`_plan` budgets)."""
+    rows, vocab = min(plan.rows, n), min(plan.vocab, v)
+    acc = 4 * h if itemsize == 4 else 8 * h
+    err = 0 if itemsize == 4 else 4 * -(-v // _ERR_GROUP)
+    return rows * (acc + err + itemsize * vocab)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,9 +399,71 @@ def _partials_torch(hidden, weight, labels_local, inv_t, entropy, plan: Plan):
     return m, s, u, zy
 
 
+def tp_merge(m, s, u, zy, tp_group):
+    """Full-vocabulary ``(max, sum-exp, U, z_y)`` from every rank's partials over its shard:
+    one MAX all-reduce, one SUM all-reduce of ``[S; z_y; U]`` rescaled to the global max."""
+    import torch.distributed as dist
+
+    m_glob = m.clone()
+    dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=tp_group)
+    scale = torch.exp(m - m_glob)
+    parts = [s * scale, zy]
+    if u is not None:
+        parts.append(scale * (u + s * (m - m_glob)))
+    packed = torch.stack(parts)
+    dist.all_reduce(packed, group=tp_group)
+    return m_glob, packed[0], (packed[2] if u is not None else None), packed[1]
+
+
+def check_labels(labels: torch.Tensor, v_total: int, where: str) -> torch.Tensor:
+    """``labels == IGNORE_INDEX`` after checking every label is in ``[0, v_total)`` or ignored.
+    On CUDA the check is asynchronous (``torch._assert_async``: no host sync in the training
+    step; a bad label fails the next kernel launch with a device-side assert); elsewhere it
+    raises ValueError at once."""
+    ignored = labels == IGNORE_INDEX
+    bad = ((labels < 0) & ~ignored) | (labels >= v_total)
+    msg = f"{where}: labels must be in [0, {v_total}) or {IGNORE_INDEX} (ignored)"
+    if labels.is_cuda:
+        torch._assert_async(~bad.any(), msg)
+    elif labels.numel() and bool(bad.any()):
+        raise ValueError(f"{msg}; got e.g. {int(labels[bad][0])}")
+    return ignored
+
+
+def local_labels(labels, ignored, v_start, v_local):
+    """Labels relative to this rank's shard; -1 where ignored or outside the shard."""
+    local = labels - v_start
+    return torch.where(ignored | (local < 0) | (local >= v_local),
+                       torch.full_like(labels, -1), local).contiguous()
+
+
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
+# aten::mm.dtype_out (torch >= 2.8): bf16/fp16 x bf16/fp16 -> fp32 on cuBLAS.
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out")
+_WARNED: set[str] = set()
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` into fp32 ``out`` without rounding the product to ``a``'s dtype first
+    (cuBLAS accumulates in fp32 either way). On a CPU tensor (the interpreter's tests) the
+    operands are upcast: bf16/fp16 products are exact in fp32, so it is the same maths."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if not a.is_cuda:
+        return torch.mm(a.float(), b.float(), out=out)
+    if _MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    if "mm_fp32" not in _WARNED:
+        _WARNED.add("mm_fp32")
+        log.warning("fused_logprobs: this torch (%s) has no fp32-output mm for %s inputs; the "
+                    "backward rounds each chunk's d_hidden product to %s before summing it in "
+                    "fp32 (less exact when the logits share a large common offset); torch>=2.8 "
+                    "avoids it", torch.__version__, a.dtype, a.dtype)
+    return out.copy_(a @ b)
+
+
 def _dlogits_triton(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t, out, err):
     r, hdim = h_slab.shape
     c = w_chunk.shape[0]
@@ -377,9 +478,81 @@ def _dlogits_triton(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t, 
                           err if err is not None else dummy, r, c, hdim, v_off,
                           h_slab.stride(0), h_slab.stride(1),
                           w_chunk.stride(0), w_chunk.stride(1), out.stride(0), out.stride(1),
+                          err.stride(0) if err is not None else 0,
                           inv_t, HAS_GL=gl is not None, HAS_GE=ge is not None,
                           TRACK_ERR=err is not None, ERR_GROUP=_ERR_GROUP, DOT_FP32=_DOT_FP32, **extra)
     return out
+
+
+def _backward_triton(hidden, weight, labels_local, mx, log_s, ent, gl, ge, inv_t, plan, tp_group):
+    """d_hidden and d_weight as a few large GEMMs per (row slab, vocab chunk).
+
+    Per slab of ``plan.rows`` rows and chunk of ``plan.vocab`` columns: one Triton kernel
+    recomputes the logits and writes ``d_logits`` in the input dtype into a reused buffer; one
+    GEMM adds ``d_logits @ W_chunk`` to the slab's fp32 d_hidden accumulator (for bf16/fp16
+    with an fp32 output, see :func:`mm_fp32`: a chunk's product holds the chunk's share of any
+    common component of the weight rows, which need not cancel within a chunk); one GEMM
+    writes ``d_logits.T @ hidden_slab`` into the chunk's rows of d_weight (accumulated over
+    slabs in place, in the weight's dtype).
+
+    Rounding ``d_logits`` to bf16 is harmless for d_weight but can wreck d_hidden when the
+    weight rows share a large common component (logits with a big common offset): d_hidden_i
+    = sum_j dz_ij w_j then cancels, and the rounding errors delta_ij no longer do. Write w_j =
+    wbar + (w_j - wbar) with wbar the mean weight row: the kernel also returns e_i = sum_j
+    delta_ij (per 128-column group), and subtracting e_i * wbar once per slab leaves only
+    sum_j delta_ij (w_j - wbar), an error proportional to the spread of the weight rows
+    instead of their mean.
+    """
+    n, hdim = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    d_hidden = torch.empty_like(hidden)
+    d_weight = torch.empty_like(weight)
+    if n == 0:
+        return d_hidden, d_weight.zero_()
+    exact = hidden.dtype == torch.float32
+    rows, vocab = min(plan.rows, n), min(plan.vocab, v)
+    chunks = [(c0, min(v, c0 + vocab)) for c0 in range(0, v, vocab)]
+    acc = torch.empty((rows, hdim), device=dev, dtype=torch.float32)
+    part = None if exact else torch.empty((rows, hdim), device=dev, dtype=torch.float32)
+    dz_buf = torch.empty((rows, vocab), device=dev, dtype=hidden.dtype)
+    err = wbar = None
+    if not exact:
+        err = torch.empty((sum(triton.cdiv(c1 - c0, _ERR_GROUP) for c0, c1 in chunks), rows),
+                          device=dev, dtype=torch.float32)
+        wbar = weight.sum(0, dtype=torch.float32).div_(v)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        r = r1 - r0
+        h_slab, a = hidden[r0:r1], acc[:r]
+        args = (labels_local[r0:r1], mx[r0:r1], log_s[r0:r1], None if ent is None else ent[r0:r1],
+                None if gl is None else gl[r0:r1], None if ge is None else ge[r0:r1])
+        g0 = 0
+        for ci, (c0, c1) in enumerate(chunks):
+            w_chunk, dz = weight[c0:c1], dz_buf[:r, :c1 - c0]
+            groups = triton.cdiv(c1 - c0, _ERR_GROUP)
+            _dlogits_triton(h_slab, w_chunk, *args, c0, inv_t, dz,
+                            None if exact else err[g0:g0 + groups, :r])
+            g0 += groups
+            if exact:
+                if ci == 0:
+                    torch.mm(dz, w_chunk, out=a)
+                else:
+                    a.addmm_(dz, w_chunk)
+            elif ci == 0:
+                mm_fp32(dz, w_chunk, out=a)
+            else:
+                a.add_(mm_fp32(dz, w_chunk, out=part[:r]))
+            if r0 == 0:  # GEMM straight into the output rows, no temporary
+                torch.mm(dz.T, h_slab, out=d_weight[c0:c1])
+            else:
+                d_weight[c0:c1].addmm_(dz.T, h_slab)
+        if not exact:
+            a.addr_(err[:, :r].sum(0), wbar, alpha=-1.0)
+        if tp_group is not None:
+            torch.distributed.all_reduce(a, group=tp_group)
+        d_hidden[r0:r1].copy_(a)
+    return d_hidden, d_weight
 
 
 def _dlogits_torch(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t):
@@ -398,64 +571,30 @@ def _dlogits_torch(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t):
     return dz.mul_(inv_t)
 
 
-def _backward(impl, hidden, weight, labels_local, mx, log_s, ent, gl, ge, inv_t, plan,
-              tp_group):
-    """d_hidden and d_weight, per (row slab, vocab chunk).
-
-    The Triton path stores d_logits in the input dtype for the two GEMMs. Rounding them to
-    bf16 is harmless for d_weight but can wreck d_hidden when the weight rows share a large
-    common component (logits with a big common offset): d_hidden_i = sum_j dz_ij w_j then
-    cancels, and the rounding errors delta_ij no longer do. Write w_j = wbar + (w_j - wbar)
-    with wbar the chunk's mean row: the kernel also returns e_i = sum_j delta_ij, and
-    subtracting e_i * wbar leaves only sum_j delta_ij (w_j - wbar), an error proportional to
-    the spread of the weight rows instead of their mean.
-    """
+def _backward_torch(hidden, weight, labels_local, mx, log_s, ent, gl, ge, inv_t, plan, tp_group):
+    """The same per (row slab, vocab chunk), all in fp32 (CPU default)."""
     n, hdim = hidden.shape
     v = weight.shape[0]
     d_hidden = torch.empty_like(hidden)
     d_weight = torch.empty_like(weight)
-    fp32 = hidden.dtype == torch.float32
-    w_means = None
-    if impl == "triton" and not fp32 and n:
-        w_means = [weight[c0:c0 + plan.vocab].sum(0, dtype=torch.float32) /
-                   weight[c0:c0 + plan.vocab].shape[0] for c0 in range(0, v, plan.vocab)]
+    if n == 0:
+        return d_hidden, d_weight.zero_()
     for r0 in range(0, n, plan.rows):
         r1 = min(n, r0 + plan.rows)
-        h_slab = hidden[r0:r1]
+        h_slab = hidden[r0:r1].float()
         acc = torch.zeros((r1 - r0, hdim), device=hidden.device, dtype=torch.float32)
         args = (labels_local[r0:r1], mx[r0:r1], log_s[r0:r1], None if ent is None else ent[r0:r1],
                 None if gl is None else gl[r0:r1], None if ge is None else ge[r0:r1])
         for c0 in range(0, v, plan.vocab):
             c1 = min(v, c0 + plan.vocab)
             w_chunk = weight[c0:c1]
-            if impl == "triton":
-                dz = torch.empty((r1 - r0, c1 - c0), device=hidden.device, dtype=hidden.dtype)
-                if fp32:
-                    _dlogits_triton(h_slab, w_chunk, *args, c0, inv_t, dz, None)
-                    acc.addmm_(dz, w_chunk)
-                else:
-                    err = torch.empty((triton.cdiv(c1 - c0, _ERR_GROUP), r1 - r0),
-                                      device=hidden.device, dtype=torch.float32)
-                    _dlogits_triton(h_slab, w_chunk, *args, c0, inv_t, dz, err)
-                    # one rounding of this chunk's product; the sum over chunks is fp32
-                    acc.add_(dz @ w_chunk)
-                    acc.addr_(err.sum(0), w_means[c0 // plan.vocab], alpha=-1.0)
-                    del err
-                dz_w, h_w = dz, h_slab  # GEMM operands for d_weight, in the input dtype
+            dz = _dlogits_torch(hidden[r0:r1], w_chunk, *args, c0, inv_t)
+            acc.addmm_(dz, w_chunk.float())
+            if r0 == 0:
+                d_weight[c0:c1].copy_(dz.T @ h_slab)
             else:
-                dz = _dlogits_torch(h_slab, w_chunk, *args, c0, inv_t)
-                acc.addmm_(dz, w_chunk.float())
-                dz_w, h_w = dz, h_slab.float()
-            if d_weight.dtype == dz_w.dtype:  # GEMM straight into the output, no temporary
-                if r0 == 0:
-                    torch.mm(dz_w.T, h_w, out=d_weight[c0:c1])
-                else:  # several slabs only when one would exceed the scratch budget
-                    d_weight[c0:c1].addmm_(dz_w.T, h_w)
-            elif r0 == 0:
-                d_weight[c0:c1].copy_(dz_w.T @ h_w)
-            else:
-                d_weight[c0:c1].add_(dz_w.T @ h_w)
-            del dz, dz_w, h_w
+                d_weight[c0:c1].add_(dz.T @ h_slab)
+            del dz
         if tp_group is not None:
             torch.distributed.all_reduce(acc, group=tp_group)
         d_hidden[r0:r1].copy_(acc)
@@ -466,7 +605,7 @@ def _backward(impl, hidden, weight, labels_local, mx, log_s, ent, gl, ge, inv_t,
 # ----------------------------------------------------------------------------------------------
 # autograd
 # ----------------------------------------------------------------------------------------------
-def _vocab_offset(v_local: int, device, tp_group) -> tuple[int, int]:
+def vocab_offset(v_local: int, device, tp_group) -> tuple[int, int]:
     """(start of this rank's shard, total vocabulary) from every rank's shard size."""
     if tp_group is None:
         return 0, v_local
@@ -487,15 +626,9 @@ class _FusedLogprobs(torch.autograd.Function):
         inv_t = 1.0 / temperature
         n = hidden.shape[0]
         v_local = weight.shape[0]
-        v_start, v_total = _vocab_offset(v_local, hidden.device, tp_group)
-        ignored = labels == IGNORE_INDEX
-        bad = ((labels < 0) & ~ignored) | (labels >= v_total)
-        if n and bool(bad.any()):
-            raise ValueError(f"fused_logprobs: labels must be in [0, {v_total}) or "
-                             f"{IGNORE_INDEX} (ignored); got e.g. {int(labels[bad][0])}")
-        local = labels - v_start
-        labels_local = torch.where(ignored | (local < 0) | (local >= v_local),
-                                   torch.full_like(labels, -1), local).contiguous()
+        v_start, v_total = vocab_offset(v_local, hidden.device, tp_group)
+        ignored = check_labels(labels, v_total, "fused_logprobs")
+        labels_local = local_labels(labels, ignored, v_start, v_local)
         if plan is None:
             plan = _plan(n, hidden.shape[1], v_local, hidden.element_size(), impl)
 
@@ -503,20 +636,8 @@ class _FusedLogprobs(torch.autograd.Function):
             m, s, u, zy = _partials_triton(hidden, weight, labels_local, inv_t, return_entropy)
         else:
             m, s, u, zy = _partials_torch(hidden, weight, labels_local, inv_t, return_entropy, plan)
-
         if tp_group is not None:
-            import torch.distributed as dist
-
-            m_glob = m.clone()
-            dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=tp_group)
-            scale = torch.exp(m - m_glob)
-            parts = [s * scale, zy]
-            if return_entropy:
-                parts.append(scale * (u + s * (m - m_glob)))
-            packed = torch.stack(parts)
-            dist.all_reduce(packed, group=tp_group)
-            m, s, zy = m_glob, packed[0], packed[1]
-            u = packed[2] if return_entropy else None
+            m, s, u, zy = tp_merge(m, s, u, zy, tp_group)
 
         log_s = torch.log(s)
         zero = torch.zeros_like(log_s)
@@ -544,11 +665,43 @@ class _FusedLogprobs(torch.autograd.Function):
         def prep(g):
             return None if g is None else torch.where(ignored, zero, g.float()).contiguous()
 
-        d_hidden, d_weight = _backward(ctx.impl, hidden, weight, labels_local, mx, log_s,
-                                       ent if g_ent is not None else None,
-                                       prep(g_logp), prep(g_ent), ctx.inv_t, ctx.plan,
-                                       ctx.tp_group)
+        backward = _backward_triton if ctx.impl == "triton" else _backward_torch
+        d_hidden, d_weight = backward(hidden, weight, labels_local, mx, log_s,
+                                      ent if g_ent is not None else None,
+                                      prep(g_logp), prep(g_ent), ctx.inv_t, ctx.plan,
+                                      ctx.tp_group)
         return d_hidden, d_weight, None, None, None, None, None, None
+
+
+def check_inputs(hidden, weight, labels, temperature, impl, where: str) -> str:
+    """Validates the LM-head inputs shared by the fused ops; returns the implementation."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{where}: expected hidden [N, H] and weight [V, H], got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"{where}: labels must be [N]={hidden.shape[0]}, "
+                         f"got {tuple(labels.shape)}")
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16,
+                                                            torch.float16):
+        raise TypeError(f"{where}: hidden and weight must share a float32/bfloat16/"
+                        f"float16 dtype, got {hidden.dtype} and {weight.dtype}")
+    if hidden.device != weight.device or labels.device != hidden.device:
+        raise ValueError(f"{where}: hidden, weight and labels must be on one device")
+    if weight.shape[0] == 0:
+        raise ValueError(f"{where}: weight has no vocabulary rows")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and temperature > 0):
+        raise ValueError(f"{where}: temperature must be a finite float > 0, "
+                         f"got {temperature!r}")
+    if impl is None:
+        impl = "triton" if hidden.is_cuda else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"{where}: impl must be 'triton' or 'torch', got {impl!r}")
+    if impl == "triton":
+        ok, why = triton_available(hidden.device)
+        if not ok:
+            raise RuntimeError(f"{where}(impl='triton'): {why}")
+    return impl
 
 
 def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -561,7 +714,8 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
         weight: ``[V, H]`` LM-head weight, same dtype and device (with ``tp_group``: this
             rank's contiguous ``[V_local, H]`` slice of the vocabulary).
         labels: ``[N]`` int64 target ids (global ids under ``tp_group``); ``-100`` means
-            ignore: log-prob 0, entropy 0, no gradient from that row.
+            ignore: log-prob 0, entropy 0, no gradient from that row. Out-of-range labels
+            raise ValueError (on CUDA: a device-side assert, see :func:`check_labels`).
         temperature: the logits are ``hidden @ weight.T / temperature`` (must be > 0).
         return_entropy: also return the entropy of ``softmax(logits)`` per row.
         tp_group: a ``torch.distributed`` process group over which the vocabulary is sharded.
@@ -574,32 +728,7 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
         fp32 ``logprobs [N]``, or ``(logprobs, entropy)`` fp32 ``[N]`` each. Both are
         differentiable with respect to ``hidden`` and ``weight``.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"fused_logprobs: expected hidden [N, H] and weight [V, H], got "
-                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if labels.shape != hidden.shape[:1]:
-        raise ValueError(f"fused_logprobs: labels must be [N]={hidden.shape[0]}, "
-                         f"got {tuple(labels.shape)}")
-    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16,
-                                                            torch.float16):
-        raise TypeError(f"fused_logprobs: hidden and weight must share a float32/bfloat16/"
-                        f"float16 dtype, got {hidden.dtype} and {weight.dtype}")
-    if hidden.device != weight.device or labels.device != hidden.device:
-        raise ValueError("fused_logprobs: hidden, weight and labels must be on one device")
-    if weight.shape[0] == 0:
-        raise ValueError("fused_logprobs: weight has no vocabulary rows")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-            and temperature > 0):
-        raise ValueError(f"fused_logprobs: temperature must be a finite float > 0, "
-                         f"got {temperature!r}")
-    if impl is None:
-        impl = "triton" if hidden.is_cuda else "torch"
-    if impl not in ("triton", "torch"):
-        raise ValueError(f"fused_logprobs: impl must be 'triton' or 'torch', got {impl!r}")
-    if impl == "triton":
-        ok, why = triton_available(hidden.device)
-        if not ok:
-            raise RuntimeError(f"fused_logprobs(impl='triton'): {why}")
+    impl = check_inputs(hidden, weight, labels, temperature, impl, "fused_logprobs")
     return _FusedLogprobs.apply(hidden, weight, labels.long(),
                                 float(temperature), bool(return_entropy), tp_group, impl, plan)
 

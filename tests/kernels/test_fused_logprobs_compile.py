@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent("""
            "logs_ptr": "*fp32", "ent_ptr": "*fp32", "gl_ptr": "*fp32", "ge_ptr": "*fp32",
            "dz_ptr": "*bf16", "err_ptr": "*fp32", "R": i32, "C": i32, "H": i32, "v_off": i32,
            "stride_hn": i32, "stride_hk": i32, "stride_wv": i32, "stride_wk": i32,
-           "stride_dm": i32, "stride_dn": i32, "inv_t": f32}
+           "stride_dm": i32, "stride_dn": i32, "stride_eg": i32, "inv_t": f32}
     bwd.update({k: "constexpr" for k in ("HAS_GL", "HAS_GE", "TRACK_ERR", "ERR_GROUP",
                                           "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
                                           "DOT_FP32")})
