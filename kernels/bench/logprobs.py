@@ -1,4 +1,5 @@
-"""Microbenchmark: fused LM-head log-probs + entropy against materialising baselines.
+"""Microbenchmark: fused LM-head log-probs + entropy, and the fused LM-head policy loss, against
+materialising baselines.
 
     moe-rl bench logprobs [--json] [--shapes N,H,V;...] [--dtype bf16|fp32] [--no-compile]
     python -m moe_rl.kernels.bench.logprobs ...        python kernels/bench/logprobs.py ...
@@ -6,13 +7,26 @@
 Providers, each measured in the same run, forward ("fwd") and forward+backward ("fwd_bwd"):
 
 * ``fused``: ``moe_rl.kernels.fused_logprobs(..., return_entropy=True)`` (Triton on CUDA,
-  the chunked torch implementation on CPU).
+  the chunked torch implementation on CPU): the general path, backward recomputes the logits.
 * ``eager``: ``hidden @ weight.T`` materialised, ``.float() / T``, ``log_softmax``, gather and
   entropy; ``compile``: ``torch.compile`` of the same function.
 * ``gemm``: the bare LM-head GEMM ``hidden @ weight.T`` (fwd) and the three GEMMs of its
   forward+backward (``x W^T``, ``g W``, ``g^T x``; fwd_bwd). The practical roofline.
-* ``liger``: Liger-Kernel's fused linear cross-entropy, when importable on CUDA (it computes
-  the NLL only, no entropy).
+* ``liger``: Liger-Kernel's fused linear cross-entropy (CUDA; the NLL only, no entropy).
+
+and, forward+backward only (a loss: its gradients are the point):
+
+* ``fused_loss``: ``moe_rl.kernels.fused_token_loss`` with the trainer's policy loss
+  (``moe_rl.algo.token_loss.TokenLoss``) configured as Liger's ``dapo`` loss: PPO clip
+  0.2/0.28 against the old (behaviour) log-probs (``algo.ratio_anchor=behaviour``, as
+  configs/tiny.yaml), token mean, no TIS/IcePop/KL, over ``--seqs`` sequences: d_hidden and
+  d_weight made in the forward, three GEMMs.
+* ``liger_grpo``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` on the same inputs
+  (``loss_type="dapo"``, the same clip, ``beta=0``), its default chunking: the same loss
+  (tests/kernels/test_fused_token_loss.py checks value and gradients agree where Liger is
+  installed).
+
+A Liger row whose import fails says so ("not installed") instead of stopping the run.
 
 Per row: median ms (p20/p80), peak extra memory over inputs and outputs (MiB) and effective
 TFLOP/s, counting 2NHV for a forward and 8NHV (2NHV forward + 6NHV backward) for a
@@ -27,15 +41,24 @@ records with ``profile_memory=True``, in time order, minus the outputs; memory t
 the c10 allocator (oneDNN/BLAS internal workspaces, Python objects) is not seen.
 
 Accuracy (unless ``--no-accuracy``), at every shape: the fused log-probs, entropy and both
-gradients against an fp64 reference (row-chunked, so it fits next to the 150k vocabulary),
-with the test suite's tolerances; ``accuracy_ok`` per shape and in the summary. ``--profile DIR``
-writes torch.profiler op tables, Chrome traces and a per-kernel breakdown (``profile.json``) of
-one fused forward and one forward+backward at the largest shape.
+gradients, and the fused loss's value and gradients, against fp64 references (row-chunked,
+so they fit next to the 150k vocabulary), with the test suite's tolerances: ``accuracy_ok``
+on the ``fused`` fwd row and the ``fused_loss`` row. The check checks itself once per run: a
+copy of the outputs with one planted error per output must be flagged
+(``accuracy_check_can_fail`` in the summary; false means the check is blind).
+``--profile DIR`` writes torch.profiler op tables, Chrome traces and a per-kernel breakdown
+(``profile.json``) of one fused forward, forward+backward and fused loss at the largest shape.
 
 ``--json`` prints one object: ``{"device", "software", "rows": [...], "summary": {...}}``,
 the summary for the largest shape run: ``fwd_vs_gemm`` (fused fwd / bare GEMM fwd),
 ``fwd_bwd_vs_gemm`` (fused fwd+bwd / three GEMMs), ``extra_mem_fraction`` (the larger of the
-fused fwd and fwd+bwd extra memory / materialised fp32 logits ``N*V*4`` bytes), ``device``.
+fused fwd and fwd+bwd extra memory / materialised fp32 logits ``N*V*4`` bytes),
+``extra_mem_fraction_fwd``, ``materialised_fp32_logits_mib``, ``fwd_faster_than`` /
+``fwd_bwd_faster_than`` (which of eager/compile/liger the fused op beats), ``accuracy_ok``,
+``targets``, ``device``; and for the fused loss ``fused_loss_vs_gemm`` (fused_loss / three
+GEMMs), ``fused_loss_extra_mem_fraction``, ``fused_loss_faster_than`` (of liger_grpo, fused,
+compile, eager), ``fused_loss_accuracy_ok``; ``accuracy_check_can_fail``; ``plans`` (the
+backward's row slab / vocab chunk and the fused loss's slab, with their planned scratch MiB).
 """
 from __future__ import annotations
 
@@ -49,11 +72,14 @@ import time
 
 import torch
 
-from moe_rl.kernels.fused_logprobs import fused_logprobs
+from moe_rl.kernels.fused_logprobs import _plan, fused_logprobs, plan_scratch_bytes
+from moe_rl.kernels.fused_token_loss import _plan_fused, fused_scratch_bytes, fused_token_loss
 
 GPU_SHAPES = [(4096, 4096, 151936), (8192, 4096, 151936)]
 CPU_SHAPES = [(256, 256, 8192), (1024, 512, 32000)]
-TARGETS = {"fwd_vs_gemm": 1.15, "fwd_bwd_vs_gemm": 1.35, "extra_mem_fraction": 0.01}
+TARGETS = {"fwd_vs_gemm": 1.15, "fwd_bwd_vs_gemm": 1.35, "extra_mem_fraction": 0.01,
+           "fused_loss_vs_gemm": 1.15}
+LIGER_MISSING = "liger-kernel not installed (pip install liger-kernel)"
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -143,8 +169,32 @@ def _extra_mib(fn, device) -> float:
     return max(extra, 0) / 2**20
 
 
-def _providers(hidden, weight, labels, temperature, device, use_compile, use_liger):
-    """name -> (fwd fn, fwd_bwd fn); each returns its outputs (for the memory accounting)."""
+# ----------------------------------------------------------------------------------------------
+# the policy-loss inputs: the trainer's default loss on `seqs` sequences of N/seqs tokens
+# ----------------------------------------------------------------------------------------------
+def loss_inputs(hidden, weight, labels, temperature, seqs: int, seed: int = 2):
+    """Old (behaviour) log-probs near the current policy's, per-sequence advantages, mask,
+    sequence ids; the TokenLoss of Liger's ``dapo`` loss (clip against the old log-probs,
+    token mean, no TIS/IcePop)."""
+    from moe_rl.algo.token_loss import TokenLoss
+    from moe_rl.config import AlgoConfig
+
+    n, dev = hidden.shape[0], hidden.device
+    seqs = max(1, min(seqs, n))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        cur = fused_logprobs(hidden, weight, labels, temperature)
+    behav = cur + (0.3 * torch.randn(n, generator=gen)).to(dev)
+    seq_ids = (torch.arange(n) * seqs // n).to(dev)
+    adv = torch.randn(seqs, generator=gen).to(dev)[seq_ids]
+    mask = torch.ones(n, device=dev)
+    cfg = AlgoConfig(ratio_anchor="behaviour", tis_cap=None, icepop_low=None, icepop_high=None)
+    return dict(cfg=cfg, behav=behav, adv=adv, mask=mask, seq_ids=seq_ids, seqs=seqs,
+                token_loss=TokenLoss(cfg, behav, adv, mask, seq_ids, num_tokens_global=n))
+
+
+def _providers(hidden, weight, labels, temperature, device, use_compile, use_liger, seqs):
+    """name -> {pass: fn | Exception}; each fn returns its outputs (for the memory accounting)."""
     n, v = hidden.shape[0], weight.shape[0]
     hg = hidden.detach().requires_grad_()
     wg = weight.detach().requires_grad_()
@@ -161,14 +211,15 @@ def _providers(hidden, weight, labels, temperature, device, use_compile, use_lig
         return fused_logprobs(h, w, y, t, return_entropy=True)
 
     provs = {
-        "fused": (lambda: fused(hidden, weight, labels, temperature), fwd_bwd_of(fused)),
-        "eager": (lambda: eager_logprobs(hidden, weight, labels, temperature),
-                  fwd_bwd_of(eager_logprobs)),
+        "fused": {"fwd": lambda: fused(hidden, weight, labels, temperature),
+                  "fwd_bwd": fwd_bwd_of(fused)},
+        "eager": {"fwd": lambda: eager_logprobs(hidden, weight, labels, temperature),
+                  "fwd_bwd": fwd_bwd_of(eager_logprobs)},
     }
     if use_compile:
         compiled = torch.compile(eager_logprobs, dynamic=False)
-        provs["compile"] = (lambda: compiled(hidden, weight, labels, temperature),
-                            fwd_bwd_of(compiled))
+        provs["compile"] = {"fwd": lambda: compiled(hidden, weight, labels, temperature),
+                            "fwd_bwd": fwd_bwd_of(compiled)}
 
     g_logits = torch.randn(n, v, device=device, dtype=hidden.dtype)  # an input of the 3 GEMMs
 
@@ -177,37 +228,75 @@ def _providers(hidden, weight, labels, temperature, device, use_compile, use_lig
         del logits
         return g_logits @ weight, g_logits.T @ hidden
 
-    provs["gemm"] = (lambda: hidden @ weight.T, gemm_fwd_bwd)
+    provs["gemm"] = {"fwd": lambda: hidden @ weight.T, "fwd_bwd": gemm_fwd_bwd}
 
-    if use_liger and device.type == "cuda":
-        try:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    li = loss_inputs(hidden, weight, labels, temperature, seqs)
 
-            loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+    def fused_loss():
+        loss, _, _ = fused_token_loss(hg, wg, labels, li["token_loss"], temperature)
+        return torch.autograd.grad(loss, [hg, wg])
 
-            def liger_fwd():
-                return loss_fn(weight, hidden, labels)
+    provs["fused_loss"] = {"fwd_bwd": fused_loss}
 
-            def liger_fwd_bwd():
-                return torch.autograd.grad(loss_fn(wg, hg, labels), [hg, wg])
-
-            provs["liger"] = (liger_fwd, liger_fwd_bwd)
-        except Exception as exc:  # not installed, or an API this version lacks
-            provs["liger"] = (exc, exc)
+    if use_liger:
+        provs["liger"] = {p: f for p, f in _liger_flce(hidden, weight, hg, wg, labels, device).items()}
+        provs["liger_grpo"] = {"fwd_bwd": _liger_grpo(hg, wg, labels, temperature, li)}
     return provs
 
 
+def _liger_flce(hidden, weight, hg, wg, labels, device):
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        err = RuntimeError(LIGER_MISSING)
+        return {"fwd": err, "fwd_bwd": err}
+    except Exception as exc:  # an API this version lacks
+        return {"fwd": exc, "fwd_bwd": exc}
+    if device.type != "cuda":
+        err = RuntimeError("Liger's fused linear cross-entropy runs Triton kernels on CUDA only")
+        return {"fwd": err, "fwd_bwd": err}
+    loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+    return {"fwd": lambda: loss_fn(weight, hidden, labels),
+            "fwd_bwd": lambda: torch.autograd.grad(loss_fn(wg, hg, labels), [hg, wg])}
+
+
+def _liger_grpo(hg, wg, labels, temperature, li):
+    """Liger's fused linear GRPO loss on the same tokens as [seqs, N/seqs] sequences."""
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError:
+        return RuntimeError(LIGER_MISSING)
+    except Exception as exc:
+        return exc
+    cfg, seqs = li["cfg"], li["seqs"]
+    n = hg.shape[0]
+    if n % seqs:
+        return ValueError(f"liger_grpo needs N={n} divisible by --seqs={seqs}")
+    loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo",
+                                       epsilon_low=cfg.clip_low, epsilon_high=cfg.clip_high,
+                                       temperature=temperature, compiled=hg.is_cuda)
+    shape = (seqs, n // seqs)
+    ids, mask = labels.view(shape), li["mask"].view(shape)
+    adv, old = li["adv"].view(shape)[:, 0].contiguous(), li["behav"].view(shape)
+
+    def run():
+        loss, _ = loss_fn(hg.view(*shape, -1), wg, ids, mask, adv, old_per_token_logps=old)
+        return torch.autograd.grad(loss, [hg, wg])
+
+    return run
+
+
 def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_liger,
-                accuracy=True):
+                accuracy=True, seqs=8):
     gen = torch.Generator(device="cpu").manual_seed(0)
     hidden = torch.randn(n, h, generator=gen).to(device=device, dtype=dtype)
     weight = (torch.randn(v, h, generator=gen) / h**0.5).to(device=device, dtype=dtype)
     labels = torch.randint(0, v, (n,), generator=gen).to(device)
     flops = {"fwd": 2 * n * h * v, "fwd_bwd": 8 * n * h * v}
     rows = []
-    for name, fns in _providers(hidden, weight, labels, temperature, device, use_compile,
-                                use_liger).items():
-        for pas, fn in zip(("fwd", "fwd_bwd"), fns):
+    provs = _providers(hidden, weight, labels, temperature, device, use_compile, use_liger, seqs)
+    for name, fns in provs.items():
+        for pas, fn in fns.items():
             row = {"shape": [n, h, v], "dtype": str(dtype).replace("torch.", ""),
                    "temperature": temperature, "provider": name, "pass": pas}
             if isinstance(fn, Exception):
@@ -218,23 +307,27 @@ def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_lige
                 ms, p20, p80 = _time_ms(fn, device, reps)
                 row.update(ms=round(ms, 4), ms_p20=round(p20, 4), ms_p80=round(p80, 4),
                            extra_mib=round(_extra_mib(fn, device), 3),
-                           tflops=round(flops[pas] / (ms * 1e-3) / 1e12, 3))
+                           tflops=round(flops[pas] / (ms * 1e-3) / 1e12, 6))
             except Exception as exc:  # one failing baseline must not sink the whole run
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    del provs
     if accuracy:
         acc = check_accuracy(hidden, weight, labels, temperature)
+        acc_loss = check_loss_accuracy(hidden, weight, labels, temperature, seqs)
         for row in rows:
             if row["provider"] == "fused" and row["pass"] == "fwd":
                 row.update(acc)
+            if row["provider"] == "fused_loss":
+                row.update(acc_loss)
     return rows
 
 
 # ----------------------------------------------------------------------------------------------
-# accuracy against an fp64 reference
+# accuracy against fp64 references
 # ----------------------------------------------------------------------------------------------
 # dtype -> (log-prob max abs error, entropy max abs error, gradient relative L2 error); the same
 # bounds as tests/kernels/test_fused_logprobs.py
@@ -243,12 +336,15 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5, 1e-5), torch.bfloat16: (2e-3, 5e-3, 1e
 
 def fp64_reference(hidden, weight, labels, temperature, g_logp, g_ent, rows_per_chunk=1024):
     """Exact-ish log-probs, entropy and the gradients of sum(g_logp*logp + g_ent*ent) w.r.t.
-    hidden and weight, in fp64, materialising at most ``rows_per_chunk`` rows of logits."""
+    hidden and weight, in fp64, materialising at most ``rows_per_chunk`` rows of logits.
+    ``g_logp``/``g_ent`` may be callables of the chunk's fp64 (logp, ent, rows) giving the
+    upstream gradients there (a loss's gradient at the exact log-probs)."""
     w64 = weight.detach().double().requires_grad_()
     logp, ent, d_hidden = [], [], []
     for lo in range(0, hidden.shape[0], rows_per_chunk):
-        h64 = hidden[lo:lo + rows_per_chunk].detach().double().requires_grad_()
-        y = labels[lo:lo + rows_per_chunk]
+        rows = slice(lo, lo + rows_per_chunk)
+        h64 = hidden[rows].detach().double().requires_grad_()
+        y = labels[rows]
         z = (h64 @ w64.T) / temperature
         lp_all = torch.log_softmax(z, dim=-1)
         del z
@@ -256,8 +352,12 @@ def fp64_reference(hidden, weight, labels, temperature, g_logp, g_ent, rows_per_
         lp = lp_all.gather(1, y.clamp(min=0)[:, None])[:, 0]
         keep = y != -100
         lp, e = torch.where(keep, lp, 0.0), torch.where(keep, e, 0.0)
-        ((g_logp[lo:lo + rows_per_chunk].double() * lp).sum() +
-         (g_ent[lo:lo + rows_per_chunk].double() * e).sum()).backward()
+        gl, ge = g_logp, g_ent
+        if callable(gl):
+            gl, ge = gl(lp.detach(), e.detach(), rows)
+        else:
+            gl, ge = gl[rows], ge[rows]
+        ((gl.double() * lp).sum() + (ge.double() * e).sum()).backward()
         del lp_all
         logp.append(lp.detach())
         ent.append(e.detach())
@@ -265,24 +365,61 @@ def fp64_reference(hidden, weight, labels, temperature, g_logp, g_ent, rows_per_
     return torch.cat(logp), torch.cat(ent), torch.cat(d_hidden), w64.grad
 
 
+def _rel(a, b) -> float:
+    return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
+
+
 def accuracy_report(ref, got, dtype) -> dict:
     """Errors of ``got`` = (logp, entropy, d_hidden, d_weight) against ``ref`` (fp64), and
     whether each is within the tolerance for the input dtype."""
-    def rel(a, b):
-        return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
-
     tol_lp, tol_ent, tol_grad = TOLERANCES[dtype]
     out = {
         "max_abs_err_logp": float((got[0].double() - ref[0]).abs().max()),
         "max_abs_err_entropy": float((got[1].double() - ref[1]).abs().max()),
-        "rel_err_d_hidden": rel(got[2], ref[2]),
-        "rel_err_d_weight": rel(got[3], ref[3]),
+        "rel_err_d_hidden": _rel(got[2], ref[2]),
+        "rel_err_d_weight": _rel(got[3], ref[3]),
     }
     out["accuracy_ok"] = bool(out["max_abs_err_logp"] <= tol_lp and
                               out["max_abs_err_entropy"] <= tol_ent and
                               out["rel_err_d_hidden"] <= tol_grad and
                               out["rel_err_d_weight"] <= tol_grad)
     return out
+
+
+def loss_accuracy_report(ref, got, dtype) -> dict:
+    """Errors of ``got`` = (loss, logp, d_hidden, d_weight) of the fused loss against ``ref`` =
+    (loss, logp, d_hidden, d_weight, sum_t |dL/dlogp_t|) in fp64. The loss may be off by what
+    the log-probs are: |dL| <= sum_t |dL/dlogp_t| |d logp_t|."""
+    tol_lp, _, tol_grad = TOLERANCES[dtype]
+    out = {
+        "abs_err_loss": abs(float(got[0]) - float(ref[0])),
+        "max_abs_err_logp": float((got[1].double() - ref[1]).abs().max()),
+        "rel_err_d_hidden": _rel(got[2], ref[2]),
+        "rel_err_d_weight": _rel(got[3], ref[3]),
+    }
+    out["accuracy_ok"] = bool(out["abs_err_loss"] <= tol_lp * float(ref[4]) + 1e-12 and
+                              out["max_abs_err_logp"] <= tol_lp and
+                              out["rel_err_d_hidden"] <= tol_grad and
+                              out["rel_err_d_weight"] <= tol_grad)
+    return out
+
+
+def _plant_errors(report_fn, ref, got, dtype) -> bool:
+    """Whether ``report_fn`` flags a planted error in each output: one element moved by 10x
+    the output's scale of tolerance."""
+    for i in range(len(got)):
+        bad = [g.clone() if isinstance(g, torch.Tensor) else g for g in got]
+        if bad[i].dim() == 0:
+            bad[i] = bad[i] + 1.0 + abs(float(bad[i]))
+        else:
+            flat = bad[i].view(-1)
+            flat[flat.numel() // 2] += 1.0 + float(flat.abs().max())
+        if report_fn(ref, tuple(bad), dtype)["accuracy_ok"]:
+            return False
+    return True
+
+
+_SELF_TEST: dict[str, bool] = {}
 
 
 def check_accuracy(hidden, weight, labels, temperature) -> dict:
@@ -298,15 +435,49 @@ def check_accuracy(hidden, weight, labels, temperature) -> dict:
     got = (logp.detach(), ent.detach(), d_hidden, d_weight)
     del hg, wg
     ref = fp64_reference(hidden, weight, labels, temperature, g_logp, g_ent)
-    return accuracy_report(ref, got, hidden.dtype)
+    out = accuracy_report(ref, got, hidden.dtype)
+    if "fused" not in _SELF_TEST:
+        _SELF_TEST["fused"] = _plant_errors(accuracy_report, ref, got, hidden.dtype)
+    return out
+
+
+def check_loss_accuracy(hidden, weight, labels, temperature, seqs) -> dict:
+    """The fused loss's value, log-probs and gradients against fp64: the token loss's gradient
+    taken at the fp64 log-probs, pushed through the materialised fp64 logits."""
+    li = loss_inputs(hidden, weight, labels, temperature, seqs)
+    tl = li["token_loss"]
+    hg = hidden.detach().clone().requires_grad_()
+    wg = weight.detach().clone().requires_grad_()
+    loss, logp, _ = fused_token_loss(hg, wg, labels, tl, temperature)
+    d_hidden, d_weight = torch.autograd.grad(loss, [hg, wg])
+    got = (loss.detach(), logp, d_hidden, d_weight)
+    del hg, wg
+    ref_loss = torch.zeros((), dtype=torch.float64)
+    abs_g = torch.zeros((), dtype=torch.float64)
+
+    def upstream(lp, ent, rows):
+        nonlocal ref_loss, abs_g
+        lp = lp.clone().requires_grad_()
+        val = tl(lp, None, rows).sum()
+        (g,) = torch.autograd.grad(val, [lp])
+        ref_loss = ref_loss + val.detach().cpu()
+        abs_g = abs_g + g.abs().sum().cpu()
+        return g, torch.zeros_like(ent)
+
+    r = fp64_reference(hidden, weight, labels, temperature, upstream, None)
+    ref = (ref_loss, r[0], r[2], r[3], abs_g)
+    out = loss_accuracy_report(ref, got, hidden.dtype)
+    if "fused_loss" not in _SELF_TEST:
+        _SELF_TEST["fused_loss"] = _plant_errors(loss_accuracy_report, ref, got, hidden.dtype)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # profile: where a fused call's time goes
 # ----------------------------------------------------------------------------------------------
-def profile_fused(n, h, v, dtype, temperature, device, out_dir) -> dict:
-    """One fused forward and one forward+backward under torch.profiler. Writes the op table
-    (sorted by device time on CUDA, CPU time otherwise), a Chrome trace per pass and
+def profile_fused(n, h, v, dtype, temperature, device, out_dir, seqs=8) -> dict:
+    """One fused forward, forward+backward and fused loss under torch.profiler. Writes the op
+    table (sorted by device time on CUDA, CPU time otherwise), a Chrome trace per pass and
     ``profile.json``: per pass, every kernel/op with its call count and total time."""
     from pathlib import Path
 
@@ -318,13 +489,15 @@ def profile_fused(n, h, v, dtype, temperature, device, out_dir) -> dict:
     hidden = torch.randn(n, h, generator=gen).to(device=device, dtype=dtype)
     weight = (torch.randn(v, h, generator=gen) / h**0.5).to(device=device, dtype=dtype)
     labels = torch.randint(0, v, (n,), generator=gen).to(device)
-    fwd, fwd_bwd = _providers(hidden, weight, labels, temperature, device, False, False)["fused"]
+    provs = _providers(hidden, weight, labels, temperature, device, False, False, seqs)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     summary = {"shape": [n, h, v], "dtype": str(dtype).replace("torch.", ""),
                "temperature": temperature, "device": _device_name(device), "passes": {}}
-    for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+    passes = (("fwd", provs["fused"]["fwd"]), ("fwd_bwd", provs["fused"]["fwd_bwd"]),
+              ("fused_loss", provs["fused_loss"]["fwd_bwd"]))
+    for name, fn in passes:
         fn()  # compile / autotune outside the trace
         _sync(device)
         with profile(activities=activities) as prof:
@@ -365,14 +538,29 @@ def _device_name(device) -> str:
     return f"cpu: {cpu}, {torch.get_num_threads()} torch threads"
 
 
-def _summary(rows, device):
+def _plans(n, h, v, dtype, device) -> dict:
+    """The chunking the fused ops choose at this shape, and its planned scratch."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    impl = "triton" if device.type == "cuda" else "torch"
+    bwd = _plan(n, h, v, itemsize, impl)
+    fl = _plan_fused(n, h, v, itemsize, impl)
+    out = {"impl": impl, "backward": {"rows": bwd.rows, "vocab": bwd.vocab},
+           "fused_loss": {"rows": fl.rows}}
+    if impl == "triton":
+        out["backward"]["scratch_mib"] = round(plan_scratch_bytes(bwd, n, h, v, itemsize) / 2**20, 3)
+        out["fused_loss"]["scratch_mib"] = round(fused_scratch_bytes(fl, n, h, v, itemsize) / 2**20, 3)
+    return out
+
+
+def _summary(rows, device, dtype):
     ok = [r for r in rows if "ms" in r]
     if not ok:
         return {"device": _device_name(device)}
     big = max((tuple(r["shape"]) for r in ok), key=lambda s: s[0] * s[1] * s[2])
     get = {(r["provider"], r["pass"]): r for r in ok if tuple(r["shape"]) == big}
-    n, _, v = big
+    n, h, v = big
     out = {"shape": list(big), "device": _device_name(device)}
+    logits = n * v * 4 / 2**20
     fused_f, fused_fb = get.get(("fused", "fwd")), get.get(("fused", "fwd_bwd"))
     gemm_f, gemm_fb = get.get(("gemm", "fwd")), get.get(("gemm", "fwd_bwd"))
     if fused_f and gemm_f:
@@ -380,7 +568,6 @@ def _summary(rows, device):
     if fused_fb and gemm_fb:
         out["fwd_bwd_vs_gemm"] = round(fused_fb["ms"] / gemm_fb["ms"], 4)
     if fused_f and fused_fb:
-        logits = n * v * 4 / 2**20
         out["extra_mem_fraction"] = round(max(fused_f["extra_mib"], fused_fb["extra_mib"]) /
                                           logits, 6)
         out["extra_mem_fraction_fwd"] = round(fused_f["extra_mib"] / logits, 6)
@@ -391,9 +578,23 @@ def _summary(rows, device):
                   ("eager", "compile", "liger")}
         if fused and others:
             out[f"{pas}_faster_than"] = sorted(p for p, ms in others.items() if fused["ms"] < ms)
-    checked = [r["accuracy_ok"] for r in rows if "accuracy_ok" in r]
+    fl = get.get(("fused_loss", "fwd_bwd"))
+    if fl:
+        if gemm_fb:
+            out["fused_loss_vs_gemm"] = round(fl["ms"] / gemm_fb["ms"], 4)
+        out["fused_loss_extra_mem_fraction"] = round(fl["extra_mib"] / logits, 6)
+        others = {p: r["ms"] for (p, q), r in get.items() if q == "fwd_bwd" and p in
+                  ("liger_grpo", "fused", "compile", "eager")}
+        out["fused_loss_faster_than"] = sorted(p for p, ms in others.items() if fl["ms"] < ms)
+    checked = [r["accuracy_ok"] for r in rows if "accuracy_ok" in r and r["provider"] == "fused"]
     if checked:  # every benchmarked shape, not only the largest
         out["accuracy_ok"] = all(checked)
+    checked = [r["accuracy_ok"] for r in rows if "accuracy_ok" in r and r["provider"] == "fused_loss"]
+    if checked:
+        out["fused_loss_accuracy_ok"] = all(checked)
+    if _SELF_TEST:
+        out["accuracy_check_can_fail"] = all(_SELF_TEST.values())
+    out["plans"] = _plans(n, h, v, dtype, device)
     out["targets"] = TARGETS
     return out
 
@@ -412,13 +613,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default 1 on CPU: steadier on a shared "
                              "machine; unchanged on CUDA)")
+    parser.add_argument("--seqs", type=int, default=8,
+                        help="sequences the N tokens of the loss rows are split into (default 8)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
-    parser.add_argument("--no-liger", action="store_true", help="skip the Liger row")
+    parser.add_argument("--no-liger", action="store_true", help="skip the Liger rows")
     parser.add_argument("--no-accuracy", action="store_true",
-                        help="skip the fp64 accuracy check of the fused outputs and gradients")
+                        help="skip the fp64 accuracy checks of the fused outputs and gradients")
     parser.add_argument("--profile", metavar="DIR",
-                        help="also profile one fused fwd and fwd+bwd at the largest shape with "
-                             "torch.profiler: op tables, Chrome traces and profile.json in DIR")
+                        help="also profile one fused fwd, fwd+bwd and fused loss at the largest "
+                             "shape with torch.profiler: op tables, Chrome traces and "
+                             "profile.json in DIR")
     args = parser.parse_args(argv)
 
     if args.device == "auto":
@@ -435,15 +639,17 @@ def main(argv: list[str] | None = None) -> int:
     shapes = _parse_shapes(args.shapes) if args.shapes else (GPU_SHAPES if gpu else CPU_SHAPES)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or
                                                              ("bf16" if gpu else "fp32")]
+    _SELF_TEST.clear()
     rows = []
     for n, h, v in shapes:
         rows += bench_shape(n, h, v, dtype, args.temperature, device, args.reps,
-                            not args.no_compile, not args.no_liger, not args.no_accuracy)
+                            not args.no_compile, not args.no_liger, not args.no_accuracy,
+                            args.seqs)
         if not args.json:
             print(f"done {n}x{h}x{v}", file=sys.stderr)
     if args.profile:
         big = max(shapes, key=lambda s: s[0] * s[1] * s[2])
-        prof = profile_fused(*big, dtype, args.temperature, device, args.profile)
+        prof = profile_fused(*big, dtype, args.temperature, device, args.profile, args.seqs)
         if not args.json:
             for name, p in prof["passes"].items():
                 print(f"profile {name}: {p['total_ms']:.2f} ms, top: " +
@@ -452,9 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": _device_name(device),
         "software": {"torch": torch.__version__, "python": platform.python_version(),
-                     "triton": _triton_version()},
+                     "triton": _triton_version(), "liger_kernel": _liger_version()},
         "rows": rows,
-        "summary": _summary(rows, device),
+        "summary": _summary(rows, device, dtype),
     }
     if args.json:
         print(json.dumps(result))
@@ -472,18 +678,27 @@ def _triton_version():
         return None
 
 
+def _liger_version():
+    try:
+        from importlib.metadata import version
+
+        return version("liger-kernel")
+    except Exception:
+        return None
+
+
 def _print_table(result):
     print(f"device: {result['device']}  software: {result['software']}")
-    hdr = f"{'shape':>22} {'dtype':>8} {'provider':>8} {'pass':>8} {'ms':>10} " \
+    hdr = f"{'shape':>22} {'dtype':>8} {'provider':>10} {'pass':>8} {'ms':>10} " \
           f"{'p20':>10} {'p80':>10} {'extra MiB':>10} {'TFLOP/s':>8}"
     print(hdr)
     for r in result["rows"]:
         shape = "x".join(map(str, r["shape"]))
         if "error" in r:
-            print(f"{shape:>22} {r['dtype']:>8} {r['provider']:>8} {r['pass']:>8}  "
+            print(f"{shape:>22} {r['dtype']:>8} {r['provider']:>10} {r['pass']:>8}  "
                   f"error: {r['error']}")
             continue
-        print(f"{shape:>22} {r['dtype']:>8} {r['provider']:>8} {r['pass']:>8} {r['ms']:>10.3f} "
+        print(f"{shape:>22} {r['dtype']:>8} {r['provider']:>10} {r['pass']:>8} {r['ms']:>10.3f} "
               f"{r['ms_p20']:>10.3f} {r['ms_p80']:>10.3f} {r['extra_mib']:>10.2f} "
               f"{r['tflops']:>8.3f}")
     print("summary:", json.dumps(result["summary"]))

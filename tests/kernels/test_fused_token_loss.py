@@ -197,6 +197,30 @@ def test_policy_loss_fused_matches_general_path_triton(case, impl):
     _policy_case(*opts, impl, dtype=dtype, plan=Plan(rows=16, vocab=0))
 
 
+def test_matches_liger_grpo_dapo_where_installed():
+    # An independent implementation of the same loss: Liger's fused linear GRPO loss, "dapo"
+    # (PPO clip against the old log-probs, token mean) = TokenLoss with the behaviour anchor
+    # and no TIS/IcePop. Also pins the layout the bench hands Liger.
+    liger = pytest.importorskip("liger_kernel.chunked_loss")
+    from moe_rl.kernels.bench.logprobs import loss_inputs
+
+    n, seqs = 64, 4
+    hidden, weight, labels = make_inputs(n, 32, 700, torch.float32, ignore_every=0)
+    li = loss_inputs(hidden, weight, labels, 1.0, seqs)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, _, _ = fused_token_loss(h1, w1, labels, li["token_loss"], 1.0, impl="torch")
+    loss.backward()
+    fn = liger.LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo", epsilon_low=0.2,
+                                        epsilon_high=0.28, temperature=1.0, compiled=False)
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    shape = (seqs, n // seqs)
+    want, _ = fn(h2.view(*shape, -1), w2, labels.view(shape), li["mask"].view(shape),
+                 li["adv"].view(shape)[:, 0].contiguous(), old_per_token_logps=li["behav"].view(shape))
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    assert rel_err(h1.grad, h2.grad) <= 1e-5 and rel_err(w1.grad, w2.grad) <= 1e-5
+
+
 # ---------------------------------------------------------------------------------------------
 # vocab-parallel: 2 gloo ranks, unequal contiguous shards
 # ---------------------------------------------------------------------------------------------
