@@ -164,6 +164,11 @@ class TrainConfig(Strict):
     tp_size: int = Field(1, ge=1)
     threads: int | None = Field(None, ge=1, description="torch threads of a trainer rank")
     seed: int = 0
+    fused_loss: Literal["auto"] | bool = Field(
+        "auto", description="the policy loss fused into the LM-head kernel (moe_rl.kernels.fused_token_loss: "
+        "d_hidden and d_weight made in the forward, 3 GEMMs instead of 4): auto = when algo's loss is per-token "
+        "(not gspo, not tis_level=sequence with ratio_anchor=proximal), else the general path; true = refuse a "
+        "loss that is not; false = always the general path (docs/algorithms.md)")
     # train.backend=megatron only (docs/megatron.md)
     megatron_use_te: bool | None = None  # Transformer Engine layer specs; None = when TE imports
     megatron_grouped_gemm: bool | None = None  # grouped experts (TEGroupedMLP with TE, else TorchGroupedMLP); None = true

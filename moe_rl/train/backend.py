@@ -17,7 +17,7 @@ from typing import Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from moe_rl.kernels import fused_logprobs
+from moe_rl.kernels import fused_logprobs, fused_token_loss
 from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors, load_hf_weights
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,15 @@ class TrainBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 log-prob [T] of each label (0 where label is -100) and optionally entropy [T];
         differentiable when grad is enabled. ``record`` receives the experts used per layer."""
+
+    def token_loss(
+        self, mb: MicroBatch, rows: torch.Tensor, temperature: float, token_loss, with_entropy: bool = False,
+        record: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The loss ``sum_t token_loss(logp, H)_t`` over the label rows ``rows`` [R] of ``mb``,
+        fused into the LM head (moe_rl.kernels.fused_token_loss: d_hidden and d_weight made in
+        the forward; call backward once): (loss, fp32 log-probs [R], entropies [R] or None),
+        the last two detached."""
 
     def optimizer_step(self) -> dict[str, float]:
         """Reduces gradients over the data-parallel groups, clips, steps, zeroes grads."""
@@ -156,16 +165,28 @@ class NativeBackend(DataParallelStep):
             return self._logprobs(mb, temperature, with_entropy, record)
 
     def _logprobs(self, mb, temperature, with_entropy, record):
+        out = fused_logprobs(
+            self._hidden(mb, record), self.model.lm_head.weight, mb.labels.to(self.device, non_blocking=True),
+            temperature=temperature, return_entropy=with_entropy,
+        )
+        return out if with_entropy else (out, None)
+
+    def token_loss(self, mb, rows, temperature, token_loss, with_entropy=False, record=None):
+        dev = self.device
+        with self._adapted():
+            hidden = self._hidden(mb, record)
+            rows = rows.to(dev, non_blocking=True)
+            return fused_token_loss(hidden[rows], self.model.lm_head.weight, mb.labels.to(dev, non_blocking=True)[rows],
+                                    token_loss, temperature=temperature, return_entropy=with_entropy)
+
+    def _hidden(self, mb, record):
+        """The final hidden states [T, H] of a packed micro-batch."""
         dev = self.device  # no-ops for the loop's micro-batches; others are copied without a stream sync
         hidden = self.model.hidden_states(
             mb.input_ids.to(dev, non_blocking=True), cu_seqlens=mb.cu_seqlens.to(dev, non_blocking=True),
             replay=None if mb.replay is None else [r.to(dev, non_blocking=True) for r in mb.replay], record=record,
         )
-        out = fused_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]), self.model.lm_head.weight, mb.labels.to(dev, non_blocking=True),
-            temperature=temperature, return_entropy=with_entropy,
-        )
-        return out if with_entropy else (out, None)
+        return hidden.reshape(-1, hidden.shape[-1])
 
     def _reduce_grads(self) -> None:
         if self.groups is None or self.groups.layout.world_size == 1:

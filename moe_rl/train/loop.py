@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.algo import compute_advantages, constant_groups, mismatch_metrics, overlong_penalty, policy_loss
+from moe_rl.algo.token_loss import TokenLoss, fused_loss_unsupported
+from moe_rl.config import ConfigError
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.host import exchange_urls
 from moe_rl.replay import ReplayLog, RoutingSpec, align_replay, filler_ids, packed_layout
@@ -208,6 +210,7 @@ class Trainer:
         self._rollout_mark = (0, 0.0)  # (generated tokens, wall s) at the last logged step
         self.arch = self.backend.arch
         self.ref = build_backend(cfg, groups) if cfg.algo.kl_coef > 0 else None  # frozen initial policy
+        self.fused_loss = use_fused_loss(cfg, log if self.lead else None)
         self.task = task_from_config(cfg)
         self.record_routing = cfg.replay.enabled or cfg.engine.kind == "embedded"
         self.replay_dir = Path(cfg.replay.dir or self.run_dir / "routing")
@@ -409,22 +412,25 @@ class Trainer:
         for m_i, mc in enumerate(prep["micro"]):
             d = self._on_device(mc)
             used = [] if d.routing is not None else None
-            logp_all, ent_all = self.backend.logprobs(d.mb, temp, with_entropy=need_entropy, record=used)
-            if not d.chunk:
-                (logp_all.sum() * 0.0).backward()
-                continue
-            logp = logp_all[d.resp_pos]
-            prox = logp.detach() if proximal is None else proximal[m_i]
-            ref_logp = None
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_logp = self.ref.logprobs(d.mb, temp)[0][d.resp_pos]
-            loss, m = policy_loss(
-                logp, prox, d.behav, d.adv, d.mask, d.seq_ids, prep["algo"], ref_logp=ref_logp,
-                entropy=None if ent_all is None else ent_all[d.resp_pos],
-                num_tokens_global=prep["n_tok"], num_seqs_global=prep["n_seq"],
-            )
-            loss.backward()
+            if self.fused_loss and d.chunk:
+                loss, m, prox = self._fused_step(prep, d, None if proximal is None else proximal[m_i], used)
+            else:
+                logp_all, ent_all = self.backend.logprobs(d.mb, temp, with_entropy=need_entropy, record=used)
+                if not d.chunk:
+                    (logp_all.sum() * 0.0).backward()
+                    continue
+                logp = logp_all[d.resp_pos]
+                prox = logp.detach() if proximal is None else proximal[m_i]
+                ref_logp = None
+                if self.ref is not None:
+                    with torch.no_grad():
+                        ref_logp = self.ref.logprobs(d.mb, temp)[0][d.resp_pos]
+                loss, m = policy_loss(
+                    logp, prox, d.behav, d.adv, d.mask, d.seq_ids, prep["algo"], ref_logp=ref_logp,
+                    entropy=None if ent_all is None else ent_all[d.resp_pos],
+                    num_tokens_global=prep["n_tok"], num_seqs_global=prep["n_seq"],
+                )
+                loss.backward()
             mm = mismatch_metrics(prox, d.behav, d.mask)  # the weights that sampled vs those the batch started from
             n = mm["num_tokens"]
             sums[0] += loss.detach()
@@ -445,6 +451,27 @@ class Trainer:
                 sums[5] += m["entropy"] * n
             sums[6] += m["clip_frac"] * n
             sums[7] += m["icepop_frac"] * n
+
+    def _fused_step(self, prep: dict, d: Micro, proximal: torch.Tensor | None, used: list | None):
+        """One micro-batch's policy loss fused into the LM head (``train.fused_loss``): its
+        d_hidden and d_weight come out of the forward (moe_rl.kernels.fused_token_loss), then
+        backward runs the rest of the model. The metrics are policy_loss's (no grad) on the
+        log-probs the op returns, as on the general path. Returns (loss, metrics, proximal)."""
+        temp, algo = self.cfg.rollout.temperature, prep["algo"]
+        ref_logp = None
+        if self.ref is not None:  # the KL term's per-token constant: before the policy's forward
+            with torch.no_grad():
+                ref_logp = self.ref.logprobs(d.mb, temp)[0][d.resp_pos]
+        token_loss = TokenLoss(algo, d.behav, d.adv, d.mask, d.seq_ids, proximal_logp=proximal, ref_logp=ref_logp,
+                               num_tokens_global=prep["n_tok"], num_seqs_global=prep["n_seq"])
+        loss, logp, ent = self.backend.token_loss(d.mb, d.resp_pos, temp, token_loss,
+                                                  with_entropy=algo.entropy_coef > 0, record=used)
+        prox = logp if proximal is None else proximal
+        with torch.no_grad():
+            _, m = policy_loss(logp, prox, d.behav, d.adv, d.mask, d.seq_ids, algo, ref_logp=ref_logp, entropy=ent,
+                               num_tokens_global=prep["n_tok"], num_seqs_global=prep["n_seq"])
+        loss.backward()
+        return loss, m, prox
 
     # --- the run --------------------------------------------------------------------------
     def run(self):
@@ -570,6 +597,26 @@ def _mean_metrics(rows: list[dict]) -> dict:
     """Batch means of a reward.fn plug-in's extra metrics, as ``reward/<name>``."""
     keys = sorted({k for r in rows for k in r})
     return {f"reward/{k}": float(np.mean([r[k] for r in rows if k in r])) for k in keys}
+
+
+def use_fused_loss(cfg, logger=None) -> bool:
+    """Whether the policy loss runs fused into the LM head (``train.fused_loss``; the choice
+    is logged once through ``logger``): ``auto`` when algo's loss is per-token, ``true``
+    refuses one that is not, ``false`` never."""
+    mode = cfg.train.fused_loss
+    why = fused_loss_unsupported(cfg.algo)
+    if mode is True and why:
+        raise ConfigError(f"train.fused_loss=true: {why}; set train.fused_loss to auto or false")
+    fused = mode is not False and why is None
+    if logger is not None:
+        if fused:
+            logger.info("policy loss fused into the LM head (train.fused_loss=%s, algo.policy_loss=%s, "
+                        "algo.loss_agg=%s): d_hidden and d_weight come out of its forward", str(mode).lower(),
+                        cfg.algo.policy_loss, cfg.algo.loss_agg)
+        else:
+            logger.info("policy loss on the general path (log-probs, then policy_loss, then backward): %s",
+                        "train.fused_loss=false" if mode is False else f"train.fused_loss=auto but {why}")
+    return fused
 
 
 def run_trainer(cfg, groups) -> None:

@@ -142,6 +142,39 @@ def test_rl_steps_decrease_loss(cpu_megatron):
         torch.testing.assert_close(sent[name], t, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_token_loss_equals_logprobs_then_loss(cpu_megatron, recompute):
+    """The fused LM-head loss (backend.token_loss, the trainer's train.fused_loss path) gives
+    the loss, log-probs, entropies and every parameter gradient of the general path (logprobs,
+    then the same per-token loss, then backward), with replayed routing."""
+    meg, native = build(CPU_ARCH, "cpu", megatron_recompute=recompute)
+    mbs, _, _ = replayed_batch(native, CPU_ARCH["vocab_size"], LENGTHS)
+    mb = mbs[0]
+    rows = torch.nonzero(mb.labels != -100)[:, 0]
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(len(rows), generator=g), torch.randn(len(rows), generator=g)
+
+    def token_loss(logp, ent, sl):
+        return a[sl] * logp + b[sl] * ent * ent
+
+    lp_all, ent_all = meg.logprobs(mb, 0.7, with_entropy=True)
+    want = token_loss(lp_all[rows], ent_all[rows], slice(0, len(rows))).sum()
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in meg.model.named_parameters() if p.grad is not None}
+    meg.optimizer.zero_grad(set_to_none=True)
+    loss, lp, ent = meg.token_loss(mb, rows, 0.7, token_loss, with_entropy=True)
+    loss.backward()
+    torch.testing.assert_close(loss, want.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp, lp_all[rows].detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ent_all[rows].detach(), atol=1e-5, rtol=0)
+    got = {n: p.grad for n, p in meg.model.named_parameters() if p.grad is not None}
+    assert set(got) == set(grads) and len(got) > 5
+    for n in grads:  # fp32, two summation orders: relative L2 error
+        err = float((got[n] - grads[n]).norm() / grads[n].norm().clamp_min(1e-30))
+        assert err < 1e-5, (n, err)
+    assert meg.replay.pending_backward() == 0
+
+
 def test_from_transformers_checkpoint_matches_transformers(cpu_megatron, tmp_path):
     """model.path: a checkpoint written by transformers' save_pretrained, read lazily tensor by
     tensor; megatron's logits equal transformers' own Qwen3MoeForCausalLM."""

@@ -84,10 +84,15 @@ def _trainer(cfg):
     return trainer
 
 
+@pytest.mark.parametrize("fused", ["auto", "false"])
 @pytest.mark.parametrize("n_mini, anchor", [(1, "proximal"), (3, "proximal"), (3, "behaviour")])
-def test_minibatch_updates_match_plain_torch(n_mini, anchor):
-    cfg = load_config(None, [*TINY, f"train.minibatches={n_mini}", f"algo.ratio_anchor={anchor}"])
+def test_minibatch_updates_match_plain_torch(n_mini, anchor, fused):
+    # train.fused_loss=auto: this ppo/token loss runs fused into the LM head (its gradients made
+    # in the forward); false: the general path. Both must match the plain-torch reference.
+    cfg = load_config(None, [*TINY, f"train.minibatches={n_mini}", f"algo.ratio_anchor={anchor}",
+                             f"train.fused_loss={fused}"])
     trainer = _trainer(cfg)
+    assert trainer.fused_loss is (fused == "auto")
     init = MoEForCausalLM(cfg.model.arch()).init_weights(cfg.model.init_seed, std=cfg.model.init_std)
     batch = _batch(init, cfg.rollout.temperature)
     metrics = trainer.train_step(batch)
@@ -124,3 +129,24 @@ def test_recomputing_the_proximal_after_each_update_would_differ():
 def test_more_minibatches_than_samples_is_refused():
     with pytest.raises(ConfigError, match="train.minibatches"):
         load_config(None, [*TINY, "train.minibatches=7"])
+
+
+def test_fused_loss_choice_is_explicit_and_logged(caplog):
+    import logging
+
+    from moe_rl.train.loop import use_fused_loss
+
+    with caplog.at_level(logging.INFO, logger="moe_rl.train.loop"):
+        assert use_fused_loss(load_config(None, TINY), logging.getLogger("moe_rl.train.loop"))
+        assert not use_fused_loss(load_config(None, [*TINY, "algo.policy_loss=gspo"]),
+                                  logging.getLogger("moe_rl.train.loop"))
+        assert not use_fused_loss(load_config(None, [*TINY, "train.fused_loss=false"]),
+                                  logging.getLogger("moe_rl.train.loop"))
+    text = caplog.text
+    assert "fused into the LM head (train.fused_loss=auto, algo.policy_loss=ppo" in text
+    assert "general path" in text and "algo.policy_loss=gspo" in text and "train.fused_loss=false" in text
+    with pytest.raises(ConfigError, match="train.fused_loss=true: algo.tis_level=sequence"):
+        use_fused_loss(load_config(None, [*TINY, "train.fused_loss=true", "algo.tis_level=sequence",
+                                          "algo.ratio_anchor=proximal"]))
+    assert use_fused_loss(load_config(None, [*TINY, "train.fused_loss=true", "algo.policy_loss=cispo",
+                                             "algo.loss_agg=sequence"]))

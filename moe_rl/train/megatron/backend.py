@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from moe_rl.kernels import fused_logprobs
+from moe_rl.kernels import fused_logprobs, fused_token_loss
 from moe_rl.model import MoEForCausalLM, PackedCausal, hf_state_dict, packed_positions, parse_expert_name
 from moe_rl.model.hf_io import _checkpoint_files
 from moe_rl.train.backend import DataParallelStep, all_reduce_sum
@@ -239,6 +239,13 @@ class MegatronBackend(DataParallelStep):
             temperature=temperature, return_entropy=with_entropy,
         )
         return out if with_entropy else (out, None)
+
+    def token_loss(self, mb, rows, temperature, token_loss, with_entropy=False, record=None):
+        hidden = self.hidden_states(mb, record)
+        rows = rows.to(self.device, non_blocking=True)
+        return fused_token_loss(hidden[rows], self.model.output_layer.weight,
+                                mb.labels.to(self.device, non_blocking=True)[rows], token_loss,
+                                temperature=temperature, return_entropy=with_entropy)
 
     # --- step ---------------------------------------------------------------------------
     def _reduce_grads(self) -> None:
