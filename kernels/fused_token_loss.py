@@ -170,18 +170,18 @@ if triton is not None:
 # Planning
 # ----------------------------------------------------------------------------------------------
 def _plan_fused(n: int, h: int, v: int, itemsize: int, impl: str = "triton") -> Plan:
-    """Slab height: ``ceil(n / _FUSED_MAX_SLABS)`` rows but at least ``_FUSED_MIN_ROWS`` (or
-    all ``n``), with the slab's buffers under ``_FUSED_MAX_BYTES``. Triton, per row: the
+    """Slab height: ``ceil(n / _FUSED_MAX_SLABS)`` rows but at least ``_FUSED_MIN_ROWS`` (128
+    for torch) or all ``n``, with the slab's buffers under ``_FUSED_MAX_BYTES``. Triton, per row: the
     ``[R, V]`` probabilities/d_logits buffer (itemsize * v), the group statistics
     (12 bytes per 128 columns) and the fp32 d_hidden product (4h); torch: about three fp32
     ``[R, V]`` temporaries and fp32 copies of the row (8h). ``vocab`` is unused (the whole
     vocabulary is one chunk)."""
     if impl == "triton":
-        per_row = itemsize * v + 12 * -(-v // _STAT_GROUP) + 4 * h
-    else:
-        per_row = 12 * v + 8 * h
+        per_row, min_rows = itemsize * v + 12 * -(-v // _STAT_GROUP) + 4 * h, _FUSED_MIN_ROWS
+    else:  # the CPU's GEMMs are efficient at 128 rows already; its memory is the host's
+        per_row, min_rows = 12 * v + 8 * h, 128
     cap = max(128, _FUSED_MAX_BYTES // per_row)
-    want = max(_FUSED_MIN_ROWS, -(-n // _FUSED_MAX_SLABS))
+    want = max(min_rows, -(-n // _FUSED_MAX_SLABS))
     return Plan(rows=_balanced_rows(n, min(want, cap)), vocab=v)
 
 
@@ -370,7 +370,12 @@ def _fused_torch(hidden, weight, labels_local, ignored, token_loss, inv_t, entro
                 torch.distributed.all_reduce(out, group=tp_group)
             d_hidden[r0:r1].copy_(out)
         if need_dw:
-            if r0 == 0:
+            if d_weight.dtype == torch.float32:  # straight into the output, no [V, H] temporary
+                if r0 == 0:
+                    torch.mm(dz.T, hf, out=d_weight)
+                else:
+                    d_weight.addmm_(dz.T, hf)
+            elif r0 == 0:
                 d_weight.copy_(dz.T @ hf)
             else:
                 d_weight.add_(dz.T @ hf)
