@@ -217,13 +217,22 @@ def _token_grads(token_loss, logp, ent, rows: slice, ignored):
     return total.detach().float(), gl, ge
 
 
-def _stats_to_outputs(m, s, u, zy, ignored):
-    """(log S, logp, entropy or None) of the merged statistics; ignored rows 0."""
+def _finish_slab(m_loc, s_loc, u_loc, zy, ignored, tp_group, token_loss, rows: slice, logp, ent):
+    """From a slab's statistics over this rank's vocabulary: the full-vocabulary ones
+    (all-reduced under ``tp_group``), the log-probs and entropies (written to ``logp[rows]``,
+    ``ent[rows]``; ignored rows 0), the token loss and its gradients. Returns (max, log S,
+    entropy or None, loss, dl/dlogp, dl/dH or None)."""
+    m, s, u, zy = (tp_merge(m_loc, s_loc, u_loc, zy, tp_group) if tp_group is not None
+                   else (m_loc, s_loc, u_loc, zy))
     log_s = torch.log(s)
     zero = torch.zeros_like(log_s)
-    logp = torch.where(ignored, zero, (zy - m) - log_s)
-    ent = torch.where(ignored, zero, log_s - u / s) if u is not None else None
-    return log_s, logp, ent
+    lp = torch.where(ignored, zero, (zy - m) - log_s)
+    en = torch.where(ignored, zero, log_s - u / s) if u is not None else None
+    logp[rows] = lp
+    if en is not None:
+        ent[rows] = en
+    total, gl, ge = _token_grads(token_loss, lp, en, rows, ignored)
+    return m, log_s, en, total, gl, ge
 
 
 def _exact_rowsum(gl, ge, in_shard, m_loc, s_loc, u_loc, m, log_s, ent, inv_t):
@@ -282,13 +291,8 @@ def _fused_triton(hidden, weight, labels_local, ignored, token_loss, inv_t, entr
                             COMPUTE_ENTROPY=entropy, STAT_GROUP=_STAT_GROUP, DOT_FP32=_DOT_FP32,
                             **extra)
         m_loc, s_loc, u_loc = _merge_partials(m_g, s_g, u_g if entropy else None)
-        m, s, u, zy_all = (tp_merge(m_loc, s_loc, u_loc, zy, tp_group) if tp_group is not None
-                           else (m_loc, s_loc, u_loc, zy))
-        log_s, lp, en = _stats_to_outputs(m, s, u, zy_all, ign)
-        logp[r0:r1] = lp
-        if entropy:
-            ent[r0:r1] = en
-        total, gl, ge = _token_grads(token_loss, lp, en, slice(r0, r1), ign)
+        m, log_s, en, total, gl, ge = _finish_slab(m_loc, s_loc, u_loc, zy, ign, tp_group, token_loss,
+                                                   slice(r0, r1), logp, ent)
         loss += total
         if not (need_dh or need_dw):
             continue
@@ -345,13 +349,8 @@ def _fused_torch(hidden, weight, labels_local, ignored, token_loss, inv_t, entro
         p = torch.exp(zc)
         s_loc = p.sum(dim=1)
         u_loc = torch.linalg.vecdot(p, zc) if entropy else None
-        m, s, u, zy_all = (tp_merge(m_loc, s_loc, u_loc, zy, tp_group) if tp_group is not None
-                           else (m_loc, s_loc, u_loc, zy))
-        log_s, lp, en = _stats_to_outputs(m, s, u, zy_all, ign)
-        logp[r0:r1] = lp
-        if entropy:
-            ent[r0:r1] = en
-        total, gl, ge = _token_grads(token_loss, lp, en, slice(r0, r1), ign)
+        m, log_s, en, total, gl, ge = _finish_slab(m_loc, s_loc, u_loc, zy, ign, tp_group, token_loss,
+                                                   slice(r0, r1), logp, ent)
         loss += total
         if not (need_dh or need_dw):
             continue
