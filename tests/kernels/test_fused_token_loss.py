@@ -135,11 +135,12 @@ def test_plan_bounds_slabs_and_buffer():
 N_TOK, N_SEQ = 57, 9  # the step's global counts
 
 
-def _policy_case(loss, agg, prox_kind, weights, tis_level, kl, ent_coef, impl, dtype=torch.float32, plan=None):
-    logp0, prox, behav, adv, mask, seq_ids, ref, _ = _inputs()
+def _policy_case(loss, agg, prox_kind, weights, tis_level, kl, ent_coef, impl, dtype=torch.float32, plan=None,
+                 device="cpu", h=32, v=300):
+    logp0, prox, behav, adv, mask, seq_ids, ref, _ = (t.to(device) for t in _inputs())
     cfg = AlgoConfig(policy_loss=loss, loss_agg=agg, ratio_anchor="behaviour" if prox_kind == "behaviour" else "proximal",
                      tis_level=tis_level, kl_coef=kl, entropy_coef=ent_coef, loss_norm_tokens=64, **WEIGHTS[weights])
-    hidden, weight, labels = make_inputs(T, 32, 300, dtype, ignore_every=0)
+    hidden, weight, labels = (t.to(device) for t in make_inputs(T, h, v, dtype, ignore_every=0))
     # the old log-probs near this policy's own, so ratios straddle the clip and IcePop bounds
     with torch.no_grad():
         cur = fused_logprobs(hidden, weight, labels, 0.9).double()
@@ -259,6 +260,13 @@ def test_vocab_parallel_two_gloo_ranks():
 # ---------------------------------------------------------------------------------------------
 # GPU (skipped without CUDA)
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "-".join(map(str, c[:7])) + ("-bf16" if c[7] == torch.bfloat16 else ""))
+def test_gpu_policy_loss_fused_matches_general_path(case):
+    *opts, dtype = case
+    _policy_case(*opts, "triton", dtype=dtype, plan=Plan(rows=16, vocab=0), device="cuda", h=256, v=151936)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n,h,v", [(333, 512, 151936), (2100, 1024, 32000)])
