@@ -34,7 +34,7 @@ Implementations (``impl``):
   into a reused buffer; two cuBLAS GEMMs turn it into ``d_weight`` (written per chunk,
   accumulated over row slabs) and ``d_hidden`` (accumulated over vocab chunks in fp32, with
   the bf16 rounding of ``d_logits`` compensated along the mean weight row). Slabs and chunks
-  are large (1024 x 16384 at N=8192, V=151936: three GEMMs of ~69 GFLOP per step, 152 steps)
+  are large (1024 x 15360 at N=8192, V=151936: three GEMMs of ~129 GFLOP per step, 80 steps)
   under a scratch budget of ~1.5% of the materialised fp32 logits (see :func:`_plan`). Work:
   2NHV forward, 6NHV backward (the logits are recomputed), against 6NHV for the three bare
   GEMMs of an unfused LM head: a floor of 8/6 = 1.33x. A loss whose per-token gradient is
@@ -303,9 +303,10 @@ def _plan(n: int, h: int, v: int, itemsize: int, impl: str = "triton") -> Plan:
     4096, 2048) that still leaves slabs of ``_BWD_MIN_ROWS`` rows is taken: every chunk costs
     one pass over the fp32 accumulator, and every slab one more rounding of d_weight (it is
     accumulated over slabs in the weight's dtype) plus a d_weight GEMM as deep as the slab.
-    At (8192, 4096, 151936) bf16 that is 1024-row slabs x 16384-column chunks: three GEMMs
-    of 1024 x 16384 x 4096 per step (512 output tiles of 128x256 each, ~4 waves on 132 SMs)
-    and 8 slabs. Torch path: fp32 copies of the slab (4h), the d_hidden accumulator (4h) and
+    Slabs and chunks are then evened out. At (8192, 4096, 151936) bf16 that is 8 slabs of 1024
+    rows x 10 chunks of 15360 columns (the last 13696): three GEMMs of 1024 x 15360 x 4096
+    (~129 GFLOP) per step, 480 output tiles of 128x256 per d_logits launch (~3.6 waves on 132
+    SMs). Torch path: fp32 copies of the slab (4h), the d_hidden accumulator (4h) and
     about three fp32 ``[rows, vocab]`` temporaries, 4096-column chunks.
     """
     budget = max(_BWD_BUDGET_FRACTION * n * v * 4, _BWD_BUDGET_FLOOR)
@@ -319,7 +320,9 @@ def _plan(n: int, h: int, v: int, itemsize: int, impl: str = "triton") -> Plan:
         rows = int(budget // (acc + err + itemsize * vocab))
         if rows >= min(n, _BWD_MIN_ROWS):
             break
-    return Plan(rows=_balanced_rows(n, rows), vocab=vocab)
+    # equal chunks (multiples of 256 columns): a ragged last one would be a small, badly
+    # quantised launch (e.g. 4480 columns = 144 tiles of 128x256 on 132 SMs)
+    return Plan(rows=_balanced_rows(n, rows), vocab=_balanced_rows(v, vocab, 256))
 
 
 def plan_scratch_bytes(plan: Plan, n: int, h: int, v: int, itemsize: int) -> int:
