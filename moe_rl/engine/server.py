@@ -48,10 +48,13 @@ def build_model(cfg):
     return model.to(_DTYPES[cfg.engine.dtype])
 
 
-def build_engine(cfg, model=None, device: str | torch.device | None = None) -> Engine:
+def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
+                 cuda_graph: bool | None = None, static_decode: bool | None = None) -> Engine:
     """``device``: where the model and KV cache live (default: where ``model`` is, CPU for a
     new one). On a GPU the KV cache holds as many requests as placement.mem_fraction_static
-    of its memory leaves after the weights (at most engine.max_running_requests)."""
+    of its memory leaves after the weights (at most engine.max_running_requests).
+    ``cuda_graph`` / ``static_decode``: override engine.cuda_graph / engine.static_decode
+    (``moe-rl bench engine`` measures each setting)."""
     e = cfg.engine
     model = model if model is not None else build_model(cfg)
     if device is not None:
@@ -69,6 +72,12 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None) -> E
             mem_fraction=cfg.placement.mem_fraction_static)
         log.info("embedded engine on %s: KV cache for %d requests (placement.mem_fraction_static=%s)",
                  p.device, max_running, cfg.placement.mem_fraction_static)
+    static = e.static_decode if static_decode is None else static_decode
+    setting = e.cuda_graph if cuda_graph is None else cuda_graph
+    if setting and static is False:
+        raise ValueError("engine.cuda_graph=true with engine.static_decode=false: the graphs capture the "
+                         "static-shape decode step")
+    graphs = decode_graphs(model, False if static is False and setting is None else setting)
     engine = Engine(
         model,
         max_running_requests=max_running,
@@ -76,9 +85,35 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None) -> E
         weight_version=e.weight_version,
         threads=e.threads,
         model_path=cfg.model.path,
+        static_decode=graphs if static is None else static,
+        cuda_graph=graphs,
+        cuda_graph_max_bs=e.cuda_graph_max_bs,
     )
     lora.attach(engine, cfg)  # LoRA serving: moe_rl.engine.lora
     return engine
+
+
+def decode_graphs(model, setting: bool | None) -> bool:
+    """engine.cuda_graph for ``model`` where it is: null means on where the decode step can be
+    captured. It cannot on a CPU, nor where the MoE experts' grouped GEMM reads group sizes
+    on the host (``padded_grouped_mm``: CUDA float32/float16, GPUs before sm_90)."""
+    from ..model.grouped import native_grouped_mm
+
+    p = next(model.parameters())
+    on_gpu = p.device.type == "cuda"
+    capturable = on_gpu and (not model.moe_layers or native_grouped_mm(torch.empty(0, 1, dtype=p.dtype, device=p.device)))
+    if setting is None:
+        if on_gpu and not capturable:
+            log.warning("engine.cuda_graph: off (unset, and the %s experts on %s use padded_grouped_mm, which reads "
+                        "group sizes on the host; engine.dtype=bfloat16 on sm_90+ is captured)",
+                        str(p.dtype).replace("torch.", ""), p.device)
+        return capturable
+    if setting and not capturable:
+        where = "on the CPU" if not on_gpu else (f"with {str(p.dtype).replace('torch.', '')} experts on {p.device} "
+                                                 "(padded_grouped_mm reads group sizes on the host; use "
+                                                 "engine.dtype=bfloat16 on sm_90+)")
+        raise ValueError(f"engine.cuda_graph=true: the decode step cannot be captured {where}")
+    return bool(setting)
 
 
 # --- the HTTP application --------------------------------------------------------------------
@@ -266,8 +301,10 @@ class EngineServer:
             if adapter_params is not None:  # LoRA serving: updates carry the adapter tensors only
                 self.receiver = WeightReceiver(adapter_params)
             else:
-                self.receiver = WeightReceiver(dict(iter_local_hf_tensors(model)),
-                                               rebind=lambda staged: bind_hf_views(model, staged))
+                # a zero-copy commit moves the weights to the received buckets; captured decode
+                # graphs read them where they were, so with graphs the update copies in place
+                rebind = None if self.engine.cuda_graph else (lambda staged: bind_hf_views(model, staged))
+                self.receiver = WeightReceiver(dict(iter_local_hf_tensors(model)), rebind=rebind)
         return self.receiver
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
