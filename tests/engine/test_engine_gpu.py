@@ -56,3 +56,46 @@ def test_engine_on_cuda_matches_the_native_model_on_cpu():
         matched += int((rows == ref_rows).all(axis=-1).sum())
         total += rows.shape[0] * rows.shape[1]
     assert matched / total > 0.99  # top-k near-ties may flip between devices; nearly all rows agree
+
+
+def _generate_queued(engine, n, max_new):
+    """As ``_generate``, all requests queued before the engine starts: two engines run the
+    same sequence of batches (the same padded shapes)."""
+    done, outs = threading.Semaphore(0), {}
+    for i in range(n):
+        prompt = [(7 * i + 3 * j + 1) % ARCH.vocab_size for j in range(5 + 13 * i)]
+        req = GenerateRequest.parse({"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+                                     "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new + 3 * i,
+                                                         "sampling_seed": 100 + i}},
+                                    vocab_size=ARCH.vocab_size, max_context=engine.max_context)
+        engine.submit(req, lambda r, i=i: (outs.__setitem__(i, r), done.release()))
+    engine.start()
+    try:
+        for _ in range(n):
+            assert done.acquire(timeout=300)
+    finally:
+        engine.stop()
+    return [outs[i] for i in range(n)]
+
+
+def test_decode_cuda_graphs_replay_the_eager_static_step():
+    """engine.cuda_graph on a GPU: every (batch, context) shape captured at start, the decode
+    steps replayed, and the outputs those of the same static step run eagerly."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the capturable (CUTLASS) grouped GEMM needs sm_90+")
+    from moe_rl.config import load_config
+
+    from .helpers import CONFIG, OVERRIDES
+
+    cfg = load_config(CONFIG, OVERRIDES + ["engine.dtype=bfloat16", "engine.max_context=256", "train.device=cuda"])
+    eager = build_engine(cfg, device="cuda", cuda_graph=False, static_decode=True)
+    graphs = build_engine(cfg, device="cuda")  # engine.cuda_graph unset: on for bf16 on sm_90+
+    assert graphs.cuda_graph and not eager.cuda_graph
+    want, got = _generate_queued(eager, 12, 20), _generate_queued(graphs, 12, 20)
+    dec = graphs.static_decoder
+    assert graphs.stats["decode_graphs"] == len(dec.batch_sizes) * len(dec.context_sizes)
+    assert graphs.stats["decode_graph_steps"] == eager.stats["decode_static_steps"] > 20
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(decode_routed_experts(b, L, K), decode_routed_experts(a, L, K))
