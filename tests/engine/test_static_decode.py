@@ -17,7 +17,7 @@ from moe_rl.engine.engine import Engine
 from moe_rl.engine.protocol import GenerateRequest
 from moe_rl.engine.server import EngineServer, build_engine, build_model
 
-from .helpers import ARCH, CFG, CONFIG, K, L
+from .helpers import ARCH, CFG, CONFIG, OVERRIDES, K, L
 
 V = ARCH.vocab_size
 SAMPLING = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.0},
@@ -159,6 +159,30 @@ def test_graph_capture_and_replay_logic_on_cpu(model):
     assert list(engine.static_decoder.replays)[0] == (6, 128)
     assert graphs.replays == engine.stats["decode_graph_steps"] > 20
     assert_same(want, got, atol=0.0)  # the same shapes as the eager static step: bit for bit
+
+
+def test_lora_serving_in_the_captured_step():
+    """An engine serving a LoRA adapter (adapter-only sync) captures the adapter's rows too."""
+    from moe_rl.engine import lora
+
+    cfg = load_config(CONFIG, OVERRIDES + ["lora.enabled=true", "lora.sync=adapter", "lora.rank=4"])
+
+    def make(adapter=True, **kw):
+        e = Engine(build_model(cfg), max_running_requests=6, max_context=128, **kw)
+        lora.attach(e, cfg)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for _, t in sorted(e.adapter.named_tensors().items()):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.1 * adapter)
+        return e
+
+    want = generate(make(static_decode=True), n=6)
+    graphs = StandInGraphs()
+    got = generate(make(cuda_graph=True, graphs=graphs), n=6)
+    assert graphs.replays > 0
+    assert_same(want, got, atol=0.0)
+    base = generate(make(adapter=False, static_decode=True), n=6)
+    assert output_logprobs(base[0]["meta_info"]) != output_logprobs(want[0]["meta_info"])  # the adapter counts
 
 
 def test_graphs_are_recaptured_when_the_weights_move(model):
