@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from moe_rl.config import load_config
 from moe_rl.engine import decode_routed_experts, output_logprobs
 from moe_rl.engine.protocol import GenerateRequest
 from moe_rl.engine.server import build_engine, build_model
 from moe_rl.placement import engine_weight_bytes, kv_bytes_per_request
 
-from .helpers import ARCH, CFG, K, L, recompute
+from .helpers import ARCH, CFG, CONFIG, OVERRIDES, K, L, generate_queued, recompute
 
 pytestmark = pytest.mark.gpu
 
@@ -58,24 +59,11 @@ def test_engine_on_cuda_matches_the_native_model_on_cpu():
     assert matched / total > 0.99  # top-k near-ties may flip between devices; nearly all rows agree
 
 
-def _generate_queued(engine, n, max_new):
-    """As ``_generate``, all requests queued before the engine starts: two engines run the
-    same sequence of batches (the same padded shapes)."""
-    done, outs = threading.Semaphore(0), {}
-    for i in range(n):
-        prompt = [(7 * i + 3 * j + 1) % ARCH.vocab_size for j in range(5 + 13 * i)]
-        req = GenerateRequest.parse({"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
-                                     "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new + 3 * i,
-                                                         "sampling_seed": 100 + i}},
-                                    vocab_size=ARCH.vocab_size, max_context=engine.max_context)
-        engine.submit(req, lambda r, i=i: (outs.__setitem__(i, r), done.release()))
-    engine.start()
-    try:
-        for _ in range(n):
-            assert done.acquire(timeout=300)
-    finally:
-        engine.stop()
-    return [outs[i] for i in range(n)]
+def _bodies(n, max_new):
+    return [{"input_ids": [(7 * i + 3 * j + 1) % ARCH.vocab_size for j in range(5 + 13 * i)], "return_logprob": True,
+             "return_routed_experts": True,
+             "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new + 3 * i, "sampling_seed": 100 + i}}
+            for i in range(n)]
 
 
 def test_decode_cuda_graphs_replay_the_eager_static_step():
@@ -83,15 +71,12 @@ def test_decode_cuda_graphs_replay_the_eager_static_step():
     steps replayed, and the outputs those of the same static step run eagerly."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the capturable (CUTLASS) grouped GEMM needs sm_90+")
-    from moe_rl.config import load_config
-
-    from .helpers import CONFIG, OVERRIDES
-
-    cfg = load_config(CONFIG, OVERRIDES + ["engine.dtype=bfloat16", "engine.max_context=256", "train.device=cuda"])
+    cfg = load_config(CONFIG, OVERRIDES + ["engine.dtype=bfloat16", "engine.max_context=256"])
     eager = build_engine(cfg, device="cuda", cuda_graph=False, static_decode=True)
     graphs = build_engine(cfg, device="cuda")  # engine.cuda_graph unset: on for bf16 on sm_90+
     assert graphs.cuda_graph and not eager.cuda_graph
-    want, got = _generate_queued(eager, 12, 20), _generate_queued(graphs, 12, 20)
+    # queued before start: both engines run the same batches, so the same padded shapes
+    want, got = generate_queued(eager, _bodies(12, 20), 300), generate_queued(graphs, _bodies(12, 20), 300)
     dec = graphs.static_decoder
     assert graphs.stats["decode_graphs"] == len(dec.batch_sizes) * len(dec.context_sizes)
     assert graphs.stats["decode_graph_steps"] == eager.stats["decode_static_steps"] > 20

@@ -2,7 +2,6 @@
 the CUDA-graph capture/replay logic run on the CPU with a stand-in for torch.cuda.CUDAGraph."""
 from __future__ import annotations
 
-import threading
 import types
 
 import numpy as np
@@ -14,10 +13,9 @@ from moe_rl.config import ConfigError, load_config
 from moe_rl.engine import decode_routed_experts, output_logprobs
 from moe_rl.engine.decode import context_sizes, decode_batch_sizes, pad_to_bucket
 from moe_rl.engine.engine import Engine
-from moe_rl.engine.protocol import GenerateRequest
 from moe_rl.engine.server import EngineServer, build_engine, build_model
 
-from .helpers import ARCH, CFG, CONFIG, OVERRIDES, K, L
+from .helpers import ARCH, CFG, CONFIG, OVERRIDES, K, L, generate_queued
 
 V = ARCH.vocab_size
 SAMPLING = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.0},
@@ -33,24 +31,12 @@ def model():
 def generate(engine: Engine, n: int = 10) -> list[dict]:
     """``n`` requests of different prompt and output lengths (so the running batch shrinks
     step by step, and contexts cross the 64- and 128-token spans), every sampling mode,
-    log-probs, top log-probs and routing asked for. All are queued before the engine starts,
-    so two engines see the same sequence of batches."""
-    outs, done = {}, threading.Semaphore(0)
-    for i in range(n):
-        prompt = [(7 * i + 3 * j + 1) % V for j in range(3 + 9 * i)]
-        req = GenerateRequest.parse(
-            {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
-             "top_logprobs_num": 2 if i % 3 == 0 else 0,
-             "sampling_params": {**SAMPLING[i % len(SAMPLING)], "max_new_tokens": 6 + 5 * i, "sampling_seed": i}},
-            vocab_size=V, max_context=engine.max_context)
-        engine.submit(req, lambda r, i=i: (outs.__setitem__(i, r), done.release()))
-    engine.start()
-    try:
-        for _ in range(n):
-            assert done.acquire(timeout=120)
-    finally:
-        engine.stop()
-    return [outs[i] for i in range(n)]
+    log-probs, top log-probs and routing asked for; queued before the engine starts."""
+    return generate_queued(engine, [
+        {"input_ids": [(7 * i + 3 * j + 1) % V for j in range(3 + 9 * i)], "return_logprob": True,
+         "return_routed_experts": True, "top_logprobs_num": 2 if i % 3 == 0 else 0,
+         "sampling_params": {**SAMPLING[i % len(SAMPLING)], "max_new_tokens": 6 + 5 * i, "sampling_seed": i}}
+        for i in range(n)])
 
 
 def assert_same(a: list[dict], b: list[dict], atol: float) -> None:
