@@ -84,3 +84,28 @@ def test_decode_cuda_graphs_replay_the_eager_static_step():
         assert a["output_ids"] == b["output_ids"]
         np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), rtol=0, atol=1e-5)
         np.testing.assert_array_equal(decode_routed_experts(b, L, K), decode_routed_experts(a, L, K))
+
+
+def test_a_step_reads_the_device_once():
+    """With graphs on, the only synchronizing call of a step (prefill or decode) is the one read
+    of its sampled tokens, log-probs and routing record (torch's sync debug mode counts them)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the capturable (CUTLASS) grouped GEMM needs sm_90+")
+    import warnings
+
+    cfg = load_config(CONFIG, OVERRIDES + ["engine.dtype=bfloat16", "engine.max_context=256"])
+    engine = build_engine(cfg, device="cuda").start()  # captures the graphs (those synchronize)
+    try:
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _generate(engine, 8, 24)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        engine.stop()
+    syncs = [w for w in seen if "synchronizing CUDA operation" in str(w.message)]
+    assert engine.stats["decode_graph_steps"] > 10
+    assert len(syncs) == engine.stats["steps"], [f"{w.filename}:{w.lineno}" for w in syncs][:20]
