@@ -59,7 +59,8 @@ class EngineConfig(Strict):
     # decode steps of an embedded engine (moe_rl/engine/decode.py, docs/gpu.md)
     cuda_graph: bool | None = Field(None, description="capture the decode step as one CUDA graph per batch-size "
                                     "bucket and replay it (SGLang's decode CUDA graphs); null = on where the engine "
-                                    "runs on a GPU and its step can be captured (bf16 experts on sm_90+), off on CPU")
+                                    "runs on a GPU and its step reads nothing on the host (bf16 experts on sm_90+; "
+                                    "checked at start), off on CPU")
     cuda_graph_max_bs: int | None = Field(None, ge=1, description="largest decode batch run with static shapes and "
                                           "captured (SGLang's --cuda-graph-max-bs); larger batches run eagerly; "
                                           "null = engine.max_running_requests")

@@ -23,8 +23,58 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger(__name__)
+
+
+aten = torch.ops.aten
+
+
+class _HostReads(TorchDispatchMode):
+    """Notes the ops by which the host reads device values: a scalar read (item, int(),
+    bool()), nonzero (its size), a copy from a device to the CPU (cpu(), tolist()). Under
+    inference mode the composite ops (item, is_nonzero, to) arrive undecomposed."""
+
+    SCALAR = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default}
+    TO = {aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.to.other}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._reads_host(func, args, kwargs):
+            self.reads.append(str(func))
+        return func(*args, **kwargs)
+
+    def _reads_host(self, func, args, kwargs) -> bool:
+        def on_device(t):
+            return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+        if func in self.SCALAR:
+            return any(on_device(a) for a in args)
+        if func is aten.copy_.default:
+            return args[0].device.type == "cpu" and on_device(args[1])
+        if func in self.TO and on_device(args[0]):
+            dst = args[1] if func is aten.to.device else args[1].device if func is aten.to.other else kwargs.get("device")
+            return dst is not None and torch.device(dst).type == "cpu"
+        return False
+
+
+def host_reads(fn: Callable[[], None]) -> list[str]:
+    """Runs ``fn`` and returns the ops by which it read device values on the host (none on a
+    CPU): a CUDA graph cannot capture them. Where such a read fails (tensors without values:
+    the meta device) the reads so far are the answer."""
+    mode = _HostReads()
+    try:
+        with mode:
+            fn()
+    except (RuntimeError, NotImplementedError):
+        if not mode.reads:
+            raise
+    return sorted(set(mode.reads))
 
 
 def decode_batch_sizes(max_bs: int) -> list[int]:
@@ -153,6 +203,13 @@ class StaticDecoder:
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batch sizes %s, context spans %s) in %.1f s", len(self.replays),
                  self.batch_sizes, self.context_sizes, self.capture_s)
+
+    def host_reads(self) -> list[str]:
+        """What keeps the step from being captured: its reads of device values on the host,
+        found by running the smallest shape once (on padding: it writes the spare slot only)."""
+        self.inputs[:2].zero_()
+        self.inputs[2].fill_(self.pad_slot)
+        return host_reads(lambda: self._forward(self.batch_sizes[0], self.context_sizes[0]))
 
     def check_weights(self) -> None:
         """After a weight update: graphs that read weights at addresses the model no longer

@@ -145,15 +145,17 @@ class Engine:
         weight_version: str = "0",
         threads: int | None = None,
         model_path: str | None = None,
-        static_decode: bool = False,
-        cuda_graph: bool = False,
+        static_decode: bool | None = None,
+        cuda_graph: bool | None = False,
         cuda_graph_max_bs: int | None = None,
         graphs=None,
     ):
         """``static_decode``: decode-only steps of up to ``cuda_graph_max_bs`` requests
         (default: all) run with static shapes (``moe_rl.engine.decode``); ``cuda_graph``: and
-        are captured as CUDA graphs (needs a CUDA model), or by ``graphs``, a capture backend
-        with ``CudaGraphs``' interface."""
+        are captured as CUDA graphs at ``start`` (a CUDA model), or by ``graphs``, a capture
+        backend with ``CudaGraphs``' interface. None (the config's unset): ``cuda_graph`` on
+        where graphs can be made (a GPU, or ``graphs``) and the step can be captured (checked
+        at ``start``), ``static_decode`` as ``cuda_graph``."""
         self.model = model.eval()
         self.arch = model.arch
         self.model_path = model_path
@@ -166,10 +168,16 @@ class Engine:
         self.moe_layers = list(model.moe_layers)
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        if cuda_graph and graphs is None and self.device.type != "cuda":
+        on_gpu = self.device.type == "cuda"
+        if cuda_graph and graphs is None and not on_gpu:
             raise ValueError(f"engine.cuda_graph=true needs the engine on a CUDA device; it is on {self.device}")
-        self.cuda_graph = bool(cuda_graph)
-        self.static_decode = bool(static_decode or cuda_graph)
+        if cuda_graph and static_decode is False:
+            raise ValueError("engine.cuda_graph=true with engine.static_decode=false: the graphs capture the "
+                             "static-shape decode step")
+        self._asked = {"cuda_graph": cuda_graph, "static_decode": static_decode}
+        can_capture = on_gpu or graphs is not None
+        self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else (can_capture and static_decode is not False)
+        self.static_decode = bool(static_decode) if static_decode is not None else self.cuda_graph
         # a static decode batch pads with rows that write one spare slot, owned by no request
         slots = self.max_running + (1 if self.static_decode else 0)
         shape = (slots, self.arch.num_key_value_heads, self.max_context, self.arch.head_dim)
@@ -177,11 +185,11 @@ class Engine:
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.static_decoder: StaticDecoder | None = None
         if self.static_decode:
-            if cuda_graph and graphs is None:
+            if self.cuda_graph and graphs is None:
                 graphs = CudaGraphs(self.device)
             self.static_decoder = StaticDecoder(
                 self.model, self.k_cache, self.v_cache, max_bs=min(cuda_graph_max_bs or self.max_running, self.max_running),
-                max_context=self.max_context, pad_slot=self.max_running, graphs=graphs if cuda_graph else None)
+                max_context=self.max_context, pad_slot=self.max_running, graphs=graphs if self.cuda_graph else None)
 
         self.cond = threading.Condition()  # guards all request state below
         self.model_lock = threading.Lock()  # held by a forward and by a weight commit
@@ -205,11 +213,30 @@ class Engine:
         if self._thread is None:
             if self.static_decoder is not None and self.static_decoder.graphs is not None:
                 with torch.inference_mode(), self.model_lock:
-                    self.static_decoder.capture()
-                self.stats["decode_graphs"] = len(self.static_decoder.replays)
+                    self._capture_graphs()
             self._thread = threading.Thread(target=self._run, name="moe-rl-engine", daemon=True)
             self._thread.start()
         return self
+
+    def _capture_graphs(self) -> None:
+        """Captures every decode shape, once the step is known to read nothing on the host (a
+        graph cannot capture that). Unset, engine.cuda_graph then turns off (logged); set, it
+        is an error naming the read."""
+        dec = self.static_decoder
+        reads = dec.host_reads()
+        if reads:
+            why = (f"the decode step reads device values on the host ({', '.join(reads)}), which a CUDA graph "
+                   f"cannot capture (e.g. float32/float16 experts on a GPU run padded_grouped_mm, which reads the "
+                   f"largest group's size; bf16 experts on sm_90+ read nothing: engine.dtype=bfloat16)")
+            if self._asked["cuda_graph"]:
+                raise ValueError(f"engine.cuda_graph=true: {why}")
+            log.warning("engine.cuda_graph: off (unset, and %s)", why)
+            dec.graphs, self.cuda_graph = None, False
+            if self._asked["static_decode"] is None:  # it followed engine.cuda_graph
+                self.static_decoder, self.static_decode = None, False
+            return
+        dec.capture()
+        self.stats["decode_graphs"] = len(dec.replays)
 
     def stop(self) -> None:
         with self.cond:

@@ -72,12 +72,6 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
             mem_fraction=cfg.placement.mem_fraction_static)
         log.info("embedded engine on %s: KV cache for %d requests (placement.mem_fraction_static=%s)",
                  p.device, max_running, cfg.placement.mem_fraction_static)
-    static = e.static_decode if static_decode is None else static_decode
-    setting = e.cuda_graph if cuda_graph is None else cuda_graph
-    if setting and static is False:
-        raise ValueError("engine.cuda_graph=true with engine.static_decode=false: the graphs capture the "
-                         "static-shape decode step")
-    graphs = decode_graphs(model, False if static is False and setting is None else setting)
     engine = Engine(
         model,
         max_running_requests=max_running,
@@ -85,35 +79,12 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
         weight_version=e.weight_version,
         threads=e.threads,
         model_path=cfg.model.path,
-        static_decode=graphs if static is None else static,
-        cuda_graph=graphs,
+        static_decode=e.static_decode if static_decode is None else static_decode,
+        cuda_graph=e.cuda_graph if cuda_graph is None else cuda_graph,
         cuda_graph_max_bs=e.cuda_graph_max_bs,
     )
     lora.attach(engine, cfg)  # LoRA serving: moe_rl.engine.lora
     return engine
-
-
-def decode_graphs(model, setting: bool | None) -> bool:
-    """engine.cuda_graph for ``model`` where it is: null means on where the decode step can be
-    captured. It cannot on a CPU, nor where the MoE experts' grouped GEMM reads group sizes
-    on the host (``padded_grouped_mm``: CUDA float32/float16, GPUs before sm_90)."""
-    from ..model.grouped import native_grouped_mm
-
-    p = next(model.parameters())
-    on_gpu = p.device.type == "cuda"
-    capturable = on_gpu and (not model.moe_layers or native_grouped_mm(torch.empty(0, 1, dtype=p.dtype, device=p.device)))
-    if setting is None:
-        if on_gpu and not capturable:
-            log.warning("engine.cuda_graph: off (unset, and the %s experts on %s use padded_grouped_mm, which reads "
-                        "group sizes on the host; engine.dtype=bfloat16 on sm_90+ is captured)",
-                        str(p.dtype).replace("torch.", ""), p.device)
-        return capturable
-    if setting and not capturable:
-        where = "on the CPU" if not on_gpu else (f"with {str(p.dtype).replace('torch.', '')} experts on {p.device} "
-                                                 "(padded_grouped_mm reads group sizes on the host; use "
-                                                 "engine.dtype=bfloat16 on sm_90+)")
-        raise ValueError(f"engine.cuda_graph=true: the decode step cannot be captured {where}")
-    return bool(setting)
 
 
 # --- the HTTP application --------------------------------------------------------------------

@@ -109,3 +109,22 @@ def test_a_step_reads_the_device_once():
     syncs = [w for w in seen if "synchronizing CUDA operation" in str(w.message)]
     assert engine.stats["decode_graph_steps"] > 10
     assert len(syncs) == engine.stats["steps"], [f"{w.filename}:{w.lineno}" for w in syncs][:20]
+
+
+def test_host_reads_are_found_on_a_gpu():
+    """The check before capture sees CUDA reads; an engine whose step has one (float32 experts:
+    padded_grouped_mm) runs without graphs when engine.cuda_graph is unset."""
+    from moe_rl.engine.decode import host_reads
+
+    x = torch.ones(4, device="cuda")
+    with torch.inference_mode():
+        assert host_reads(lambda: x.sum().item()) and host_reads(lambda: x.cpu()) and host_reads(lambda: x.nonzero())
+        assert not host_reads(lambda: x * 2)
+    cfg = load_config(CONFIG, OVERRIDES + ["engine.max_context=256"])  # engine.dtype float32
+    engine = build_engine(cfg, device="cuda")
+    assert engine.cuda_graph  # unset: on until start finds out
+    with torch.inference_mode():
+        reads = engine.static_decoder.host_reads()
+    engine.start()
+    engine.stop()
+    assert engine.cuda_graph == (not reads)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.engine import decode_routed_experts, output_logprobs
-from moe_rl.engine.decode import context_sizes, decode_batch_sizes, pad_to_bucket
+from moe_rl.engine.decode import context_sizes, decode_batch_sizes, host_reads, pad_to_bucket
 from moe_rl.engine.engine import Engine
 from moe_rl.engine.server import EngineServer, build_engine, build_model
 
@@ -200,7 +200,31 @@ def test_cuda_graph_config_on_a_cpu():
     engine = build_engine(cfg)  # unset: off on the CPU
     assert not engine.cuda_graph and not engine.static_decode and engine.static_decoder is None
     assert build_engine(cfg, static_decode=True).static_decoder is not None
-    with pytest.raises(ValueError, match="cannot be captured on the CPU"):
+    with pytest.raises(ValueError, match="engine.cuda_graph=true needs the engine on a CUDA device; it is on cpu"):
         build_engine(cfg, cuda_graph=True)
-    with pytest.raises(ValueError, match="needs the engine on a CUDA device"):
-        Engine(build_model(cfg), cuda_graph=True)
+
+
+def test_a_step_that_reads_the_host_is_not_captured(caplog):
+    """The check made before capture, on the model's real decode step: on the meta device
+    (tensors without values, like a GPU's to the host) the experts take padded_grouped_mm,
+    which reads the largest group's size, as float32 experts do on a GPU. Unset,
+    engine.cuda_graph turns off (logged) and the static step with it; set, start fails."""
+    meta = build_model(CFG).to("meta")
+    graphs = StandInGraphs()
+    engine = Engine(meta, max_running_requests=4, max_context=64, cuda_graph=None, graphs=graphs)
+    assert engine.cuda_graph and engine.static_decode
+    engine.start()
+    engine.stop()
+    assert not engine.cuda_graph and not engine.static_decode and engine.static_decoder is None
+    assert graphs.captures == 0 and "engine.cuda_graph: off (unset" in caplog.text and "aten.item" in caplog.text
+    engine = Engine(meta, max_running_requests=4, max_context=64, cuda_graph=True, static_decode=True, graphs=graphs)
+    with pytest.raises(ValueError, match=r"engine.cuda_graph=true: the decode step reads device values on the host "
+                                         r"\(aten.item.default\)"):
+        engine.start()
+    assert graphs.captures == 0 and engine._thread is None
+    # host_reads sees each kind of read (meta tensors stand for a GPU's)
+    x = torch.ones(3, device="meta")
+    for read in (lambda: x.sum().item(), lambda: bool(x[0]), lambda: x.tolist(), lambda: x.cpu(), lambda: x.nonzero(),
+                 lambda: torch.empty(3).copy_(x)):
+        assert host_reads(read), read
+    assert host_reads(lambda: (x * 2).to(torch.float16)) == [] and host_reads(lambda: torch.ones(2).sum().item()) == []
