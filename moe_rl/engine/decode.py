@@ -12,7 +12,9 @@ With ``graphs`` (``CudaGraphs`` on a GPU) the step of each (batch, context) pair
 once, largest first into one memory pool as SGLang does, and replayed; batches larger than the
 largest bucket, and steps with a prefill, run the engine's eager path. The capture mechanics
 sit behind ``graphs.capture(fn) -> replay``, so everything else here (bucketing, padding, the
-buffers, which shape runs) is the same, and tested, on a CPU.
+buffers, which shape runs) is the same, and tested, on a CPU. Before capturing, the engine
+checks that the step reads no device value on the host (``host_reads``): a graph would bake
+in whatever the host read at capture.
 """
 from __future__ import annotations
 
