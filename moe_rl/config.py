@@ -56,7 +56,8 @@ class EngineConfig(Strict):
     connect_retries: int = Field(3, ge=0)
     threads: int | None = Field(None, ge=1, description="torch threads of an embedded engine")
     weight_version: str = "0"  # weight_version an embedded engine reports before its first update
-    # decode steps of an embedded engine (moe_rl/engine/decode.py, docs/gpu.md)
+    # decode steps of an embedded engine (moe_rl/engine/decode.py, docs/gpu.md); a launched SGLang
+    # server takes its own flags through engine.sglang_extra_args (--cuda-graph-max-bs-decode, ...)
     cuda_graph: bool | None = Field(None, description="capture the decode step as one CUDA graph per batch-size "
                                     "bucket and replay it (SGLang's decode CUDA graphs); null = on where the engine "
                                     "runs on a GPU and its step reads nothing on the host (bf16 experts on sm_90+; "
