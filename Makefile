@@ -13,6 +13,9 @@ install-test:
 run: install
 	moe-rl train $(CONFIG)
 
-# Installs with test extras, then runs the whole test suite (CPU; GPU tests are skipped).
+# Installs with test extras, then runs the whole test suite (CPU; GPU tests are skipped), then
+# tests/megatron again against each supported megatron-core release other than the installed one
+# (scripts/megatron_core.sh; MEGATRON_CORE_VERSIONS= turns that off). Both passes always run.
 test: install-test
-	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests
+	rc=0; TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests || rc=$$?; \
+	TRITON_INTERPRET=1 PYTHON=$(PYTHON) bash scripts/megatron_core.sh test || rc=1; exit $$rc

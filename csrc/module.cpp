@@ -200,6 +200,25 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("uid"), py::arg("ids"), py::arg("versions"), py::arg("check_duplicates") = true)
       .def(
+          "set_after_record_hook",
+          [](Store& s, py::object fn) {
+            if (fn.is_none()) {
+              s.set_after_record_hook(nullptr);
+              return;
+            }
+            // append runs without the GIL: take it to call fn, and to drop the last reference
+            std::shared_ptr<py::object> f(new py::object(std::move(fn)), [](py::object* o) {
+              py::gil_scoped_acquire gil;
+              delete o;
+            });
+            s.set_after_record_hook([f] {
+              py::gil_scoped_acquire gil;
+              (*f)();
+            });
+          },
+          py::arg("fn"),
+          "Fault injection: fn() runs after each record is written, before its index entry.")
+      .def(
           "read",
           [](Store& s, const std::string& uid, const std::string& dtype) {
             const RecordInfo info = s.info(uid);

@@ -328,6 +328,7 @@ void Store::append(const std::string& uid, const T* ids, size_t num_tokens,
     (void)::ftruncate(seg_fd_, off_t(at));
     throw;
   }
+  if (after_record_hook_) after_record_hook_();
 
   std::vector<uint8_t> e;
   e.reserve(64 + uid.size() + 8 * versions.size());

@@ -25,6 +25,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -83,6 +84,9 @@ class Store {
               const std::vector<int64_t>& versions, bool check_duplicates);
   void sync();  // fsync the active segment and the index
   void close();
+  // Fault injection (moe_rl/faults.py, point routing.append): called by append after a record
+  // is written and before its index entry is; empty (the default) costs one branch.
+  void set_after_record_hook(std::function<void()> hook) { after_record_hook_ = std::move(hook); }
 
   // Reads index entries appended since the last call (readers); returns how many.
   size_t refresh();
@@ -123,6 +127,7 @@ class Store {
   std::mutex write_mu_;  // serialises appends, and a reader's index parsing
   std::unordered_map<std::string, RecordInfo> entries_;
   std::vector<std::string> order_;
+  std::function<void()> after_record_hook_;
   std::unordered_map<uint32_t, std::shared_ptr<Mapping>> maps_;
   std::vector<uint8_t> buf_;
   StoreStats stats_;

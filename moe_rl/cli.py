@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from .config import ConfigError, dump_config, load_config
@@ -44,7 +45,28 @@ def cmd_validate(argv: list[str]) -> int:
 
 
 def cmd_train(argv: list[str]) -> int:
+    from .lifetime import PARENT_ENV, die_with_parent
+
+    if os.environ.get(PARENT_ENV):  # started by `moe-rl sweep`: the run ends with the sweep
+        die_with_parent(int(os.environ[PARENT_ENV]))
     cfg = _load(argv)  # fail here, before any process starts, on a bad config ...
+    from .rundir import RunDirError, lock_output_dir
+
+    try:  # ... or on output_dir in use by another run (one run per directory: docs/run_safety.md) ...
+        locks = lock_output_dir(cfg)  # held until the run ends
+    except RunDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _launch(cfg, argv)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _launch(cfg, argv: list[str]) -> int:
+    """The rest of ``moe-rl train`` once output_dir is locked: checks, then the torchrun world."""
+    from .rundir import LAUNCHER_ENV, RunDirError, prepare_output_dir
     from .tasks import DatasetError, task_from_config
 
     try:
@@ -70,6 +92,12 @@ def cmd_train(argv: list[str]) -> int:
 
     from .dist import Layout
 
+    try:  # no process of an earlier run left; a fresh start only with resume / overwrite_output_dir
+        prepare_output_dir(cfg)
+    except RunDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers: their parent holds the claim
     try:
         torchrun(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "-m", "moe_rl.launch", *argv])
     except ChildFailedError as e:
@@ -77,7 +105,7 @@ def cmd_train(argv: list[str]) -> int:
         role = "trainer" if Layout.from_config(cfg).role(rank) == "trainer" else "engine host"
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         print(f"error: the run failed: rank {rank} ({role}) ended first, with {how}; the other ranks were "
-              f"stopped. Its log is above.", file=sys.stderr)
+              f"stopped. Its log is above; resume=true continues from the latest checkpoint.", file=sys.stderr)
         return 1
     return 0
 

@@ -5,6 +5,7 @@ Unknown keys are errors (with the closest valid key suggested); every error name
 from __future__ import annotations
 
 import difflib
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,6 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .model.arch import MoEArch
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -254,6 +257,30 @@ class LoraConfig(Strict):
                                        "experts.down_proj per layer, shared by its experts (SGLang's shared-outer "
                                        "MoE LoRA); the expert-width factors stay per expert")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _rank_turns_lora_on(cls, data: Any) -> Any:
+        """verl's convention (``lora_rank > 0`` is what turns LoRA on): ``lora.rank`` given
+        without ``lora.enabled`` enables the adapters, and says so; a rank of 0 is verl's off."""
+        if isinstance(data, dict) and data.get("rank") == 0 and "enabled" not in data:
+            data = {k: v for k, v in data.items() if k != "rank"}
+        if isinstance(data, dict) and "rank" in data and "enabled" not in data:
+            log.warning("lora.rank=%s is set and lora.enabled is not: LoRA is on (lora.enabled=true), as in verl, "
+                        "where a LoRA rank turns it on", data["rank"])
+            data = {**data, "enabled": True}
+        return data
+
+    @model_validator(mode="after")
+    def _settings_need_lora(self) -> "LoraConfig":
+        """Other lora.* keys alone would train without adapters, silently: refused. An explicit
+        ``lora.enabled: false`` keeps them (a sweep arm without LoRA, a dumped config)."""
+        given = sorted(self.model_fields_set - {"enabled"})
+        if given and not self.enabled and "enabled" not in self.model_fields_set:
+            keys = ", ".join(f"lora.{k}" for k in given)
+            raise ValueError(f"{keys} set but lora.enabled is false (its default), so no adapter would train: set "
+                             f"lora.enabled=true (or lora.rank, which turns LoRA on as in verl), or drop {keys}")
+        return self
+
 class SweepConfig(Strict):
     """``moe-rl sweep``: arms = the cross product of ``grid`` (config key -> values), each run
     once per seed (docs/experiments.md). ``moe-rl train`` ignores this section."""
@@ -270,10 +297,25 @@ class SweepConfig(Strict):
     eval_samples: int = Field(4, ge=1, description="samples per evaluation prompt")
 
 
+class FaultConfig(Strict):
+    """Fault injection for the run-safety suite (moe_rl/faults.py, docs/run_safety.md): when the
+    named point is reached the ``at``-th time in a process (of ``rank``, or any), ``action``
+    happens there. Off (``point: null``) in every real run."""
+
+    point: Literal["engine.generate", "sync.bucket", "checkpoint.write", "routing.append"] | None = None
+    at: int = Field(1, ge=1, description="fire on the at-th time the point is reached in a process")
+    action: Literal["kill_tree", "kill", "enospc"] = Field(
+        "kill_tree", description="kill_tree: SIGKILL the launcher and every process under it at once; kill: SIGKILL "
+        "this process; enospc: fail the write with OSError(ENOSPC) (checkpoint.write only)")
+    rank: int | None = Field(None, ge=0, description="the global rank where it fires; None = any rank reaching it")
+
+
 class ExperimentConfig(Strict):
     name: str = "moe-rl"
     output_dir: str = "runs/default"
-    resume: bool = False
+    resume: bool = Field(False, description="continue the run in output_dir from its latest checkpoint")
+    overwrite_output_dir: bool = Field(False, description="start over in an output_dir that holds a run: its "
+                                       "metrics, checkpoints, routing log and TensorBoard logs are deleted first")
     seed: int = 0
     model: ModelConfig = ModelConfig()
     pools: PoolsConfig = PoolsConfig()
@@ -290,11 +332,18 @@ class ExperimentConfig(Strict):
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+    fault: FaultConfig = FaultConfig()
 
     sweep: SweepConfig = SweepConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("resume=true continues the run in output_dir, overwrite_output_dir=true deletes it: "
+                             "set one of them")
+        if self.fault.action == "enospc" and self.fault.point not in (None, "checkpoint.write"):
+            raise ValueError(f"fault.action=enospc fails a checkpoint write: it needs fault.point=checkpoint.write, "
+                             f"not {self.fault.point}")
         if self.pools.trainer % self.train.ep_size:
             raise ValueError(f"pools.trainer={self.pools.trainer} must be a multiple of train.ep_size={self.train.ep_size}")
         if not self.model.path and self.model.num_experts % self.train.ep_size:

@@ -2,6 +2,11 @@
 
 Initialises torch.distributed, builds the process groups and runs this rank's role.
 ``moe-rl train CONFIG`` starts the local world through torchrun's launcher itself.
+
+Run safety (docs/run_safety.md): a worker dies with its launcher (moe_rl.lifetime); the run's
+owner claims output_dir before any rank touches it (moe_rl.rundir: the ``moe-rl train``
+launcher, or global rank 0 of a bare torchrun world); every rank then holds the directory's
+writers lock for its life, so the next run waits for the last of them.
 """
 from __future__ import annotations
 
@@ -12,11 +17,15 @@ import sys
 import torch
 import torch.distributed as dist
 
+from . import faults
 from .config import ConfigError, load_config
 from .dist import build_groups, init_distributed
+from .lifetime import die_with_parent
 from .placement import resolve_placement
+from .rundir import LAUNCHER_ENV, RunDirError, claim_output_dir, hold_as_writer
 
 log = logging.getLogger("moe_rl")
+_held: list = []  # the run's locks, held until this process exits
 
 
 def run_role(cfg, groups) -> None:
@@ -33,6 +42,9 @@ def run_role(cfg, groups) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: gone as soon as its agent is
+        die_with_parent(int(launcher) if launcher else None)
     if not argv:
         print("usage: python -m moe_rl.launch CONFIG [key.sub=value ...]", file=sys.stderr)
         return 2
@@ -52,7 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", 0))
+    if rank == 0 and launcher != str(os.getppid()):  # no `moe-rl train` launcher claimed output_dir for us
+        try:
+            _held.extend(claim_output_dir(cfg))
+        except RunDirError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    faults.arm(cfg.fault, rank)
     init_distributed(cfg.train.device, gpu=placement.gpu(rank))
+    _held.append(hold_as_writer(cfg.output_dir))  # after the rendezvous: rank 0 has claimed the directory
     if placement.device == "cuda":
         log.info("rank %d on GPU %d%s; weight sync over %s", rank, placement.gpu(rank),
                  " (shared with another rank)" if placement.shares_gpu(rank) else "", placement.sync_backend)

@@ -1,68 +1,168 @@
 #!/usr/bin/env bash
-# Every open GPU figure of the issues, in stages that each fit one device command (10 min).
+# Every GPU figure the open issues ask for, in one command of at most 8 minutes on one H200.
 #
-#   bash scripts/gpu_round.sh fetch     # here, with a package registry: the wheels into .whl/
-#   # then, through the device tool (carry: [".whl"]), one stage per command:
-#   bash scripts/gpu_round.sh install-test   # install + whole suite (GPU tests included)
-#   bash scripts/gpu_round.sh kernels        # issue 17: log-prob kernel vs Liger/compile; sync pack
-#   bash scripts/gpu_round.sh train-bench    # issue 16: native/megatron medium+large, recompute
-#   bash scripts/gpu_round.sh train-ab       # issue 16: native before/after on medium
-#   bash scripts/gpu_round.sh one-gpu        # issue 18: the main job and the engine on one GPU
+#   bash scripts/gpu_round.sh fetch        # here (package registry, git): wheels + commit into .whl/
+#   bash scripts/gpu_round.sh all          # there, device tool: carry [".whl"], timeout_s 600
+#   bash scripts/gpu_round.sh STAGE ...    # some stages only (names below), same outputs; also
+#                                          # pytest_suite (whole suite), sync_gpu, fp32_error
+#   GPU_ROUND_DEVICE=cpu bash scripts/gpu_round.sh all   # the same round at tiny sizes on a CPU
 #
-# Each stage installs first when needed (a fresh machine keeps nothing between leases) and
-# writes its JSON, logs and profiles under $OUT (default ./gpu_out). docs/gpu.md and
-# ../shared/GPU.md describe the machine; copy the figures into docs/benchmarks.md.
+# Results, in $OUT (the device tool's folder; default ./gpu_out):
+#   gpu_summary.json   every figure (scripts/gpu_summary.py reads each stage's own JSON output:
+#                      a stage that failed or did not run gives null and its exit code)
+#   gpu_round.tar.gz   the stage logs, JSON outputs and profiles (kept under 16 MB)
+# The stages write under $GPU_ROUND_WORK (default: a new /tmp/gpu_round.XXXX), outside $OUT.
+#
+# Each stage has its own time cap, and the round a total budget (GPU_ROUND_BUDGET_S, 480 s, from
+# the start of the script): a stage gets min(its cap, what the budget has left) and is skipped
+# when that is under a minute; a failing stage does not stop the others (in a CPU dry run caps
+# and budget are 3x). gpu_1x comes last and trains for whatever its cap allows (about 2 minutes
+# when the rest ran to plan); its time cap ending the run is its normal end (rc 124), its figures
+# read from metrics.jsonl.
+#
+# The commit: a device copy of the tree has no .git. `fetch` writes .whl/COMMIT (git describe of
+# HEAD, marked when the tree had local changes) and .whl/tree.sha256 (a hash of every tracked
+# file); the summary reports the commit with whether the tree it ran on still matches those
+# hashes. GPU_ROUND_COMMIT=... overrides; where .git exists, git is asked directly.
+#
+# A with/without variant of a stage is one more `st` line below (e.g. an engine row with
+# engine.cuda_graph=false): its name's prefix (train_, logprobs, engine, gpu_1x, pytest) tells the
+# summary how to read it, and it appears under "stages" in gpu_summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-stage=${1:?stage: fetch | install-test | kernels | train-bench | train-ab | one-gpu}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+DEVICE=${GPU_ROUND_DEVICE:-cuda}
+SCALE=1; [ "$DEVICE" = cuda ] || SCALE=3    # a CPU dry run: each cap x3 (a shared 2-core machine)
+BUDGET=${GPU_ROUND_BUDGET_S:-$((480 * SCALE))}
+RESERVE=15      # seconds kept for the summary and the archive
+MIN_STAGE=60    # a stage that would get less is skipped
+T0=$SECONDS
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}   # the wheels (install); harmless where absent
+
+usage() { sed -n '2,30p' "$0"; echo "stages of all: ${ALL_STAGES[*]}; by name only: ${EXTRA_STAGES[*]}"; }
 
 install() {
-  if python3 -c "import moe_rl, pydantic, megatron.core" 2>/dev/null; then return; fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
-    || { tail -30 "$OUT/install.log"; exit 1; }
+  if "$PY" -c "import moe_rl._C, pydantic, megatron.core" 2>/dev/null; then
+    echo "moe_rl, pydantic and megatron-core already import: nothing to install"
+  else
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/*.whl: run \`bash scripts/gpu_round.sh fetch\` where a registry is, carry .whl"; return 1; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+  fi
+  "$PY" - <<'EOF' > "$J"
+import json, platform, sys, torch
+out = {"python": platform.python_version(), "torch": torch.__version__,
+       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"}
+for mod, name in (("megatron.core", "megatron_core"), ("triton", "triton"), ("liger_kernel", "liger_kernel")):
+    try:
+        m = __import__(mod, fromlist=["_"])
+        out[name] = getattr(m, "__version__", None) or "imports"
+    except Exception as e:
+        out[name] = None
+if torch.cuda.is_available():
+    out["cuda"] = torch.version.cuda
+json.dump(out, sys.stdout)
+EOF
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null > "$P/nvidia-smi.csv" || true
+  cat "$J"
 }
-# every command's output goes to its own log; the stage goes on after a failure and says so
-step() {
-  local name=$1; shift
-  echo "[gpu_round] $name: $*"
-  local t0=$SECONDS
-  "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "[gpu_round] $name: rc=$rc in $((SECONDS - t0)) s"; tail -5 "$OUT/$name.log"
-}
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
-case $stage in
-  fetch)
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 --platform any -d .whl \
-      megatron-core pydantic pydantic-core annotated-types typing-inspection liger-kernel peft
-    ls .whl ;;
-  install-test)
-    install
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv"
-    step suite timeout 540 python3 -m pytest -q tests -n 8 -p no:cacheprovider ;;
-  kernels)
-    install
-    step bench_logprobs timeout 300 moe-rl bench logprobs --json --profile "$OUT/logprobs_profile"
-    step bench_sync_gpu timeout 200 moe-rl bench sync --gpu only --json
-    step fp32_error timeout 120 python3 scripts/fp32_logprob_error.py --device cuda ;;
-  train-bench)  # native, megatron, megatron + recompute per preset, one profiled step each
-    install
-    step train_medium timeout 220 env OUT="$OUT" bash scripts/gpu_bench_train.sh medium
-    step train_large timeout 320 env OUT="$OUT" bash scripts/gpu_bench_train.sh large ;;
-  train-ab)  # issue 16: native before/after on medium (466346e = the code before)
-    install
-    step train_medium_ab timeout 540 env OUT="$OUT" bash scripts/gpu_bench_train.sh ab ;;
-  one-gpu)
-    install
-    step bench_engine_gpu1x timeout 150 moe-rl bench engine --device cuda --config configs/gpu_1x.yaml --json
-    step train_gpu_1x timeout 400 moe-rl train configs/gpu_1x.yaml output_dir="$OUT/gpu_1x" ;;
-  *) echo "unknown stage $stage"; exit 2 ;;
+# st NAME CAP_S 'COMMAND': one stage. The command runs under bash -c with J (its JSON output file),
+# P (its profile folder) and W (the work folder) set; its stdout and stderr go to logs/NAME.log.
+st() {
+  local name=$1 cap=$(($2 * SCALE)) cmd=$3
+  local run=("${SELECTED[@]:-${ALL_STAGES[@]}}")   # named stages, or `all`'s
+  [[ " ${run[*]} " == *" $name "* ]] || return 0
+  local left=$((BUDGET - (SECONDS - T0) - RESERVE))
+  [ "$cap" -gt "$left" ] && cap=$left
+  if [ "$cap" -lt "$MIN_STAGE" ]; then
+    echo "[gpu_round] $name: skipped, the round's budget has ${left} s left"
+    printf '{"stage": "%s", "rc": null, "seconds": 0, "cap_s": %d, "skipped": "round budget spent"}\n' "$name" "$cap" >> "$W/stages.jsonl"
+    return 0
+  fi
+  export J=$W/$name.json P=$W/profiles/$name
+  mkdir -p "$P"
+  echo "[gpu_round] $name (cap ${cap} s): $cmd"
+  local t0=$SECONDS pid rc
+  # timeout leads its own process group and signals all of it; what is left of the group after
+  # it returns (a worker that ignored SIGTERM) is killed, so the next stage finds the GPU free
+  timeout -k 10 "$cap" bash -c "$cmd" > "$W/logs/$name.log" 2>&1 < /dev/null &
+  pid=$!
+  wait "$pid"; rc=$?
+  kill -KILL -- "-$pid" 2>/dev/null || true
+  printf '{"stage": "%s", "rc": %d, "seconds": %d, "cap_s": %d}\n' "$name" "$rc" $((SECONDS - t0)) "$cap" >> "$W/stages.jsonl"
+  echo "[gpu_round] $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -3 "$W/logs/$name.log" | cut -c1-300
+}
+
+stages() {
+  # the GPU stages; GPU_ROUND_DEVICE=cpu runs their CPU form at tiny sizes (a dry run of the round)
+  local medium large train logprobs engine gpu_1x
+  if [ "$DEVICE" = cuda ]; then
+    medium=medium large=large
+    train="--device cuda --profile-dir \$P --out \$J --backends native,megatron,megatron_recompute"
+    logprobs="--device cuda --shapes 8192,4096,151936"
+    engine="--device cuda --config configs/gpu_1x.yaml"
+    gpu_1x="configs/gpu_1x.yaml"
+  else
+    medium=tiny large=small
+    train="--device cpu --steps 1 --warmup 0 --peak-tflops 1 --profile-dir \$P --out \$J --backends native,megatron,megatron_recompute"
+    logprobs="--device cpu --shapes 256,256,8192 --reps 2 --no-compile"
+    engine="--device cpu --concurrency 8 --max-new-tokens 16 --repeats 1 --ttft-samples 3"
+    gpu_1x="configs/tiny.yaml train.steps=30"
+  fi
+  #  name             cap_s  command
+  st install          120    'install'
+  st train_medium     120    "$PY -m moe_rl.train.megatron.bench --preset $medium $train"
+  st train_large      150    "$PY -m moe_rl.train.megatron.bench --preset $large $train"
+  st logprobs         120    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P > \$J"
+  st engine            60    "$PY -m moe_rl.cli bench engine --json $engine > \$J"
+  st pytest_gpu       150    "$PY -m pytest -q -m gpu tests -p no:cacheprovider $XDIST --junitxml=\$J.xml"
+  st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x logging.progress=false"
+  # not in `all`; by name only
+  st pytest_suite     540    "$PY -m pytest -q tests -p no:cacheprovider ${XDIST/6/8} --junitxml=\$J.xml"
+  st sync_gpu         200    "$PY -m moe_rl.cli bench sync --gpu only --json > \$J"
+  st fp32_error       120    "$PY scripts/fp32_logprob_error.py --device $DEVICE > \$J"
+}
+ALL_STAGES=(install train_medium train_large logprobs engine pytest_gpu gpu_1x)
+EXTRA_STAGES=(pytest_suite sync_gpu fp32_error)
+
+fetch() {  # .whl/ is in .gitignore
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d .whl \
+    megatron-core pydantic pydantic-core annotated-types typing-inspection liger-kernel peft \
+    || { echo "[gpu_round] fetch: pip download failed (message above); the GPU machine has no registry" >&2; return 1; }
+  # the commit, for a device copy of the tree without .git
+  local desc; desc=$(git describe --always --abbrev=12 HEAD)
+  [ -n "$(git status --porcelain --untracked-files=no)" ] && desc="$desc+local-changes"
+  echo "$desc" > .whl/COMMIT
+  git ls-files -z | xargs -0 sha256sum > .whl/tree.sha256
+  ls .whl; echo "commit: $desc"
+}
+
+cmd=${1:-}
+case $cmd in
+  fetch) fetch; exit $? ;;
+  ""|-h|--help) usage; exit 2 ;;
+  all) SELECTED=() ;;
+  *) SELECTED=("$@")
+     for s in "${SELECTED[@]}"; do
+       [[ " ${ALL_STAGES[*]} ${EXTRA_STAGES[*]} " == *" $s "* ]] \
+         || { echo "unknown stage $s (fetch, all, ${ALL_STAGES[*]} ${EXTRA_STAGES[*]})" >&2; exit 2; }
+     done ;;
 esac
+
+W=${GPU_ROUND_WORK:-$(mktemp -d /tmp/gpu_round.XXXX)}
+mkdir -p "$W/logs" "$W/profiles" && W=$(cd "$W" && pwd)
+export W PY
+export -f install
+XDIST=""; "$PY" -c "import xdist" 2>/dev/null && [ "$DEVICE" = cuda ] && XDIST="-n 6"
+echo "[gpu_round] device $DEVICE, budget ${BUDGET} s, work folder $W, results in $OUT"
+stages
+"$PY" scripts/gpu_summary.py "$W" --out "$OUT" --device "$DEVICE"
+rc=$?
+echo "[gpu_round] done in $((SECONDS - T0)) s"
+exit $rc

@@ -17,3 +17,8 @@ SGLANG_VERSION=0.5.23
 if [[ ",${EXTRAS}," == *",test,"* ]]; then
   "$PY" -m pip install -q --no-deps "sglang==${SGLANG_VERSION}"
 fi
+# tests/megatron also runs against the supported megatron-core releases pip does not install on
+# this Python (0.19.x on Python 3.11): their wheels, cached in .mcore/ (scripts/megatron_core.sh).
+if [[ ",${EXTRAS}," == *",test,"* ]]; then
+  PYTHON="$PY" bash scripts/megatron_core.sh fetch
+fi

@@ -70,3 +70,35 @@ def test_validate_cli_exit_codes(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "moe_rl.cli", "validate", "configs/tiny.yaml", "train.steps=3"],
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "steps: 3" in ok.stdout
+
+
+def test_a_lora_rank_turns_lora_on_as_in_verl(caplog):
+    """verl: a LoRA rank > 0 is what turns LoRA on. `lora.rank=8` alone used to train without
+    adapters, silently (issue 28)."""
+    with caplog.at_level("WARNING", logger="moe_rl.config"):
+        cfg = load_config("configs/tiny.yaml", ["lora.rank=8"])
+    assert cfg.lora.enabled is True and cfg.lora.rank == 8
+    assert "lora.rank=8" in caplog.text and "lora.enabled=true" in caplog.text
+    # verl's rank 0 is its off
+    assert load_config("configs/tiny.yaml", ["lora.rank=0"]).lora.enabled is False
+    # an explicit lora.enabled decides: a sweep arm without LoRA keeps the LoRA settings
+    off = load_config("configs/tiny.yaml", ["lora.enabled=false", "lora.rank=8", "lora.alpha=4"])
+    assert off.lora.enabled is False and off.lora.rank == 8
+
+
+@pytest.mark.parametrize("overrides", [["lora.alpha=8"], ["lora.targets=[q_proj]", "lora.sync=adapter"]])
+def test_other_lora_keys_without_lora_enabled_are_refused_naming_both(overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", overrides)
+    for o in overrides:
+        assert o.split("=")[0] in str(e.value)
+    assert "lora.enabled" in str(e.value)
+
+
+def test_a_dumped_config_round_trips_with_lora_off(tmp_path):
+    """`moe-rl validate` writes every key: lora.enabled: false beside the LoRA defaults loads."""
+    from moe_rl.config import dump_config
+
+    path = tmp_path / "dumped.yaml"
+    path.write_text(dump_config(load_config("configs/tiny.yaml")))
+    assert load_config(path).lora.enabled is False

@@ -80,12 +80,12 @@ def measure(cfg, n_samples: int, prompt_len: int, max_new: int, seed: int) -> di
             used = []
             with torch.no_grad():
                 lp, _ = trainer.logprobs(mb, temperature, record=used)
-            logp_t.append(lp[len(p) - 1 : len(seq) - 1])
+            logp_t.append(lp[len(p) - 1 : len(seq) - 1].cpu())  # compared with the engine's on the host
             logp_e.append(torch.tensor([t[0] for t in r["meta_info"]["output_token_logprobs"]]))
             has = torch.zeros(len(seq), dtype=torch.bool)
             has[: len(seq) - 1] = True
-            a, b = routing_match(used, pad, has)
-            matched, total = matched + a, total + b
+            a, b = routing_match(used, [e.to(trainer.device) for e in pad], has.to(trainer.device))
+            matched, total = matched + int(a), total + int(b)
         t, e = torch.cat(logp_t), torch.cat(logp_e)
         mm = mismatch_metrics(t, e, torch.ones_like(t))
         rows["replay" if replay else "no_replay"] = {

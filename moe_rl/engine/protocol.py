@@ -555,6 +555,15 @@ def token_weight_versions(meta_info: dict) -> list[str] | None:
     return out
 
 
+def version_number(v) -> int:
+    """An engine's weight version as the trainer's step number. SGLang reports "default" (or
+    its --weight-version) until its first update: the initial weights, version 0."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
 def output_logprobs(meta_info: dict) -> list[float]:
     """Log-probs of the output tokens from ``meta_info.output_token_logprobs``."""
     return [float(t[0]) for t in meta_info.get("output_token_logprobs") or []]

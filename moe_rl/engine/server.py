@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from moe_rl import faults
 from moe_rl.gc_control import freeze_gc, paused_gc
 
 from . import lora
@@ -190,6 +191,7 @@ class EngineServer:
         return self.text.add_text(out, req) if self.text is not None else out
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        faults.point("engine.generate")  # a test run's crash with rollouts in flight
         body = self._tokenize(await _json(request))
         limits = dict(vocab_size=self.engine.arch.vocab_size, max_context=self.engine.max_context,
                       eos_token_ids=self.eos_token_ids, adapter=getattr(self.engine, "adapter_name", None),

@@ -4,7 +4,8 @@ An arm is one point of the cross product of the grid (``--grid KEY=V1,V2`` on th
 and/or the config's ``sweep.grid``); each arm runs once per seed as a separate ``moe-rl train``
 process (the CLI path: this module never imports train/) in ``<sweep dir>/<arm>/seed<k>``. A run
 whose directory holds ``done.json`` is not run again, so an interrupted sweep resumes by
-re-running the same command. The summary is read back from each run's ``metrics.jsonl``:
+re-running the same command (a run cut short is continued from its checkpoint, or started over
+without one: docs/run_safety.md). The summary is read back from each run's ``metrics.jsonl``:
 ``summary.md``, ``summary.csv``, ``summary.json``, ``reward.png`` (reward against samples
 trained, mean and min-max band over seeds per arm) and ``mismatch_kl.png``. With
 ``sweep.eval_prompts`` each run's final checkpoint is also scored on a fixed prompt set
@@ -30,6 +31,8 @@ import numpy as np
 import yaml
 
 from ..config import ConfigError, ExperimentConfig, load_config
+from ..lifetime import PARENT_ENV
+from ..rundir import RUN_FILES, latest_step
 
 # every run: quiet, no TensorBoard, one checkpoint at the end only
 RUN_DEFAULTS = ["logging.progress=false", "logging.tensorboard=false", "checkpoint.every=0"]
@@ -113,13 +116,25 @@ def is_done(run: Run) -> bool:
 
 
 def execute(config: str, run: Run, log=print) -> None:
-    """One ``moe-rl train`` process; ``done.json`` marks success (its output is in train.log)."""
+    """One ``moe-rl train`` process; ``done.json`` marks success (its output is in train.log).
+    A run the sweep started before and that did not finish is its own: continued from its
+    latest checkpoint (resume=true), or started over (overwrite_output_dir=true) if it has none.
+    The run ends with this process (moe_rl.lifetime)."""
     run.dir.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "moe_rl.cli", "train", config, *run.overrides]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    again = []
+    if latest_step(run.dir) is not None:
+        again = ["resume=true"]
+    elif any((run.dir / name).exists() for name in RUN_FILES):
+        again = ["overwrite_output_dir=true"]
+    (run.dir / "eval.json").unlink(missing_ok=True)  # scored a checkpoint that is being replaced
+    args = [sys.executable, "-m", "moe_rl.cli", "train", config, *run.overrides, *again]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{PARENT_ENV: str(os.getpid())})
     env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
-    with open(run.dir / "train.log", "w") as f:
+    with open(run.dir / "train.log", "a" if again else "w") as f:
+        if again:
+            f.write(f"\n--- moe-rl sweep: {again[0]} ---\n")
+            f.flush()
         rc = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     wall = time.perf_counter() - t0
     if rc != 0:

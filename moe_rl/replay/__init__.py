@@ -15,13 +15,13 @@ from moe_rl.replay.codec import bits_for, pack, pack_numpy, packed_bytes, unpack
 from moe_rl.replay.layers import RoutingSpec, moe_layer_indices
 from moe_rl.replay.log import FORMAT_VERSION, CorruptRecordError, ReplayLog
 from moe_rl.replay.sglang import (check_record, decode_routed_experts, merge_partial,
-                                  record_from_responses, routed_rows)
+                                  record_from_responses, routed_rows, routing_covers)
 
 __all__ = [
     "ReplayLog", "CorruptRecordError", "FORMAT_VERSION",
     "bits_for", "packed_bytes", "pack", "unpack", "pack_numpy", "unpack_numpy",
     "RoutingSpec", "moe_layer_indices",
-    "decode_routed_experts", "merge_partial", "record_from_responses", "check_record", "routed_rows",
+    "decode_routed_experts", "merge_partial", "record_from_responses", "check_record", "routed_rows", "routing_covers",
     "TokenLayout", "padded_layout", "packed_layout", "sequence_parallel_range",
     "sequence_major_positions", "filler_ids", "align_replay",
 ]

@@ -128,8 +128,8 @@ def _runs(dst: np.ndarray, src: np.ndarray) -> list[tuple[int, int, int]]:
 
 def align_replay(records: Sequence, layout: TokenLayout, *, num_experts: int,
                  token_range: tuple[int, int] | None = None, positions=None, log=None,
-                 num_layers: int | None = None, top_k: int | None = None
-                 ) -> list["torch.Tensor"]:
+                 num_layers: int | None = None, top_k: int | None = None, stacked: bool = False
+                 ) -> "list[torch.Tensor] | torch.Tensor":
     """Per-layer replay tensors for this rank's tokens.
 
     Args:
@@ -142,6 +142,8 @@ def align_replay(records: Sequence, layout: TokenLayout, *, num_experts: int,
         positions: the stream positions this rank holds, in its local token order.
             Neither: the whole stream.
         num_layers, top_k: needed only when no sample has a record to take them from.
+        stacked: return the one ``[num_moe_layers, local_tokens, top_k]`` tensor the list
+            is made of (moved to a device in one copy, then ``unbind(0)`` there).
 
     Returns ``num_moe_layers`` contiguous LongTensors ``[local_tokens, top_k]``.
     ValueError if a record's row count is not its sample's length - 1 or shapes disagree.
@@ -218,4 +220,5 @@ def align_replay(records: Sequence, layout: TokenLayout, *, num_experts: int,
                 out[:, sel, :] = a[src].transpose(1, 0, 2)
     import torch
 
-    return list(torch.from_numpy(out).unbind(0))
+    routing = torch.from_numpy(out)
+    return routing if stacked else list(routing.unbind(0))

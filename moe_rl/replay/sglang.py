@@ -19,7 +19,7 @@ from moe_rl import _C
 from moe_rl.replay.layers import RoutingSpec
 
 __all__ = ["decode_routed_experts", "merge_partial", "record_from_responses",
-           "check_record"]
+           "check_record", "routed_rows", "routing_covers"]
 
 
 def check_record(ids: np.ndarray, num_experts: int, *, what: str = "record",
@@ -103,6 +103,12 @@ def routed_rows(routed_experts, spec: RoutingSpec) -> int | None:
     else:
         n = np.asarray(routed_experts).size
     return n // (spec.num_hidden_layers * spec.top_k)
+
+
+def routing_covers(meta: dict, spec: RoutingSpec, input_len: int, new_tokens: int, start: int) -> bool:
+    """Whether a response's routed_experts has a row for every token it covers: positions
+    ``[start, input_len + new_tokens - 1)``, as SGLang's routed_experts_start_len defines them."""
+    return routed_rows(meta.get("routed_experts"), spec) == input_len + new_tokens - 1 - start
 
 
 def merge_partial(segments: Sequence, *, starts: Sequence[int] | None = None,

@@ -25,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from moe_rl.engine.protocol import output_logprobs, token_weight_versions
-from moe_rl.replay import record_from_responses
+from moe_rl.engine.protocol import output_logprobs, token_weight_versions, version_number
+from moe_rl.replay import record_from_responses, routing_covers
 from moe_rl.tasks.env import EnvError, EnvFactory
 
+from .requests import attempt_rid, sampling_seed
 from .sample import Group, Sample
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,6 @@ class EpisodeRunner:
     async def _model_turn(self, mgr, ep: "_Episode", turn: int, budget: int) -> list[int]:
         """One model turn of up to ``budget`` tokens; a weight update cutting it short
         resubmits the history + partial turn (as the manager does for single-turn samples)."""
-        from .manager import _attempt_rid, _seed, _version_number, routing_covers  # the manager's conventions
-
         rc = self.cfg.rollout
         out: list[int] = []
         resumes = 0
@@ -112,13 +111,13 @@ class EpisodeRunner:
             start = ep.covered  # first routing row not covered yet
             sp = {"max_new_tokens": budget - len(out), "temperature": rc.temperature, "top_p": rc.top_p,
                   "top_k": rc.top_k, "stop_token_ids": list(self.task.stop_token_ids),
-                  "sampling_seed": _seed(self.cfg.data.seed, ep.index, ep.j, len(history))}
+                  "sampling_seed": sampling_seed(self.cfg.data.seed, ep.index, ep.j, len(history))}
             rid = f"{ep.uid}-t{turn}-r{resumes}"
             mgr._mark(+1)
             try:
                 resp = await mgr._resubmitting(lambda k: mgr.client.generate(
                     history, sp, return_logprob=True, return_routed_experts=want_routing,
-                    rid=_attempt_rid(rid, k), routed_experts_start_len=start), f"episode {ep.uid} turn {turn}")
+                    rid=attempt_rid(rid, k), routed_experts_start_len=start), f"episode {ep.uid} turn {turn}")
             finally:
                 mgr._mark(-1)
             meta = resp["meta_info"]
@@ -129,7 +128,7 @@ class EpisodeRunner:
                 mgr.stats["aborted_without_routing"] += 1
             logps = output_logprobs(meta)[: len(new)]
             tv = token_weight_versions(meta)
-            versions = [_version_number(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))][: len(new)]
+            versions = [version_number(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))][: len(new)]
             if not (len(logps) == len(versions) == len(new)):
                 raise RuntimeError(f"episode {ep.uid}: engine returned {len(new)} tokens, {len(logps)} log-probs, "
                                    f"{len(versions)} versions")

@@ -30,15 +30,14 @@ import threading
 import time
 from collections import Counter
 
-import numpy as np
-
 from moe_rl.engine.client import EngineError, EngineHTTPError
-from moe_rl.engine.protocol import output_logprobs, token_weight_versions
-from moe_rl.replay import RoutingSpec, record_from_responses, routed_rows
+from moe_rl.engine.protocol import output_logprobs, token_weight_versions, version_number
+from moe_rl.replay import RoutingSpec, record_from_responses, routing_covers
 from moe_rl.tasks.plugins import reward_value
 
 from .buffer import RolloutBuffer
 from .episode import EpisodeRunner
+from .requests import attempt_rid, sampling_seed
 from .sample import Group, Sample
 
 log = logging.getLogger(__name__)
@@ -231,7 +230,7 @@ class RolloutManager:
             resps = await self._resubmitting(lambda k: self.client.generate_batch(
                 [f["input_ids"] for f in first], [f["sampling_params"] for f in first],
                 return_logprob=True, return_routed_experts=self.replay_log is not None,
-                rids=[_attempt_rid(f["rid"], k) for f in first],
+                rids=[attempt_rid(f["rid"], k) for f in first],
             ), f"group of prompt {index}")
         finally:
             self._mark(-n)
@@ -279,6 +278,17 @@ class RolloutManager:
     def _uid(self, index: int, j: int) -> str:
         return f"p{index}-s{j}" if self.attempt == 0 else f"p{index}-s{j}-a{self.attempt}"
 
+    @staticmethod
+    def next_attempt(checkpointed: int, replay_log=None) -> int:
+        """The attempt of a (re)started run: above the checkpoint's and above that of the last
+        record in the routing log (attempts only grow, so it is the largest there). A run
+        resumed twice from one checkpoint must not reuse the uids its first resumption logged."""
+        logged = -1
+        if replay_log is not None and len(replay_log):
+            uid = replay_log.uids()[-1]
+            logged = int(uid.rsplit("-a", 1)[1]) if "-a" in uid else 0
+        return max(checkpointed, logged) + 1
+
     def _request(self, prompt, index: int, j: int, out: list[int], resumes: int) -> dict:
         """The /generate fields of sample j of a prompt, continuing after ``out``."""
         cfg = self.cfg.rollout
@@ -288,7 +298,7 @@ class RolloutManager:
             "sampling_params": {"max_new_tokens": max_new - len(out), "temperature": cfg.temperature,
                                 "top_p": cfg.top_p, "top_k": cfg.top_k,
                                 "stop_token_ids": list(self.task.stop_token_ids),
-                                "sampling_seed": _seed(self.cfg.data.seed, index, j, len(out))},
+                                "sampling_seed": sampling_seed(self.cfg.data.seed, index, j, len(out))},
             "rid": f"{self._uid(index, j)}-r{resumes}",
             # a resumed request only needs the routing rows of tokens not covered yet
             "routed_experts_start_len": len(prompt.input_ids) + len(out) - 1 if out else 0,
@@ -324,7 +334,7 @@ class RolloutManager:
                 self.stats["generated_tokens"] += len(new)  # the run's rollout tokens/s (train loop)
                 logps += output_logprobs(meta)
                 tv = token_weight_versions(meta)
-                versions += [_version_number(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))]
+                versions += [version_number(v) for v in (tv if tv is not None else [meta["weight_version"]] * len(new))]
                 metas.append(meta)
             if not (finish == "abort" and len(out) < max_new and not self._stop):
                 break
@@ -337,7 +347,7 @@ class RolloutManager:
             try:
                 resp = await self._resubmitting(lambda k: self.client.generate(
                     req["input_ids"], req["sampling_params"], return_logprob=True,
-                    return_routed_experts=want_routing, rid=_attempt_rid(req["rid"], k),
+                    return_routed_experts=want_routing, rid=attempt_rid(req["rid"], k),
                     routed_experts_start_len=req["routed_experts_start_len"]), f"sample {uid}")
             finally:
                 self._mark(-1)
@@ -350,28 +360,3 @@ class RolloutManager:
             self.replay_log.append(uid, rec, sorted(set(versions)))
             s.has_routing = True
         return s
-
-
-def routing_covers(meta: dict, spec: RoutingSpec, input_len: int, new_tokens: int, start: int) -> bool:
-    """Whether a response's routed_experts has a row for every token it covers: positions
-    ``[start, input_len + new_tokens - 1)``, as SGLang's routed_experts_start_len defines them."""
-    return routed_rows(meta.get("routed_experts"), spec) == input_len + new_tokens - 1 - start
-
-
-def _version_number(v) -> int:
-    """An engine's weight version as the trainer's step number. SGLang reports "default" (or
-    its --weight-version) until its first update: the initial weights, version 0."""
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _attempt_rid(rid: str, attempt: int) -> str:
-    """A resubmitted request gets a new rid: the engine that failed may still hold the old one."""
-    return rid if attempt == 0 else f"{rid}-e{attempt}"
-
-
-def _seed(seed: int, index: int, j: int, offset: int) -> int:
-    """A distinct, reproducible sampling seed per (prompt, sample, resume point)."""
-    return int(np.random.SeedSequence([seed, index, j, offset]).generate_state(1)[0] & 0x7FFFFFFF)

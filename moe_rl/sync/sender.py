@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moe_rl import faults
 from moe_rl.engine.client import EngineError, EngineHTTPError
 from moe_rl.kernels.bucket_pack import pack
 
@@ -406,6 +407,7 @@ class WeightSender:
                 calls = [asyncio.ensure_future(e.update_weights_from_distributed(**body)) for e in engines]
                 await asyncio.sleep(0)  # let the requests go out
                 work = self.group.broadcast(cur, src=0)
+                faults.point("sync.bucket")  # a test run's crash with the engines mid-update
                 if i + 1 < n:
                     nxt = loop.run_in_executor(self._ep_exec, self._prepare, i + 1)
                 try:

@@ -1,7 +1,8 @@
 """What the trainer loop needs from a training backend, and the native (torch) backend.
 
 A backend owns the model, its parallel layout and its optimizer. The loop hands it packed
-micro-batches (with the routing to replay) and gets differentiable per-token log-probs back;
+micro-batches (with the routing to replay), already on the backend's ``device``, and gets
+differentiable per-token log-probs back, on that device (docs/architecture.md, "Devices");
 it calls ``backward`` on its own loss and ``optimizer_step`` once per step. ``hf_tensors``
 yields this rank's weights under HuggingFace names, which the weight-sync sender and the
 checkpoint writer consume.
@@ -46,6 +47,8 @@ class MicroBatch:
 class TrainBackend(Protocol):
     arch: MoEArch
     ep_size: int
+    device: torch.device  # where the model lives; the loop brings each micro-batch here
+
 
     def logprobs(
         self, mb: MicroBatch, temperature: float, with_entropy: bool = False, record: list | None = None
@@ -153,12 +156,13 @@ class NativeBackend(DataParallelStep):
             return self._logprobs(mb, temperature, with_entropy, record)
 
     def _logprobs(self, mb, temperature, with_entropy, record):
+        dev = self.device  # no-ops for the loop's micro-batches; others are copied without a stream sync
         hidden = self.model.hidden_states(
-            mb.input_ids.to(self.device), cu_seqlens=mb.cu_seqlens.to(self.device),
-            replay=None if mb.replay is None else [r.to(self.device) for r in mb.replay], record=record,
+            mb.input_ids.to(dev, non_blocking=True), cu_seqlens=mb.cu_seqlens.to(dev, non_blocking=True),
+            replay=None if mb.replay is None else [r.to(dev, non_blocking=True) for r in mb.replay], record=record,
         )
         out = fused_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]), self.model.lm_head.weight, mb.labels.to(self.device),
+            hidden.reshape(-1, hidden.shape[-1]), self.model.lm_head.weight, mb.labels.to(dev, non_blocking=True),
             temperature=temperature, return_entropy=with_entropy,
         )
         return out if with_entropy else (out, None)

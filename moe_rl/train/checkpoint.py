@@ -2,27 +2,44 @@
 
 Layout: ``<output_dir>/checkpoints/step_<N>/{hf/, adapter/ (LoRA, PEFT format), trainer_rank<r>.pt, rollout.pt}`` and a
 ``latest`` file naming the newest complete one, written last (atomically), so a crash while
-saving leaves the previous checkpoint in charge.
+saving leaves the previous checkpoint in charge. A write that fails (a full disk) removes the
+partial checkpoint and raises CheckpointWriteError, which names the intact one.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from moe_rl import faults
 from moe_rl.model import hf_param_specs, save_hf
 
 log = logging.getLogger(__name__)
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the previous one is intact."""
+
+
+def _atomic_save(write, path: Path) -> None:
+    """``write(tmp)`` then rename ``tmp`` to ``path``; a failed write leaves no temp file."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        faults.point("checkpoint.write")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    _atomic_save(lambda tmp: torch.save(obj, tmp), path)
 
 
 def gather_hf_state(backend, groups) -> dict[str, torch.Tensor] | None:
@@ -51,35 +68,58 @@ def gather_hf_state(backend, groups) -> dict[str, torch.Tensor] | None:
 
 def save_checkpoint(run_dir: Path, step: int, backend, groups, trainer_state: dict, rollout_state: dict | None,
                     keep: int) -> Path:
-    """Collective over the trainer pool. ``rollout_state`` is given on trainer rank 0."""
+    """Collective over the trainer pool. ``rollout_state`` is given on trainer rank 0.
+    CheckpointWriteError (naming the cause and the intact checkpoint) if a write fails."""
     root = Path(run_dir) / "checkpoints"
     ckpt = root / f"step_{step}"
     rank = groups.rank if groups is not None else 0
     state = gather_hf_state(backend, groups)
-    if rank == 0:
-        ckpt.mkdir(parents=True, exist_ok=True)
-        save_hf(state, ckpt / "hf", arch=backend.arch)  # with LoRA: the merged model
-        if getattr(backend, "lora", None) is not None:
-            if backend.ep_size == 1:
-                from moe_rl.model.lora import save_peft
+    try:
+        if rank == 0:
+            if ckpt.exists() and ckpt.name != _read_latest(root):
+                shutil.rmtree(ckpt)  # a partial one, left by a run that crashed while writing it
+            ckpt.mkdir(parents=True, exist_ok=True)
+            save_hf(state, ckpt / "hf", arch=backend.arch)  # with LoRA: the merged model
+            faults.point("checkpoint.write")
+            if getattr(backend, "lora", None) is not None:
+                if backend.ep_size == 1:
+                    from moe_rl.model.lora import save_peft
 
-                save_peft(backend.lora, ckpt / "adapter", base_model=backend.cfg.model.path)
-            else:
-                log.warning("checkpoint %s: the PEFT adapter file needs EP=1; the adapters are in the trainer "
-                            "state only", ckpt)
-        _atomic_torch_save(rollout_state, ckpt / "rollout.pt")
-    _barrier(groups)
-    _atomic_torch_save({"backend": backend.state_dict(), **trainer_state}, ckpt / f"trainer_rank{rank}.pt")
-    _barrier(groups)
+                    save_peft(backend.lora, ckpt / "adapter", base_model=backend.cfg.model.path)
+                else:
+                    log.warning("checkpoint %s: the PEFT adapter file needs EP=1; the adapters are in the trainer "
+                                "state only", ckpt)
+            _atomic_torch_save(rollout_state, ckpt / "rollout.pt")
+        _barrier(groups)
+        _atomic_torch_save({"backend": backend.state_dict(), **trainer_state}, ckpt / f"trainer_rank{rank}.pt")
+        _barrier(groups)
+        if rank == 0:
+            _atomic_save(lambda tmp: tmp.write_text(ckpt.name), root / "latest")
+    except OSError as e:
+        previous = _read_latest(root)
+        if rank == 0 and previous != ckpt.name:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        where = (f"{root / previous} is intact (`latest` names it) and resume=true continues from it" if previous
+                 else "there is no earlier checkpoint")
+        raise CheckpointWriteError(f"checkpoint {ckpt} could not be written: {e}; {where}") from e
     if rank == 0:
-        tmp = root / "latest.tmp"
-        tmp.write_text(ckpt.name)
-        os.replace(tmp, root / "latest")
-        old = sorted((p for p in root.glob("step_*") if p != ckpt), key=lambda p: int(p.name.split("_")[1]))
-        for p in old[: max(0, len(old) - (keep - 1))]:
+        steps = sorted((p for p in root.glob("step_*") if p != ckpt and _step_of(p) is not None), key=_step_of)
+        newer = [p for p in steps if _step_of(p) > step]  # partial ones of a run that crashed after this step
+        older = [p for p in steps if _step_of(p) < step]
+        for p in newer + older[: max(0, len(older) - (keep - 1))]:
             shutil.rmtree(p, ignore_errors=True)
         log.info("checkpoint saved: %s", ckpt)
     return ckpt
+
+
+def _read_latest(root: Path) -> str | None:
+    pointer = root / "latest"
+    return pointer.read_text().strip() if pointer.exists() else None
+
+
+def _step_of(path: Path) -> int | None:
+    m = re.fullmatch(r"step_(\d+)", path.name)
+    return int(m.group(1)) if m else None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

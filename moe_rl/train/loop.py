@@ -13,6 +13,11 @@ With one optimizer update per batch (``train.minibatches: 1``) the proximal poli
 before its update) is the very forward that is being differentiated, so its log-probs are that
 forward's, detached; with several, they are a no-grad forward taken before the first update.
 
+Devices: a micro-batch (``Micro``) is packed on the host and brought to the backend's device
+in one asynchronous copy per pass over it; the loss, the metrics and the routing match read
+only that copy, and the step's metrics stay on the device until one read at its end
+(docs/architecture.md, "Devices").
+
 Routing replay (R3) and staleness: by default every sample's engine routing is replayed, stale
 ones too (R3 as slime/MILES run it). ``replay.stale: trainer`` routes a stale sample (one made
 by older weights) by the trainer itself, as the decoupled objective's proximal policy would
@@ -23,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -90,15 +96,67 @@ def take_groups(cfg, buffer: RolloutBuffer, manager: RolloutManager, version: in
 
 
 # --- batch -> micro-batches ---------------------------------------------------------------
-def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay_log, use_replay: bool):
-    """Packs ``samples`` (this rank's shard) into exactly ``n_micro`` micro-batches; a rank
-    with fewer samples gets dummy ones (expert parallelism needs every rank in every call)."""
+@dataclass
+class Micro:
+    """One micro-batch of a step: the backend's input and every per-token tensor the loss, the
+    metrics and the routing match read. Built and kept on the host; ``to`` gives its copy on the
+    backend's device, each tensor copied once per pass over the micro-batch (a proximal
+    forward; the training forward and backward), so nothing in the step mixes devices and only
+    the micro-batch in use occupies device memory.
+
+    Per response token [R]: ``resp_pos`` (the packed row whose logits score it), ``behav``
+    (the engine's log-prob), ``adv``, ``mask`` (1 where it is trained on), ``seq_ids`` (its
+    sample in ``chunk``). Per packed row [T], with the replay log only: ``routing`` (the
+    engine's, [moe_layers, T, top_k]), ``has_rec`` (the row has an engine record), ``stale``
+    (its sample is routed by the trainer itself under ``replay.stale: trainer``). A rank with
+    no samples gets a dummy (``chunk`` empty): expert parallelism needs every rank in every
+    call. ``mb.replay`` is set on the device copy (``Trainer._on_device``)."""
+
+    mb: MicroBatch
+    chunk: list[dict]
+    resp_pos: torch.Tensor | None = None
+    behav: torch.Tensor | None = None
+    adv: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    seq_ids: torch.Tensor | None = None
+    routing: torch.Tensor | None = None
+    has_rec: torch.Tensor | None = None
+    stale: torch.Tensor | None = None
+    fresh: list[bool] = field(default_factory=list)  # per sample of chunk: its engine routing is replayed
+    own: list[torch.Tensor] | None = None  # the trainer's routing for a mixed minibatch (on the device)
+
+    @property
+    def engine_routing(self) -> list[torch.Tensor] | None:
+        """The engine's routing as the backends take it: one [T, top_k] per MoE layer (views)."""
+        return None if self.routing is None else list(self.routing.unbind(0))
+
+    def to(self, device: torch.device) -> "Micro":
+        """Every tensor on ``device``, each copied once and asynchronously (from pinned memory
+        on CUDA: a blocking host-to-device copy would wait for the whole stream)."""
+        mb = self.mb
+        replay = None if mb.replay is None else [_to_device(r, device) for r in mb.replay]
+        moved = {f.name: _to_device(v, device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
+                 for f in fields(self)}
+        moved["mb"] = MicroBatch(_to_device(mb.input_ids, device), _to_device(mb.cu_seqlens, device),
+                                 _to_device(mb.labels, device), replay)
+        return Micro(**moved)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay_log) -> list[Micro]:
+    """Packs ``samples`` (this rank's shard) into exactly ``n_micro`` micro-batches, on the
+    host; a rank with fewer samples gets dummy ones."""
     out = []
     for m in range(n_micro):
         chunk = samples[m * mbs : (m + 1) * mbs]
         if not chunk:
-            out.append((MicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.tensor([0, 2]),
-                                   torch.full((2,), -100, dtype=torch.long)), [], None, None))
+            out.append(Micro(MicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.tensor([0, 2]),
+                                        torch.full((2,), -100, dtype=torch.long)), []))
             continue
         seqs = [s["prompt_ids"] + s["response_ids"] for s in chunk]
         lengths = [len(x) for x in seqs]
@@ -111,7 +169,7 @@ def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay
             pos = torch.arange(start + P - 1, start + P - 1 + R)
             labels[pos] = torch.tensor(s["response_ids"], dtype=torch.long)
             resp_pos.append(pos)
-        engine_routing, has_rec = None, None
+        routing, has_rec = None, None
         if replay_log is not None:
             k, E = arch.num_experts_per_tok, arch.num_experts
             L = len(arch.moe_layers)
@@ -123,10 +181,15 @@ def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay
                     has_rec[start : start + n - 1] = True
                 else:
                     records.append(np.broadcast_to(filler_ids(n - 1, k, E)[:, None, :], (n - 1, L, k)).copy())
-            engine_routing = align_replay(records, packed_layout(lengths), num_experts=E)
-        mb = MicroBatch(ids[None], torch.tensor(cu, dtype=torch.long), labels,
-                        engine_routing if use_replay else None)
-        out.append((mb, chunk, torch.cat(resp_pos), (engine_routing, has_rec)))
+            routing = align_replay(records, packed_layout(lengths), num_experts=E, stacked=True)
+        out.append(Micro(
+            MicroBatch(ids[None], torch.tensor(cu, dtype=torch.long), labels), chunk, torch.cat(resp_pos),
+            behav=torch.tensor([x for s in chunk for x in s["behaviour_logprobs"]], dtype=torch.float32),
+            adv=torch.tensor([s["advantage"] for s in chunk for _ in s["response_ids"]], dtype=torch.float32),
+            mask=torch.tensor([m for s in chunk for m in _loss_mask(s)], dtype=torch.float32),
+            seq_ids=torch.tensor([i for i, s in enumerate(chunk) for _ in s["response_ids"]], dtype=torch.long),
+            routing=routing, has_rec=has_rec,
+        ))
     return out
 
 
@@ -186,11 +249,7 @@ class Trainer:
             self.sender = WeightSender.from_config(self.backend.hf_source(), cfg.sync, self.groups,
                                                   engines=self.urls if self.lead else (), wire_dtype=wire)
         if self.record_routing:
-            if self.lead:
-                if not cfg.resume and self.replay_dir.exists():
-                    import shutil
-
-                    shutil.rmtree(self.replay_dir)
+            if self.lead:  # a fresh start's log is empty: moe_rl.rundir refused or deleted an old one
                 self.writer = ReplayLog(self.replay_dir, len(self.arch.moe_layers), self.arch.num_experts_per_tok,
                                         self.arch.num_experts)
             self._trainer_barrier()
@@ -208,7 +267,8 @@ class Trainer:
             self.manager = RolloutManager(
                 cfg, self.task, client, self.buffer, self.writer, spec,
                 start_index=m.get("next_index", 0), pending=m.get("pending"), version=self.version,
-                submitted=m.get("submitted", 0), attempt=m.get("attempt", -1) + 1,
+                submitted=m.get("submitted", 0),
+                attempt=RolloutManager.next_attempt(m.get("attempt", -1), self.writer),
             )
             self.tracker = Tracker(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                                    total_steps=cfg.train.steps, start_step=self.step)
@@ -260,9 +320,11 @@ class Trainer:
         # coupled PPO (ratio_anchor=behaviour) never reads the proximal log-probs: no extra forward
         coupled = cfg.algo.ratio_anchor == "behaviour"
         proximal = [None] * n_mini if coupled else [None] + [self._proximal(p) for p in prepared[1:]]
-        # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n, stale match, stale total
-        sums = torch.zeros(10, dtype=torch.float64)
-        max_ratio = torch.zeros(1, dtype=torch.float64)
+        # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n, stale match, stale total: on the
+        # backend's device, read once at the end of the step
+        dev = self.backend.device
+        sums = torch.zeros(10, dtype=torch.float64, device=dev)
+        max_ratio = torch.zeros(1, dtype=torch.float64, device=dev)
         steps = []
         for prep, prox in zip(prepared, proximal):
             self._accumulate(prep, prox, sums, max_ratio)
@@ -271,107 +333,112 @@ class Trainer:
         if T > 1:
             dist.all_reduce(sums, group=self.groups.trainer)
             dist.all_reduce(max_ratio, op=dist.ReduceOp.MAX, group=self.groups.trainer)
-        n = max(float(sums[2]), 1.0)
+        *tot, max_ratio = torch.cat([sums, max_ratio]).tolist()  # the step's one read of its metrics
+        n = max(tot[2], 1.0)
         out = {
-            "loss": float(sums[0]) / n_mini,  # each minibatch's loss is normalised on its own
-            "mismatch_k3": float(sums[1]) / n,
-            "mismatch_max_ratio": float(max_ratio),
-            "clip_frac": float(sums[6]) / n,
-            "icepop_frac": float(sums[7]) / n,
-            "train_tokens": int(sums[2]),
-            **({"entropy": float(sums[5]) / n} if cfg.algo.entropy_coef > 0 else {}),
+            "loss": tot[0] / n_mini,  # each minibatch's loss is normalised on its own
+            "mismatch_k3": tot[1] / n,
+            "mismatch_max_ratio": max_ratio,
+            "clip_frac": tot[6] / n,
+            "icepop_frac": tot[7] / n,
+            "train_tokens": int(tot[2]),
+            **({"entropy": tot[5] / n} if cfg.algo.entropy_coef > 0 else {}),
             **{k: float(np.mean([s[k] for s in steps])) for k in steps[0]},
         }
-        if sums[4] > 0:  # R3: where the engine's routing was replayed
-            out["routing_match"] = float(sums[3] / sums[4])
-        if sums[9] > 0:  # stale samples: the older router's experts vs the trainer's own
-            out["routing_match_stale"] = float(sums[8] / sums[9])
+        if tot[4] > 0:  # R3: where the engine's routing was replayed
+            out["routing_match"] = tot[3] / tot[4]
+        if tot[9] > 0:  # stale samples: the older router's experts vs the trainer's own
+            out["routing_match_stale"] = tot[8] / tot[9]
         return out
 
     def _prepare(self, part: list[dict]) -> dict:
-        """One minibatch: this rank's shard packed into micro-batches, each with the routing it
-        replays (module docstring), resolved with the current weights."""
+        """One minibatch: this rank's shard packed into micro-batches (on the host), each with
+        what decides the routing it replays (module docstring), resolved with the current
+        weights."""
         cfg = self.cfg
         mbs, T = cfg.train.micro_batch_size, self.n_trainers
         shard = part[self.rank :: T] if T > 1 else part
         n_micro = max(1, math.ceil(math.ceil(len(part) / T) / mbs))
-        micro = make_micro_batches(shard, mbs, n_micro, self.arch, self.reader, cfg.replay.enabled)
+        micro = make_micro_batches(shard, mbs, n_micro, self.arch, self.reader)
         # which samples' engine routing is replayed: decided on the whole minibatch, so every
         # rank makes the same number of forward calls (expert parallelism)
         fresh = [cfg.replay.stale == "engine" or all(v == self.version for v, m in zip(s["versions"], _loss_mask(s)) if m)
                  for s in part]
-        mixed = any(fresh) and not all(fresh)
+        mixed = cfg.replay.enabled and any(fresh) and not all(fresh)
         fresh_shard = fresh[self.rank :: T] if T > 1 else fresh
         algo = cfg.algo
         if algo.loss_agg == "token_sum_norm" and algo.loss_norm_tokens is None:
             algo = algo.model_copy(update={"loss_norm_tokens": cfg.rollout.max_new_tokens * max(len(part), 1)})
-        out = []
-        for m_i, (mb, chunk, resp_pos, (engine_routing, has_rec)) in enumerate(micro):
-            keep = fresh_shard[m_i * mbs : m_i * mbs + len(chunk)]
-            if cfg.replay.enabled and not all(fresh):
-                own = None
-                if mixed:  # the trainer's own routing for the stale samples' rows (every rank, every call)
-                    own = []
-                    with torch.no_grad():
-                        self.backend.logprobs(MicroBatch(mb.input_ids, mb.cu_seqlens, mb.labels), cfg.rollout.temperature,
-                                              record=own)
-                if chunk:
-                    mb = MicroBatch(mb.input_ids, mb.cu_seqlens, mb.labels,
-                                    replay_rows(mb.replay, own, keep, mb.cu_seqlens))
-            out.append((mb, chunk, resp_pos, engine_routing, has_rec, keep))
-        return dict(micro=out, algo=algo, n_tok=sum(sum(_loss_mask(s)) for s in part),
+        for m_i, mc in enumerate(micro):
+            mc.fresh = fresh_shard[m_i * mbs : m_i * mbs + len(mc.chunk)]
+            if mc.routing is not None:
+                mc.stale = stale_rows(mc.fresh, mc.mb.cu_seqlens)
+            if mixed:  # the trainer's own routing for the stale samples' rows (every rank, every call)
+                mc.own = []
+                with torch.no_grad():
+                    self.backend.logprobs(mc.mb, cfg.rollout.temperature, record=mc.own)
+        return dict(micro=micro, algo=algo, n_tok=sum(sum(_loss_mask(s)) for s in part),
                     n_seq=sum(1 for s in part if s["response_ids"]))
+
+    def _on_device(self, mc: Micro) -> Micro:
+        """``mc`` on the backend's device (one asynchronous copy of each tensor), with the
+        routing its forward replays: the engine's for fresh samples, the trainer's own for
+        stale ones under ``replay.stale: trainer``, none (the router chooses) without replay."""
+        d = mc.to(self.backend.device)
+        if self.cfg.replay.enabled and d.routing is not None and d.chunk:
+            d.mb.replay = replay_rows(d.engine_routing, d.own, d.fresh, d.stale)
+        return d
 
     @torch.no_grad()
     def _proximal(self, prep: dict) -> list[torch.Tensor | None]:
         """The proximal log-probs of a minibatch's response tokens, one per micro-batch."""
         out = []
-        for mb, chunk, resp_pos, *_ in prep["micro"]:
-            logp_all = self.backend.logprobs(mb, self.cfg.rollout.temperature)[0]  # every rank, every call
-            out.append(logp_all[resp_pos] if chunk else None)
+        for mc in prep["micro"]:
+            d = self._on_device(mc)
+            logp_all = self.backend.logprobs(d.mb, self.cfg.rollout.temperature)[0]  # every rank, every call
+            out.append(logp_all[d.resp_pos] if d.chunk else None)
         return out
 
     def _accumulate(self, prep: dict, proximal: list | None, sums: torch.Tensor, max_ratio: torch.Tensor) -> None:
         """Forward and backward of one minibatch's micro-batches (gradients accumulate), adding
-        its metrics to ``sums``. ``proximal`` None: the proximal policy is this very forward."""
+        its metrics to ``sums`` (on the device: no host read here). ``proximal`` None: the
+        proximal policy is this very forward."""
         cfg = self.cfg
         temp = cfg.rollout.temperature
         need_entropy = cfg.algo.entropy_coef > 0
-        for m_i, (mb, chunk, resp_pos, engine_routing, has_rec, keep) in enumerate(prep["micro"]):
-            used = [] if engine_routing is not None else None
-            logp_all, ent_all = self.backend.logprobs(mb, temp, with_entropy=need_entropy, record=used)
-            if not chunk:
+        for m_i, mc in enumerate(prep["micro"]):
+            d = self._on_device(mc)
+            used = [] if d.routing is not None else None
+            logp_all, ent_all = self.backend.logprobs(d.mb, temp, with_entropy=need_entropy, record=used)
+            if not d.chunk:
                 (logp_all.sum() * 0.0).backward()
                 continue
-            logp = logp_all[resp_pos]
+            logp = logp_all[d.resp_pos]
             prox = logp.detach() if proximal is None else proximal[m_i]
-            behav = torch.tensor([x for s in chunk for x in s["behaviour_logprobs"]], dtype=torch.float32)
-            adv = torch.tensor([s["advantage"] for s in chunk for _ in s["response_ids"]], dtype=torch.float32)
-            seq_ids = torch.tensor([i for i, s in enumerate(chunk) for _ in s["response_ids"]])
-            mask = torch.tensor([m for s in chunk for m in _loss_mask(s)], dtype=torch.float32)
             ref_logp = None
             if self.ref is not None:
                 with torch.no_grad():
-                    ref_logp = self.ref.logprobs(mb, temp)[0][resp_pos]
+                    ref_logp = self.ref.logprobs(d.mb, temp)[0][d.resp_pos]
             loss, m = policy_loss(
-                logp, prox, behav, adv, mask, seq_ids, prep["algo"], ref_logp=ref_logp,
-                entropy=None if ent_all is None else ent_all[resp_pos],
+                logp, prox, d.behav, d.adv, d.mask, d.seq_ids, prep["algo"], ref_logp=ref_logp,
+                entropy=None if ent_all is None else ent_all[d.resp_pos],
                 num_tokens_global=prep["n_tok"], num_seqs_global=prep["n_seq"],
             )
             loss.backward()
-            mm = mismatch_metrics(prox, behav, mask)  # the weights that sampled vs those the batch started from
+            mm = mismatch_metrics(prox, d.behav, d.mask)  # the weights that sampled vs those the batch started from
             n = mm["num_tokens"]
-            sums[0] += float(loss.detach())
+            sums[0] += loss.detach()
             sums[1] += mm["mismatch_k3"] * n
             sums[2] += n
             max_ratio.clamp_(min=mm["mismatch_max_ratio"])
             if used is not None:
                 # replayed rows (fresh samples) vs rows the trainer routed itself (stale ones)
-                replayed = stale_rows(keep, mb.cu_seqlens).logical_not() if cfg.replay.enabled else has_rec
-                a, b = routing_match(used, engine_routing, has_rec & replayed)
+                replayed = d.has_rec & ~d.stale if cfg.replay.enabled else d.has_rec
+                engine = d.engine_routing
+                a, b = routing_match(used, engine, replayed)
                 sums[3] += a
                 sums[4] += b
-                a, b = routing_match(used, engine_routing, has_rec & ~replayed)
+                a, b = routing_match(used, engine, d.has_rec & ~replayed)
                 sums[8] += a
                 sums[9] += b
             if need_entropy:
@@ -470,22 +537,24 @@ class Trainer:
 
 
 def replay_rows(engine: list[torch.Tensor], own: list[torch.Tensor] | None, fresh: list[bool],
-                cu_seqlens: torch.Tensor) -> list[torch.Tensor] | None:
+                stale: torch.Tensor) -> list[torch.Tensor] | None:
     """The routing a micro-batch replays: the engine's rows for the sequences in ``fresh``
     (produced by the trainer's current weights), ``own`` (the trainer's routing, one [T, k]
-    tensor per MoE layer) for the others. None (the router chooses) when no sequence is fresh."""
+    tensor per MoE layer) for the others, whose rows ``stale`` marks ([T] bool, from
+    ``stale_rows``; every tensor on one device). None (the router chooses) when no sequence is
+    fresh."""
     if not any(fresh):
         return None
     if all(fresh):
         return engine
     if own is None:
         raise ValueError("replay_rows: a micro-batch mixing fresh and stale sequences needs the trainer's own routing")
-    stale = stale_rows(fresh, cu_seqlens)[:, None]
-    return [torch.where(stale, o.to(e.device, e.dtype), e) for e, o in zip(engine, own)]
+    return [torch.where(stale[:, None], o.to(e.dtype), e) for e, o in zip(engine, own)]
 
 
 def stale_rows(fresh: list[bool], cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[T] bool: the packed rows of the sequences not in ``fresh`` (rows past them: True)."""
+    """[T] bool: the packed rows of the sequences not in ``fresh`` (rows past them: True).
+    ``cu_seqlens`` on the host (the loop calls it before the micro-batch goes to the device)."""
     lengths = torch.diff(cu_seqlens)
     stale = torch.repeat_interleave(~torch.tensor(fresh, dtype=torch.bool), lengths[: len(fresh)])
     return torch.cat([stale, torch.ones(int(cu_seqlens[-1]) - stale.numel(), dtype=torch.bool)])

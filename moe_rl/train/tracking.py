@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,25 @@ class Tracker:
 
     def _truncate_after(self, start_step: int) -> None:
         """On resume, drop lines of steps that the checkpoint does not contain (steps are
-        1-based: a checkpoint taken after step N resumes with N steps done)."""
-        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start_step]
-        self.path.write_text("".join(l + "\n" for l in keep))
+        1-based: a checkpoint taken after step N resumes with N steps done), and a last line
+        cut short by a crash. Written atomically: a crash here leaves the file as it was."""
+        lines = self.path.read_text().splitlines()
+        keep = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:
+                    log.warning("%s: dropping its last line, cut short by a crash", self.path)
+                    break
+                raise ValueError(f"{self.path}:{i + 1}: not a JSON object: {line[:80]!r}") from None
+            if row["step"] <= start_step:
+                keep.append(line)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(l + "\n" for l in keep))
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict, histograms: dict | None = None) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}

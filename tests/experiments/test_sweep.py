@@ -2,6 +2,7 @@
 tiny real sweep (2 arms x 1 seed x 2 steps) that resumes without rerunning a finished arm."""
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,18 @@ def test_tiny_sweep_runs_and_resumes(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "2 already done, 0 to run" in r.stderr
     assert (out / "enabled=true" / "seed0" / "done.json").stat().st_mtime_ns == stamp
+    # runs cut short are the sweep's own: continued from a checkpoint, or started over without one
+    cut, bare = out / "enabled=true" / "seed0", out / "enabled=false" / "seed0"
+    for d in (cut, bare):
+        (d / "done.json").unlink()
+    shutil.rmtree(bare / "checkpoints")
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "0 already done, 2 to run" in r.stderr, r.stderr[-3000:]
+    assert "--- moe-rl sweep: resume=true ---" in (cut / "train.log").read_text()
+    assert "--- moe-rl sweep: overwrite_output_dir=true ---" in (bare / "train.log").read_text()
+    for d in (cut, bare):
+        assert [json.loads(l)["step"] for l in (d / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+        assert (d / "done.json").exists() and (d / "checkpoints" / "latest").exists()
 
 
 def test_reward_by_version_shifts_by_staleness():

@@ -88,3 +88,54 @@ def test_replay_math_matches_native():
     nids, nweights = moe.route(x, ids)
     assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, ids, True))
     torch.testing.assert_close(probs.gather(1, nids), nweights, atol=1e-6, rtol=0)
+
+
+def _other_spec_form(spec):
+    """A layer-spec entry in the other release's form: megatron-core 0.16's
+    ``ModuleSpec(module=cls, submodules=...)`` <-> 0.19's ``functools.partial(cls, submodules=...)``."""
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, functools.partial):
+        return ModuleSpec(module=spec.func, submodules=spec.keywords["submodules"])
+    return functools.partial(spec.module, submodules=spec.submodules, **spec.params)
+
+
+@pytest.mark.parametrize("form", ["installed", "other"])
+def test_spec_edits_take_both_megatron_spec_forms(form):
+    """The expert and core-attention swaps read the layer specs of either megatron-core form (0.19.2
+    crashed on `.module` of a partial): whichever release is installed, its own spec and the spec
+    rewritten into the other release's form both get TorchGroupedMLP / TorchSDPAttention."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from moe_rl.train.megatron.attention import TorchSDPAttention
+    from moe_rl.train.megatron.experts import TorchGroupedMLP
+    from moe_rl.train.megatron.model import (_spec_module, _spec_submodules, use_torch_grouped_experts,
+                                             use_torch_sdpa_attention)
+
+    # what get_gpt_decoder_block_spec assembles (it needs parallel_state): MoE, dense, MoE layers
+    layer = lambda experts: get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=True,  # noqa: E731
+                                                     normalization="RMSNorm")
+    spec = TransformerBlockSubmodules(layer_specs=[layer(4), layer(None), layer(4)])
+    if form == "other":
+        for layer in spec.layer_specs:
+            sub = _spec_submodules(layer)
+            sub.mlp = _other_spec_form(sub.mlp)
+            sub.self_attention = _other_spec_form(sub.self_attention)
+    use_torch_grouped_experts(spec)
+    use_torch_sdpa_attention(spec)
+    mlps = [_spec_submodules(layer).mlp for layer in spec.layer_specs]
+    assert [_spec_module(m) is MoELayer for m in mlps] == [True, False, True]
+    assert [_spec_module(_spec_submodules(m).experts) for m in (mlps[0], mlps[2])] == [TorchGroupedMLP] * 2
+    assert all(_spec_submodules(_spec_submodules(layer).self_attention).core_attention is TorchSDPAttention
+               for layer in spec.layer_specs)
+
+    dense = copy.deepcopy(spec)
+    dense.layer_specs = [layer for layer, m in zip(dense.layer_specs, mlps) if _spec_module(m) is not MoELayer]
+    with pytest.raises(RuntimeError, match="no MoELayer"):
+        use_torch_grouped_experts(dense)

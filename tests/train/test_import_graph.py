@@ -69,3 +69,11 @@ def test_train_backends_import_without_a_circle():
     graph = import_graph("moe_rl.train")
     assert "moe_rl.train.megatron.backend" in graph and "moe_rl.train.factory" in graph
     assert find_cycle(graph) is None, find_cycle(graph)
+
+
+def test_the_package_imports_without_a_circle():
+    """The whole package, the rollout's episode runner included: it takes the request
+    conventions from their own modules, not from the manager that imports it."""
+    graph = import_graph("moe_rl")
+    assert "moe_rl.rollout.manager" not in graph["moe_rl.rollout.episode"]
+    assert find_cycle(graph) is None, find_cycle(graph)

@@ -5,7 +5,7 @@ import torch
 
 from moe_rl.model.arch import MoEArch
 from moe_rl.model.qwen3_moe import MoEForCausalLM
-from moe_rl.train.loop import replay_rows
+from moe_rl.train.loop import replay_rows, stale_rows
 
 
 def _model():
@@ -19,12 +19,12 @@ def test_replay_rows_splices_per_sequence():
     cu = torch.tensor([0, 3, 5, 9])
     engine = [torch.full((9, 2), 1), torch.full((9, 2), 2)]
     own = [torch.full((9, 2), 7), torch.full((9, 2), 8)]
-    got = replay_rows(engine, own, [True, False, True], cu)
+    got = replay_rows(engine, own, [True, False, True], stale_rows([True, False, True], cu))
     for layer, (e, o) in enumerate(zip(engine, own)):
         want = torch.cat([e[0:3], o[3:5], e[5:9]])  # plain: sequence by sequence
         assert torch.equal(got[layer], want)
-    assert replay_rows(engine, None, [True, True, True], cu) is engine
-    assert replay_rows(engine, None, [False, False, False], cu) is None
+    assert replay_rows(engine, None, [True, True, True], stale_rows([True, True, True], cu)) is engine
+    assert replay_rows(engine, None, [False, False, False], stale_rows([False, False, False], cu)) is None
 
 
 @torch.no_grad()
@@ -42,7 +42,7 @@ def test_spliced_forward_matches_each_sequence_alone():
     own = []
     model.hidden_states(ids, cu_seqlens=cu, record=own)
     assert not all(torch.equal(a, b) for a, b in zip(engine, own))  # the two routings differ
-    logits = model(ids, cu_seqlens=cu, replay=replay_rows(engine, own, fresh, cu))[0]
+    logits = model(ids, cu_seqlens=cu, replay=replay_rows(engine, own, fresh, stale_rows(fresh, cu)))[0]
     for i, (s, f) in enumerate(zip(seqs, fresh)):
         a, b = int(cu[i]), int(cu[i + 1])
         rep = [e[a:b] for e in engine] if f else None

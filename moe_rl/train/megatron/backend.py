@@ -203,11 +203,11 @@ class MegatronBackend(DataParallelStep):
     # --- forward ------------------------------------------------------------------------
     def hidden_states(self, mb, record: list | None = None) -> torch.Tensor:
         """Final normed hidden states [T, H] of a packed micro-batch (routing replayed if given)."""
-        ids = mb.input_ids.to(self.device)
+        ids = mb.input_ids.to(self.device, non_blocking=True)  # the loop's micro-batches are there already
         if ids.shape[0] != 1:
             raise ValueError("megatron backend: micro-batches are one packed row [1, T]")
         T = ids.shape[1]
-        cu = mb.cu_seqlens.to(self.device)
+        cu = mb.cu_seqlens.to(self.device, non_blocking=True)
         pos = packed_positions(cu, T)[None]
         kwargs = {}
         if self.opts.use_te:
@@ -235,7 +235,7 @@ class MegatronBackend(DataParallelStep):
     def logprobs(self, mb, temperature, with_entropy=False, record=None):
         hidden = self.hidden_states(mb, record)
         out = fused_logprobs(
-            hidden, self.model.output_layer.weight, mb.labels.to(self.device),
+            hidden, self.model.output_layer.weight, mb.labels.to(self.device, non_blocking=True),
             temperature=temperature, return_entropy=with_entropy,
         )
         return out if with_entropy else (out, None)

@@ -1,7 +1,8 @@
 """Tokens/s and MFU of one training step, native backend vs megatron backend.
 
-    python -m moe_rl.train.megatron.bench [--preset small|medium|large]
+    python -m moe_rl.train.megatron.bench [--preset tiny|small|medium|large]
         [--backends native,megatron,megatron_recompute] [--device cuda|cpu] [--json] [--out FILE]
+        [--profile] [--profile-dir DIR]
     python -m moe_rl.train.megatron.bench --device cpu --baseline /tmp/base --rounds 3   # A/B on CPU
 
 One step = forward (routing replayed from a fixed record), a policy-gradient surrogate loss,
@@ -29,11 +30,17 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 PRESETS = {
+    # the CPU dry run of scripts/gpu_round.sh and the tests: a fraction of a second per step on a CPU
+    "tiny": dict(arch=dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_experts=8, num_experts_per_tok=2),
+                 seq=64, seqs_per_micro=2, micro=2),
     # a smoke size: seconds per step on any GPU
     "small": dict(arch=dict(vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
@@ -109,7 +116,8 @@ def _batch(preset: dict):
     return mbs
 
 
-def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | None, profile: bool = False) -> dict:
+def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | None, profile: bool = False,
+             table: Path | None = None) -> dict:
     n_loss = sum(int((mb.labels != -100).sum()) for mb in mbs)
     tokens = sum(mb.num_tokens for mb in mbs)
     cuda = backend.device.type == "cuda"
@@ -134,7 +142,7 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
         sync()
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
-    top = _profile_top(step, sync, cuda) if profile else None
+    top = _profile_top(step, sync, cuda, table) if profile else None
     mean = sum(times) / len(times)
     # CPU seconds of this process: on a shared machine (other processes taking the cores) a
     # steadier measure of the work a CPU step does than wall time
@@ -146,9 +154,10 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
                 **({"profile_top_ops": top} if top is not None else {}))
 
 
-def _profile_top(step, sync, cuda: bool, n: int = 15) -> list[dict]:
+def _profile_top(step, sync, cuda: bool, table: Path | None = None, n: int = 15) -> list[dict]:
     """One more step under torch.profiler: the ``n`` aten ops with the most self time (device
-    time on CUDA, CPU time otherwise), to see where a step goes."""
+    time on CUDA, CPU time otherwise), to see where a step goes; ``table``: also torch's op
+    table of the step (60 rows, same order) in that file."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -156,6 +165,9 @@ def _profile_top(step, sync, cuda: bool, n: int = 15) -> list[dict]:
         step()
         sync()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    if table is not None:
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.write_text(prof.key_averages().table(sort_by=key, row_limit=60) + "\n")
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events) or 1.0
     return [dict(op=e.key, self_ms=getattr(e, key) / 1e3, share=getattr(e, key) / total, calls=e.count)
@@ -222,10 +234,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="--baseline: alternating runs per side")
     ap.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared machine)")
     ap.add_argument("--profile", action="store_true", help="also profile one step per backend (top ops in the JSON)")
+    ap.add_argument("--profile-dir", type=Path, help="with --profile (implied): torch.profiler's op table of each "
+                    "backend's profiled step in DIR/<backend>_ops.txt")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the JSON result here")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
+    args.profile = args.profile or args.profile_dir is not None
+    table = (lambda name: args.profile_dir / f"{name}_ops.txt") if args.profile_dir else (lambda name: None)
     args.preset = args.preset or ("medium" if cuda else "small")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if args.threads:
@@ -276,33 +292,41 @@ def main(argv=None) -> int:
     arch = _cfg(preset, "native", args.dtype, False, args.device).model.arch()
     hf = hf_state_dict(MoEForCausalLM(arch).init_weights(0)) if any(b.startswith("megatron") for b in backends) else None
 
-    if "native" in backends:
-        native = NativeBackend(_cfg(preset, "native", args.dtype, False, args.device))
-        if hf is not None:
-            with torch.no_grad():
-                for name, t in iter_local_hf_tensors(native.model):
-                    t.copy_(hf[name])
-        result["native"] = _measure(native, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile)
-        del native
+    def run_backend(name: str) -> None:
+        """Builds, measures and frees one backend; a failure is recorded in its row (and the exit
+        code) and the other backends are still measured."""
+        try:
+            if name == "native":
+                backend = NativeBackend(_cfg(preset, "native", args.dtype, False, args.device))
+                if hf is not None:
+                    with torch.no_grad():
+                        for n, t in iter_local_hf_tensors(backend.model):
+                            t.copy_(hf[n])
+                result[name] = _measure(backend, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile,
+                                        table(name))
+            else:
+                with (cpu_forward_shims() if not cuda else contextlib.nullcontext()):
+                    backend = MegatronBackend(_cfg(preset, "megatron", args.dtype, name == "megatron_recompute",
+                                                   args.device), None, hf_state=hf)
+                    result["megatron_spec"] = "te" if backend.opts.use_te else "local"
+                    result["megatron_experts"] = backend.experts_desc()
+                    result[name] = _measure(backend, mbs, args.steps, args.warmup, flops["flops"], peak,
+                                            args.profile, table(name))
+        except Exception as exc:
+            traceback.print_exc()
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+        backend = None
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    for name in ("megatron", "megatron_recompute"):
-        if name not in backends:
-            continue
-        with (cpu_forward_shims() if not cuda else contextlib.nullcontext()):
-            meg = MegatronBackend(_cfg(preset, "megatron", args.dtype, name == "megatron_recompute", args.device),
-                                  None, hf_state=hf)
-            result["megatron_spec"] = "te" if meg.opts.use_te else "local"
-            result["megatron_experts"] = meg.experts_desc()
-            result[name] = _measure(meg, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile)
-        del meg
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    if "native" in result and "megatron" in result:
+
+    for name in ("native", "megatron", "megatron_recompute"):
+        if name in backends:
+            run_backend(name)
+    ok = {k for k in backends if "error" not in result[k]}
+    if {"native", "megatron"} <= ok:
         result["speedup"] = result["megatron"]["tokens_per_s"] / result["native"]["tokens_per_s"]
-    if "megatron" in result and "megatron_recompute" in result:  # the issue's target: <= 1.4 on a GPU
+    if {"megatron", "megatron_recompute"} <= ok:  # the issue's target: <= 1.4 on a GPU
         result["recompute_step_ratio"] = result["megatron_recompute"]["step_s"] / result["megatron"]["step_s"]
         result["recompute_cpu_ratio"] = result["megatron_recompute"]["cpu_s"] / result["megatron"]["cpu_s"]
 
@@ -318,6 +342,9 @@ def main(argv=None) -> int:
               f"peak={peak or '?'} TFLOP/s")
         for k in backends:
             r = result[k]
+            if "error" in r:
+                print(f"  {k:9s} failed: {r['error']}")
+                continue
             mfu = f"MFU {100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "MFU n/a (no --peak-tflops)"
             mem = f"peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else ""
             print(f"  {k:9s} {r['tokens_per_s']:>10.0f} tok/s  step {r['step_s'] * 1e3:8.1f} ms  "
@@ -329,9 +356,13 @@ def main(argv=None) -> int:
         if "recompute_step_ratio" in result:
             print(f"  megatron step with / without full recompute: {result['recompute_step_ratio']:.2f}x "
                   f"(CPU-seconds {result['recompute_cpu_ratio']:.2f}x)")
+    if any(b.startswith("megatron") for b in backends):
+        from moe_rl.train.megatron.model import destroy_parallel_state
+
+        destroy_parallel_state()  # megatron's groups die with the process group: leave no stale state
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return 0 if ok == set(backends) else 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Grouped-GEMM experts for megatron-core's MoELayer that need only torch.
 
 megatron-core 0.16 has two grouped expert modules: ``TEGroupedMLP`` (Transformer Engine) and
-the legacy ``GroupedMLP`` (the ``grouped_gemm`` CUDA package, bf16 only). Without either, its
-local spec runs ``SequentialMLP``: a Python loop over experts with a ``tolist()`` host sync.
-``TorchGroupedMLP`` is a drop-in expert module (MoELayer calls ``experts(tokens, tokens_per_expert,
-probs)``) that runs the native model's grouped GEMMs (``moe_rl.model.grouped.grouped_mm``:
+the legacy ``GroupedMLP`` (the ``grouped_gemm`` CUDA package, bf16 only); 0.19 only
+``TEGroupedMLP``. Without TE, the local spec of both runs ``SequentialMLP``: a Python loop over
+experts with a ``tolist()`` host sync.
+``TorchGroupedMLP`` is a drop-in expert module (MoELayer builds it as ``cls(num_local_experts,
+config, pg_collection=..., name=...)`` and calls ``experts(tokens, tokens_per_expert, probs)``)
+that runs the native model's grouped GEMMs (``moe_rl.model.grouped.grouped_mm``:
 ``torch._grouped_mm`` where it runs, a padded ``bmm`` elsewhere). Its parameters carry
 ``TEGroupedMLP``'s names and shapes (``linear_fc1.weight{j}`` = ``[gate; up]`` [2I, H],
 ``linear_fc2.weight{j}`` [H, I]), so conversion and checkpoints are shared with the TE layout.
@@ -31,7 +33,7 @@ class TorchGroupedMLP(nn.Module):
     """``num_local_experts`` SwiGLU experts computed as two grouped GEMMs over the expert-sorted
     tokens megatron's dispatcher hands over (``tokens_per_expert`` rows per expert, in order)."""
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None):
+    def __init__(self, num_local_experts: int, config, pg_collection=None, name: str | None = None):
         super().__init__()
         if config.add_bias_linear or not config.gated_linear_unit or config.activation_func is not F.silu:
             raise ValueError("TorchGroupedMLP implements bias-free SwiGLU experts (Qwen3-MoE); "

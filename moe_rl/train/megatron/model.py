@@ -8,6 +8,7 @@ and actions). Written against the API megatron-core 0.16 and 0.19 share.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -272,18 +273,42 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     )
 
 
+def _spec_module(spec):
+    """The class a layer-spec entry builds. megatron-core 0.16 wraps it in a ``ModuleSpec``
+    (``.module``); 0.19 holds builders, ``functools.partial(cls, submodules=...)`` (``.func``),
+    or the class itself."""
+    if isinstance(spec, functools.partial):
+        return spec.func
+    return getattr(spec, "module", spec)
+
+
+def _spec_submodules(spec):
+    """The submodules dataclass of a layer-spec entry, as megatron-core 0.19's
+    ``spec_utils.get_submodules`` reads it: a partial's ``submodules`` keyword, else
+    ``.submodules`` (a 0.16 ``ModuleSpec``)."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
+
+
 def use_torch_grouped_experts(block_spec) -> None:
-    """Replaces the expert module (the local spec's SequentialMLP) of every MoE layer spec."""
+    """Replaces the expert module (the local spec's SequentialMLP) of every MoE layer spec.
+
+    The class itself goes into ``MoESubmodules.experts``: 0.16 builds it with
+    ``build_module(cls, n, config, pg_collection=...)`` and 0.19 calls the builder as
+    ``cls(n, config, pg_collection=..., name=...)``; both reach ``TorchGroupedMLP.__init__``."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from .experts import TorchGroupedMLP
 
-    moe_specs = [s.submodules.mlp for s in block_spec.layer_specs if s.submodules.mlp.module is MoELayer]
+    mlps = [_spec_submodules(s).mlp for s in block_spec.layer_specs]
+    moe_specs = [m for m in mlps if _spec_module(m) is MoELayer]
     if not moe_specs:
-        raise RuntimeError("megatron layer spec has no MoELayer to give TorchGroupedMLP experts")
+        built = sorted({getattr(_spec_module(m), "__name__", repr(m)) for m in mlps})
+        raise RuntimeError(f"megatron layer spec has no MoELayer to give TorchGroupedMLP experts; its MLP entries "
+                           f"build {built}")
     for mlp in moe_specs:
-        mlp.submodules.experts = ModuleSpec(module=TorchGroupedMLP)
+        _spec_submodules(mlp).experts = TorchGroupedMLP
 
 
 def use_torch_sdpa_attention(block_spec) -> None:
@@ -292,12 +317,14 @@ def use_torch_sdpa_attention(block_spec) -> None:
     from .attention import TorchSDPAttention
 
     for s in block_spec.layer_specs:
-        s.submodules.self_attention.submodules.core_attention = TorchSDPAttention
+        _spec_submodules(_spec_submodules(s).self_attention).core_attention = TorchSDPAttention
 
 
 # --- routing replay ---------------------------------------------------------------------------
 def check_replay(replay: list[torch.Tensor], num_layers: int, n_tokens: int, top_k: int, num_experts: int) -> None:
-    """The checks megatron's RouterReplay does not do (it gathers whatever it is given)."""
+    """The checks megatron's RouterReplay does not do (it gathers whatever it is given): on the
+    host for a host record, by an asynchronous device assert for a device-resident one (as the
+    native model's router does)."""
     if len(replay) != num_layers:
         raise RoutingError(f"replay record has {len(replay)} layers, the model has {num_layers} MoE layers")
     for i, ids in enumerate(replay):
@@ -306,7 +333,11 @@ def check_replay(replay: list[torch.Tensor], num_layers: int, n_tokens: int, top
             raise RoutingError(f"{where}: expected an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
         if tuple(ids.shape) != (n_tokens, top_k):
             raise RoutingError(f"{where}: shape {tuple(ids.shape)}, expected [tokens={n_tokens}, top_k={top_k}]")
-        if n_tokens:
+        if n_tokens and ids.device.type != "cpu":  # the loop's replay is on the device: no host read
+            srt = ids.sort(dim=1).values
+            ok = (srt[:, 0] >= 0).all() & (srt[:, -1] < num_experts).all() & ~(srt[:, 1:] == srt[:, :-1]).any()
+            torch._assert_async(ok, f"{where}: expert id out of range [0, {num_experts}) or duplicated")
+        elif n_tokens:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= num_experts:
                 raise RoutingError(f"{where}: expert id out of range [0, {num_experts}): min {lo}, max {hi}")

@@ -1,0 +1,38 @@
+"""The train bench (moe_rl.train.megatron.bench) on CPU at its tiny preset: each backend's row and
+op table, and a backend that fails to build recorded in its row while the others are still
+measured (on the H200 the megatron build crash took the native figures of the run down with it)."""
+import json
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from moe_rl.train import megatron
+from moe_rl.train.megatron import bench
+
+from tests.distributed import free_port
+
+
+def test_rows_op_tables_and_a_failing_backend(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    real = megatron.MegatronBackend
+
+    def recompute_breaks(cfg, *a, **k):
+        if cfg.train.megatron_recompute:
+            raise AttributeError("'functools.partial' object has no attribute 'module'")
+        return real(cfg, *a, **k)
+
+    monkeypatch.setattr(megatron, "MegatronBackend", recompute_breaks)
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--device", "cpu", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--peak-tflops", "1",
+                     "--backends", "native,megatron,megatron_recompute", "--profile-dir", str(tmp_path / "p"),
+                     "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 1
+    for b in ("native", "megatron"):
+        assert r[b]["tokens_per_s"] > 0 and r[b]["mfu"] > 0 and r[b]["profile_top_ops"]
+        assert "Self CPU" in (tmp_path / "p" / f"{b}_ops.txt").read_text()
+    assert r["speedup"] == pytest.approx(r["megatron"]["tokens_per_s"] / r["native"]["tokens_per_s"])
+    assert r["megatron_recompute"] == {"error": "AttributeError: 'functools.partial' object has no attribute 'module'"}
+    assert "recompute_step_ratio" not in r and not (tmp_path / "p" / "megatron_recompute_ops.txt").exists()

@@ -1,0 +1,180 @@
+"""scripts/gpu_summary.py (the summary of `bash scripts/gpu_round.sh all`) on the outputs of a
+real CPU dry run of the round, canned in gpu_round_cpu/ (`GPU_ROUND_DEVICE=cpu bash
+scripts/gpu_round.sh all`: the train bench on preset small with megatron-core, the log-prob bench
+at 256x256x8192, the engine bench and `moe-rl train configs/tiny.yaml` on CPU, `pytest -m gpu`
+skipping everything). Each headline figure must be the stage output's own value (recomputed here
+from the raw rows); a stage that failed, was skipped or left no or broken output must give null and
+keep its exit code; pytest counts come from a JUnit report of a real pytest run."""
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CANNED = Path(__file__).parent / "gpu_round_cpu"
+SCRIPT = ROOT / "scripts" / "gpu_summary.py"
+
+
+def summarize(work: Path, out: Path, *args) -> tuple[int, dict]:
+    r = subprocess.run([sys.executable, str(SCRIPT), str(work), "--out", str(out), "--device", "cpu", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert (out / "gpu_summary.json").exists(), r.stderr
+    return r.returncode, json.loads((out / "gpu_summary.json").read_text())
+
+
+def set_stage(work: Path, name: str, **fields):
+    lines = [json.loads(line) for line in (work / "stages.jsonl").read_text().splitlines()]
+    for rec in lines:
+        if rec["stage"] == name:
+            rec.update(fields)
+    (work / "stages.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+
+
+@pytest.fixture
+def work(tmp_path):
+    return Path(shutil.copytree(CANNED, tmp_path / "work"))
+
+
+def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
+    rc, s = summarize(work, tmp_path / "out")
+    assert rc == 0 and s["missing"] == {}
+    assert set(s["stage_rc"]) == {"install", "train_medium", "train_large", "logprobs", "engine", "pytest_gpu", "gpu_1x"}
+    assert set(s["stage_rc"].values()) == {0}
+    assert s["commit"] and s["device"] == json.loads((work / "install.json").read_text())["device"]
+
+    for preset in ("medium", "large"):
+        t = json.loads((work / f"train_{preset}.json").read_text())
+        assert s[f"train_{preset}_native_mfu"] == t["native"]["mfu"] > 0
+        assert s[f"megatron_vs_native_{preset}"] == pytest.approx(
+            t["megatron"]["tokens_per_s"] / t["native"]["tokens_per_s"])
+        assert s[f"recompute_step_ratio_{preset}"] == pytest.approx(
+            t["megatron_recompute"]["step_s"] / t["megatron"]["step_s"])
+
+    rows = json.loads((work / "logprobs.json").read_text())["rows"]
+    ms = {(r["provider"], r["pass"]): r["ms"] for r in rows if r["shape"] == s["logprobs_shape"]}
+    assert s["logprobs_fwd_vs_gemm"] == pytest.approx(ms["fused", "fwd"] / ms["gemm", "fwd"], abs=1e-4)
+    assert s["logprobs_fwd_bwd_vs_gemm"] == pytest.approx(ms["fused", "fwd_bwd"] / ms["gemm", "fwd_bwd"], abs=1e-4)
+    assert s["logprobs_ms"]["eager"] == {"fwd": ms["eager", "fwd"], "fwd_bwd": ms["eager", "fwd_bwd"]}
+    # no Liger on CPU and the dry run skips torch.compile: null, not a number
+    assert s["logprobs_ms"]["liger"] is None and s["logprobs_ms"]["compile"] is None
+    assert 0 < s["logprobs_extra_mem_fraction"] and s["logprobs_accuracy_ok"] is True
+
+    eng = json.loads((work / "engine.json").read_text())["summary"]
+    assert (s["engine_tokens_per_s_1"], s["engine_tokens_per_s_concurrent"], s["engine_concurrency"]) == \
+        (eng["tokens_per_s_1"], eng["tokens_per_s_concurrent"], eng["concurrency"])
+
+    m = [json.loads(line) for line in (work / "gpu_1x" / "metrics.jsonl").read_text().splitlines()]
+    assert s["gpu_1x_steps_done"] == m[-1]["step"] == len(m)
+    assert s["gpu_1x_reward_first10"] == pytest.approx(sum(r["reward_mean"] for r in m[:10]) / 10)
+    assert s["gpu_1x_reward_last10"] == pytest.approx(sum(r["reward_mean"] for r in m[-10:]) / 10)
+    assert s["gpu_1x_s_per_step"] == pytest.approx((m[-1]["wall_s"] - m[0]["wall_s"]) / (len(m) - 1))
+
+    assert (s["pytest_gpu_passed"], s["pytest_gpu_failed"]) == (0, 0) and s["pytest_gpu_skipped"] > 0
+
+    # the archive: every stage output and log, the summary itself, nothing left out
+    with tarfile.open(tmp_path / "out" / "gpu_round.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"gpu_round/gpu_summary.json", "gpu_round/train_medium.json", "gpu_round/gpu_1x/metrics.jsonl",
+            "gpu_round/pytest_gpu.json.xml"} <= names and s["archive_left_out"] == []
+
+
+def test_failed_skipped_and_missing_stages_give_null_and_keep_their_exit_code(work, tmp_path):
+    (work / "train_large.json").unlink()                 # killed by its cap before writing
+    set_stage(work, "train_large", rc=124)
+    (work / "engine.json").write_text("")                # failed before printing its JSON
+    set_stage(work, "engine", rc=2)
+    (work / "logprobs.json").write_text('{"rows": [')    # cut off mid-write
+    set_stage(work, "logprobs", rc=137)
+    (work / "pytest_gpu.json.xml").unlink()
+    set_stage(work, "pytest_gpu", rc=None, seconds=0, skipped="round budget spent")
+    set_stage(work, "gpu_1x", rc=124)                    # its time cap: its normal end, figures kept
+    rc, s = summarize(work, tmp_path / "out")
+
+    assert rc == 1
+    assert s["stage_rc"] == {"install": 0, "train_medium": 0, "train_large": 124, "logprobs": 137, "engine": 2,
+                             "pytest_gpu": None, "gpu_1x": 124}
+    assert s["stages"]["pytest_gpu"]["status"] == "skipped" and s["stages"]["engine"]["status"] == "failed"
+    for key in ("train_large_native_mfu", "megatron_vs_native_large", "recompute_step_ratio_large",
+                "logprobs_fwd_vs_gemm", "logprobs_fwd_bwd_vs_gemm", "logprobs_extra_mem_fraction",
+                "engine_tokens_per_s_1", "engine_tokens_per_s_concurrent", "pytest_gpu_passed", "pytest_gpu_failed"):
+        assert s[key] is None, key
+    assert s["logprobs_ms"]["fused"] is None
+    assert s["missing"]["train_large"].startswith("no output") and s["missing"]["engine"].startswith("empty output")
+    assert s["missing"]["logprobs"].startswith("unreadable")
+    assert s["train_medium_native_mfu"] is not None and s["gpu_1x_steps_done"] is not None
+
+
+def test_a_backend_that_failed_inside_the_train_bench_gives_null(work, tmp_path):
+    t = json.loads((work / "train_medium.json").read_text())
+    for k in ("megatron", "speedup", "recompute_step_ratio", "recompute_cpu_ratio"):
+        t.pop(k)
+    t["megatron"] = {"error": "AttributeError: 'functools.partial' object has no attribute 'module'"}
+    (work / "train_medium.json").write_text(json.dumps(t))
+    set_stage(work, "train_medium", rc=1)
+    rc, s = summarize(work, tmp_path / "out")
+    assert rc == 1 and s["megatron_vs_native_medium"] is None and s["recompute_step_ratio_medium"] is None
+    assert s["train_medium_native_mfu"] == t["native"]["mfu"]
+    assert "functools.partial" in s["stages"]["train_medium"]["figures"]["megatron"]["error"]
+
+
+def test_pytest_counts_come_from_a_real_junit_report(work, tmp_path):
+    tests = tmp_path / "t" / "test_four.py"
+    tests.parent.mkdir()
+    tests.write_text("import pytest\n"
+                     "def test_a(): pass\n"
+                     "def test_b(): pass\n"
+                     "def test_c(): assert 1 == 2\n"
+                     "@pytest.mark.skip(reason='x')\ndef test_d(): pass\n"
+                     "@pytest.fixture\ndef broken(): raise RuntimeError('setup')\n"
+                     "def test_e(broken): pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+                        f"--junitxml={work / 'pytest_gpu.json.xml'}"], cwd=tests.parent, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1, r.stdout
+    set_stage(work, "pytest_gpu", rc=1)
+    _, s = summarize(work, tmp_path / "out")
+    assert (s["pytest_gpu_passed"], s["pytest_gpu_failed"], s["pytest_gpu_skipped"]) == (2, 2, 1)
+    assert sorted(t.split("::")[-1] for t in s["pytest_gpu_failed_tests"]) == ["test_c", "test_e"]
+
+
+def test_archive_stays_under_its_limit_by_leaving_out_the_largest_files(work, tmp_path):
+    import os
+
+    (work / "profiles" / "logprobs").mkdir(parents=True, exist_ok=True)
+    (work / "profiles" / "logprobs" / "fwd_trace.json").write_bytes(os.urandom(300_000))  # incompressible
+    (work / "gpu_1x" / "checkpoints" / "step_30").mkdir(parents=True)
+    (work / "gpu_1x" / "checkpoints" / "step_30" / "config.json").write_text("{}")
+    _, s = summarize(work, tmp_path / "out", "--max-archive-mb", "0.25")
+    assert s["archive_left_out"] == ["profiles/logprobs/fwd_trace.json"]
+    assert s["archive_bytes"] == (tmp_path / "out" / "gpu_round.tar.gz").stat().st_size <= 0.25 * 2**20
+    with tarfile.open(tmp_path / "out" / "gpu_round.tar.gz") as tar:
+        assert not [n for n in tar.getnames() if "checkpoint" in n]
+
+
+def round_(tmp_path, *stages, **env):
+    import os
+
+    work, out = tmp_path / "round", tmp_path / "out"
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_round.sh"), *stages], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, GPU_ROUND_DEVICE="cpu", GPU_ROUND_WORK=str(work),
+                                             OUT=str(out), PYTHON=sys.executable, **env))
+    return r, json.loads((out / "gpu_summary.json").read_text())
+
+
+def test_the_round_script_runs_a_stage_and_records_it(tmp_path):
+    """scripts/gpu_round.sh itself, one cheap stage on CPU: its JSON reaches the summary."""
+    r, s = round_(tmp_path, "engine")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert s["stage_rc"] == {"engine": 0} and s["engine_tokens_per_s_1"] > 0 and s["engine_concurrency"] == 8
+    assert (tmp_path / "out" / "gpu_round.tar.gz").exists()
+
+
+def test_the_round_skips_a_stage_its_budget_cannot_fit(tmp_path):
+    r, s = round_(tmp_path, "engine", GPU_ROUND_BUDGET_S="30")
+    assert r.returncode == 1
+    assert s["stage_rc"] == {"engine": None} and s["stages"]["engine"]["status"] == "skipped"
+    assert s["engine_tokens_per_s_1"] is None
