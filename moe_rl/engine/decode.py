@@ -169,9 +169,9 @@ class StaticDecoder:
         # inputs: token ids, positions, KV slots ([3, max_bs]); outputs shared by every shape
         self.inputs = torch.zeros(3, max_bs, dtype=torch.long, device=dev)
         self.inputs[2].fill_(pad_slot)
-        # the host side of the inputs' one copy per step (pinned on a GPU: an asynchronous copy)
-        self.staging = (torch.empty(3, max_bs, dtype=torch.long, pin_memory=True) if dev.type == "cuda"
-                        else self.inputs)
+        # the host side of the inputs' one (asynchronous) copy per step; pinned on a GPU
+        self.staging = (self.inputs if dev.type == "cpu"
+                        else torch.empty(3, max_bs, dtype=torch.long, pin_memory=dev.type == "cuda"))
         self.logits = torch.zeros(max_bs, arch.vocab_size, dtype=torch.float32, device=dev)
         self.num_moe = len(model.moe_layers)
         self.routing = torch.zeros(max_bs, self.num_moe, arch.num_experts_per_tok, dtype=torch.long, device=dev)
