@@ -44,11 +44,11 @@ MODES = {"dynamic": {"static_decode": False, "cuda_graph": False},
          "cuda_graph": {"static_decode": True, "cuda_graph": True}}
 
 
-async def _bench(cfg, args, **mode) -> dict:
+async def _bench(cfg, args, model=None, **mode) -> dict:
     from ..engine.client import EngineClient
     from ..engine.server import build_engine, start_server
 
-    engine = build_engine(cfg, device=args.device, **mode)
+    engine = build_engine(cfg, model=model, device=args.device, **mode)
     runner, url = await start_server(engine, "127.0.0.1", 0)
     vocab = cfg.model.arch().vocab_size
     try:
@@ -106,8 +106,13 @@ async def _bench(cfg, args, **mode) -> dict:
 
 
 async def _bench_modes(cfg, args) -> dict:
-    """The configured engine, then every other mode of ``args.variants``."""
-    summary = await _bench(cfg, args)
+    """The configured engine, then every other mode of ``args.variants``, all on one model
+    (built once: a large random init takes seconds) unless the engine attaches LoRA to it."""
+    from ..engine.server import build_model
+
+    shared = not (cfg.lora.enabled and cfg.lora.sync == "adapter")
+    model = build_model(cfg).to(args.device) if shared else None
+    summary = await _bench(cfg, args, model)
     configured = next(name for name, m in MODES.items()
                       if (m["static_decode"], m["cuda_graph"]) == (summary["static_decode"], summary["cuda_graph"]))
     variants = {configured: {k: summary[k] for k in VARIANT_KEYS}}
@@ -120,7 +125,7 @@ async def _bench_modes(cfg, args) -> dict:
             continue
         _free_device_memory()
         try:
-            out = await _bench(cfg, args, **MODES[name])
+            out = await _bench(cfg, args, model, **MODES[name])
             variants[name] = {k: out[k] for k in VARIANT_KEYS}
         except ValueError as e:  # e.g. cuda_graph with float32 experts: not capturable there
             variants[name] = {"skipped": str(e)}
