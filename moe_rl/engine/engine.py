@@ -409,9 +409,9 @@ class Engine:
         return batch
 
     def _step(self, batch: list[tuple[_Req, list[int], int]]) -> None:
-        decode_only = all(start > 0 and len(toks) == 1 for _, toks, start in batch)
-        if self.static_decoder is not None and decode_only and self.static_decoder.fits(len(batch)):
-            fwd = self._forward_static(batch)
+        dec = self.static_decoder
+        if dec is not None and dec.fits(len(batch)) and all(start > 0 and len(toks) == 1 for _, toks, start in batch):
+            fwd = self._forward_static(batch)  # decode only
         else:
             fwd = self._forward_eager(batch)
         self._sample_and_record(batch, fwd)
