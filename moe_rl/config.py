@@ -59,6 +59,18 @@ class EngineConfig(Strict):
     connect_retries: int = Field(3, ge=0)
     threads: int | None = Field(None, ge=1, description="torch threads of an embedded engine")
     weight_version: str = "0"  # weight_version an embedded engine reports before its first update
+    # decode steps of an embedded engine (moe_rl/engine/decode.py, docs/gpu.md); a launched SGLang
+    # server takes its own flags through engine.sglang_extra_args (--cuda-graph-max-bs-decode, ...)
+    cuda_graph: bool | None = Field(None, description="capture the decode step as one CUDA graph per batch-size "
+                                    "bucket and replay it (SGLang's decode CUDA graphs); null = on where the engine "
+                                    "runs on a GPU and its step reads nothing on the host (bf16 experts on sm_90+; "
+                                    "checked at start), off on CPU")
+    cuda_graph_max_bs: int | None = Field(None, ge=1, description="largest decode batch run with static shapes and "
+                                          "captured (SGLang's --cuda-graph-max-bs); larger batches run eagerly; "
+                                          "null = engine.max_running_requests")
+    static_decode: bool | None = Field(None, description="decode-only steps padded to batch-size and context-length "
+                                       "buckets, inputs in preallocated buffers (what a graph captures); "
+                                       "null = as engine.cuda_graph")
     # kind=sglang, launched by moe-rl: arguments passed to `python -m sglang.launch_server`
     sglang_model_path: str | None = None
     sglang_ep_size: int = Field(1, ge=1)
@@ -343,6 +355,13 @@ class ExperimentConfig(Strict):
             raise ValueError(f"model.num_experts={self.model.num_experts} is not divisible by train.ep_size={self.train.ep_size}")
         if self.engine.kind == "embedded" and self.pools.rollout < 1:
             raise ValueError("engine.kind=embedded needs pools.rollout >= 1")
+        if self.engine.cuda_graph and self.engine.kind == "embedded" and self.train.device != "cuda":
+            raise ValueError("engine.cuda_graph=true needs the embedded engine on a GPU, and it runs on the CPU here "
+                             "(train.device=cpu); set train.device=cuda, or leave engine.cuda_graph unset (on where "
+                             "the engine is on a GPU)")
+        if self.engine.cuda_graph and self.engine.static_decode is False:
+            raise ValueError("engine.cuda_graph=true with engine.static_decode=false: the graphs capture the "
+                             "static-shape decode step; leave engine.static_decode unset or true")
         if self.engine.kind == "sglang" and not self.engine.urls and not self.engine.sglang_model_path:
             raise ValueError("engine.kind=sglang needs engine.urls (attach) or engine.sglang_model_path (launch)")
         if self.train.minibatches > self.rollout.prompts_per_step * self.rollout.group_size:

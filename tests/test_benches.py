@@ -12,7 +12,8 @@ CASES = {
                 "numpy_decode_gbps"]),
     "engine": (["--max-new-tokens", "4", "--concurrency", "4", "--sequential-requests", "2", "--repeats", "1",
                 "--ttft-samples", "2"],
-               ["tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms", "concurrency", "kv_slots", "device"]),
+               ["tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms", "concurrency", "kv_slots", "device",
+                "static_decode", "cuda_graph", "decode_static_steps", "decode_graph_steps", "variants"]),
     "sync": (["--reps", "1", "--buckets", "1", "--scale", "0.1", "--http"],
              ["per_tensor_gbps", "flat_gbps", "bucketed_gbps", "best_bucket_mb", "peak_extra_mib", "device",
               "http_gbps", "http_vs_flat"]),
@@ -33,6 +34,11 @@ def test_bench_prints_its_summary(name):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert set(keys) <= set(out["summary"]), set(keys) - set(out["summary"])
+    if name == "engine":  # each decode mode that runs on a CPU, measured with the summary's keys
+        variants = out["summary"]["variants"]
+        assert set(variants) == {"dynamic", "static"}
+        assert variants["static"]["decode_static_steps"] > 0 and variants["dynamic"]["decode_static_steps"] == 0
+        assert {"tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms"} <= set(variants["static"])
 
 
 def test_bench_sync_round_trip_check_can_fail():

@@ -12,6 +12,13 @@ Starts an embedded engine in-process on a free port (the default config's model 
 ``--device cuda`` puts the engine's model and KV cache on the current GPU (the KV cache sized by
 placement.mem_fraction_static, at most ``--concurrency`` requests); default ``cpu``.
 
+The summary is the engine as the config sets it up (engine.static_decode, engine.cuda_graph:
+on a GPU graphs are on where they can be captured); ``variants`` measures each decode mode
+(``--variants``, default all that run on the device): ``dynamic`` (every step eager, shapes
+as they come), ``static`` (decode steps padded to batch-size / context buckets, eager) and,
+on a GPU, ``cuda_graph`` (those steps replayed from CUDA graphs), each with the same keys as
+the summary; a mode that cannot run there says why (``skipped``).
+
 Every request samples (temperature 1, no stop tokens) exactly ``--max-new-tokens`` tokens
 from a ``--prompt-len`` prompt. Throughputs are the best of ``--repeats`` runs.
 """
@@ -32,11 +39,16 @@ import torch
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
-async def _bench(cfg, args) -> dict:
+MODES = {"dynamic": {"static_decode": False, "cuda_graph": False},
+         "static": {"static_decode": True, "cuda_graph": False},
+         "cuda_graph": {"static_decode": True, "cuda_graph": True}}
+
+
+async def _bench(cfg, args, model=None, **mode) -> dict:
     from ..engine.client import EngineClient
     from ..engine.server import build_engine, start_server
 
-    engine = build_engine(cfg, device=args.device)
+    engine = build_engine(cfg, model=model, device=args.device, **mode)
     runner, url = await start_server(engine, "127.0.0.1", 0)
     vocab = cfg.model.arch().vocab_size
     try:
@@ -74,6 +86,7 @@ async def _bench(cfg, args) -> dict:
     finally:
         await runner.cleanup()
         engine.stop()
+    dec = engine.static_decoder
     return {
         "tokens_per_s_1": round(tps1, 1),
         "tokens_per_s_concurrent": round(tpsn, 1),
@@ -83,7 +96,54 @@ async def _bench(cfg, args) -> dict:
         "ttft_ms": round(statistics.median(ttfts), 2),
         "batching_speedup": round(tpsn / tps1, 2),
         "engine_steps": stats.get("steps"),
+        "static_decode": engine.static_decode,
+        "cuda_graph": engine.cuda_graph,
+        "decode_static_steps": stats.get("decode_static_steps", 0),
+        "decode_graph_steps": stats.get("decode_graph_steps", 0),
+        "decode_graphs": stats.get("decode_graphs", 0),
+        "capture_s": round(dec.capture_s, 2) if dec is not None else 0.0,
     }
+
+
+async def _bench_modes(cfg, args) -> dict:
+    """The configured engine, then every other mode of ``args.variants``, all on one model
+    (built once: a large random init takes seconds) unless the engine attaches LoRA to it."""
+    from ..engine.server import build_model
+
+    shared = not (cfg.lora.enabled and cfg.lora.sync == "adapter")
+    model = build_model(cfg).to(args.device) if shared else None
+    summary = await _bench(cfg, args, model)
+    configured = next(name for name, m in MODES.items()
+                      if (m["static_decode"], m["cuda_graph"]) == (summary["static_decode"], summary["cuda_graph"]))
+    variants = {configured: {k: summary[k] for k in VARIANT_KEYS}}
+    if args.variants == "all":
+        names = [n for n in MODES if n != "cuda_graph" or args.device == "cuda"]
+    else:
+        names = [] if args.variants == "none" else args.variants.split(",")
+    for name in names:
+        if name in variants:
+            continue
+        _free_device_memory()
+        try:
+            out = await _bench(cfg, args, model, **MODES[name])
+            variants[name] = {k: out[k] for k in VARIANT_KEYS}
+        except ValueError as e:  # e.g. cuda_graph with float32 experts: not capturable there
+            variants[name] = {"skipped": str(e)}
+    summary["variants"] = {n: variants[n] for n in MODES if n in variants}
+    return summary
+
+
+VARIANT_KEYS = ("tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms", "batching_speedup", "engine_steps",
+                "decode_static_steps", "decode_graph_steps", "decode_graphs", "capture_s")
+
+
+def _free_device_memory() -> None:
+    """The previous engine's KV cache and graphs go before the next one sizes its own."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequential-requests", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ttft-samples", type=int, default=7)
+    ap.add_argument("--variants", default="all",
+                    help="decode modes measured besides the configured one: all (dynamic, static and, on cuda, "
+                         "cuda_graph), none, or a comma list of them")
     args = ap.parse_intermixed_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
@@ -116,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.engine.threads:
         torch.set_num_threads(cfg.engine.threads)
-    summary = asyncio.run(_bench(cfg, args))
+    if args.variants not in ("all", "none") and set(args.variants.split(",")) - set(MODES):
+        print(f"error: --variants {args.variants!r}: expected all, none or a comma list of {', '.join(MODES)}",
+              file=sys.stderr)
+        return 2
+    summary = asyncio.run(_bench_modes(cfg, args))
     report = {
         "bench": "engine",
         "config": args.config,
@@ -136,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {1:>12} {summary['tokens_per_s_1']:>10.1f}")
         print(f"  {args.concurrency:>12} {summary['tokens_per_s_concurrent']:>10.1f}   ({summary['batching_speedup']:.1f}x)")
         print(f"  time to first token: {summary['ttft_ms']:.1f} ms")
+        for name, v in summary["variants"].items():
+            if "skipped" in v:
+                print(f"  {name:>10}: skipped ({v['skipped']})")
+            else:
+                print(f"  {name:>10}: {v['tokens_per_s_1']:>8.1f} tokens/s at 1, {v['tokens_per_s_concurrent']:>9.1f} at "
+                      f"{args.concurrency}, TTFT {v['ttft_ms']:.1f} ms")
     return 0
 
 

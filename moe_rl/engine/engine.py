@@ -7,6 +7,13 @@ and experts see all of those tokens at once. Attention reads a slot-based KV cac
 (``[slots, kv_heads, max_context, head_dim]`` per layer): decode rows of all requests go
 through one padded, masked SDPA call; each prefill segment gets its own causal call.
 
+A decode-only step (no request prefilling) can instead go through ``decode.StaticDecoder``
+(engine.static_decode): the batch padded to a batch-size bucket, attention over a
+context-length bucket, inputs in preallocated buffers; with engine.cuda_graph each shape is
+a CUDA graph captured at ``start`` and replayed (SGLang's decode graphs). Either way sampling
+runs on the device after the forward, and a step reads the device once: its sampled tokens,
+their log-probs and the routing record, in one copy.
+
 Requests come from any thread (the aiohttp loop) through ``submit``; results go back through
 ``asyncio`` futures. Torch releases the GIL during the forward, so the event loop stays
 responsive while the engine computes.
@@ -33,7 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from . import protocol as P
+from .decode import CudaGraphs, StaticDecoder
 from .protocol import GenerateRequest, RequestError
+from .sampling import apply_penalties, sample_tokens
+
+__all__ = ["Engine", "apply_penalties"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +75,22 @@ class _Req:
     @property
     def params(self) -> P.SamplingParams:
         return self.req.sampling_params
+
+
+@dataclass
+class _Forward:
+    """What a step's forward hands to sampling: fp32 logits of each request's last row; the
+    input-log-prob rows' logits and targets (a prefill's); the routing record of the
+    forwarded tokens when a request asked for it ([tokens, moe_layers, top_k]); each
+    request's (first row, rows) among the forwarded tokens; the weight version used."""
+
+    logits: torch.Tensor
+    in_logits: torch.Tensor | None
+    in_targets: torch.Tensor | None
+    in_spans: list[tuple[int, int, int]]
+    routing: torch.Tensor | None
+    spans: list[tuple[int, int]]
+    version: str
 
 
 class _StepAttention:
@@ -106,38 +133,6 @@ class _StepAttention:
         return out
 
 
-def apply_penalties(logits: torch.Tensor, params: list[P.SamplingParams], outputs: list[list[int]]) -> None:
-    """SGLang's penaltylib on ``logits`` [R, V] (fp32, one row per request) in place, from each
-    request's output tokens so far: ``frequency_penalty`` * count and ``presence_penalty`` once
-    per generated token, ``-inf`` on ``min_new_tokens_ids`` while fewer than ``min_new_tokens``
-    tokens are out (the additive ones, summed first as SGLang's overlap scheduler does), then
-    ``repetition_penalty`` on generated tokens (logit * p when negative, / p otherwise).
-    Prompt tokens are not penalized (SGLang feeds its penalizers the output tokens only)."""
-    R, V = logits.shape
-    dev = logits.device
-
-    def padded(lists):  # ragged id lists -> [R, n] padded with V (a scratch column)
-        n = max(map(len, lists), default=0)
-        return torch.tensor([x + [V] * (n - len(x)) for x in lists], dtype=torch.long).view(R, n).to(dev)
-
-    def column(values):
-        return torch.tensor(values, dtype=torch.float32).to(dev)[:, None]
-
-    out = padded([list(o) for o in outputs])
-    counts = torch.zeros(R, V + 1, dtype=torch.float32, device=dev).scatter_add_(
-        1, out, torch.ones(out.shape, dtype=torch.float32, device=dev))[:, :V]
-    seen = counts > 0
-    additive = counts * -column([p.frequency_penalty for p in params])
-    additive -= seen * column([p.presence_penalty for p in params])
-    masked = [sorted(p.min_new_tokens_ids) if len(o) < p.min_new_tokens else [] for p, o in zip(params, outputs)]
-    if any(masked):
-        stop = torch.zeros(R, V + 1, dtype=torch.float32, device=dev).scatter_(1, padded(masked), float("-inf"))
-        additive += stop[:, :V]
-    logits.add_(additive)
-    scale = torch.where(seen, column([p.repetition_penalty for p in params]), 1.0)
-    logits.copy_(torch.where(logits < 0, logits * scale, logits / scale))
-
-
 class Engine:
     """Continuous-batching generation over ``model`` (a ``MoEForCausalLM``, EP=1)."""
 
@@ -150,7 +145,17 @@ class Engine:
         weight_version: str = "0",
         threads: int | None = None,
         model_path: str | None = None,
+        static_decode: bool | None = None,
+        cuda_graph: bool | None = False,
+        cuda_graph_max_bs: int | None = None,
+        graphs=None,
     ):
+        """``static_decode``: decode-only steps of up to ``cuda_graph_max_bs`` requests
+        (default: all) run with static shapes (``moe_rl.engine.decode``); ``cuda_graph``: and
+        are captured as CUDA graphs at ``start`` (a CUDA model), or by ``graphs``, a capture
+        backend with ``CudaGraphs``' interface. None (the config's unset): ``cuda_graph`` on
+        where graphs can be made (a GPU, or ``graphs``) and the step can be captured (checked
+        at ``start``), ``static_decode`` as ``cuda_graph``."""
         self.model = model.eval()
         self.arch = model.arch
         self.model_path = model_path
@@ -163,9 +168,28 @@ class Engine:
         self.moe_layers = list(model.moe_layers)
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        shape = (self.max_running, self.arch.num_key_value_heads, self.max_context, self.arch.head_dim)
+        on_gpu = self.device.type == "cuda"
+        if cuda_graph and graphs is None and not on_gpu:
+            raise ValueError(f"engine.cuda_graph=true needs the engine on a CUDA device; it is on {self.device}")
+        if cuda_graph and static_decode is False:
+            raise ValueError("engine.cuda_graph=true with engine.static_decode=false: the graphs capture the "
+                             "static-shape decode step")
+        self._asked = {"cuda_graph": cuda_graph, "static_decode": static_decode}
+        can_capture = on_gpu or graphs is not None
+        self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else (can_capture and static_decode is not False)
+        self.static_decode = bool(static_decode) if static_decode is not None else self.cuda_graph
+        # a static decode batch pads with rows that write one spare slot, owned by no request
+        slots = self.max_running + (1 if self.static_decode else 0)
+        shape = (slots, self.arch.num_key_value_heads, self.max_context, self.arch.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.static_decoder: StaticDecoder | None = None
+        if self.static_decode:
+            if self.cuda_graph and graphs is None:
+                graphs = CudaGraphs(self.device)
+            self.static_decoder = StaticDecoder(
+                self.model, self.k_cache, self.v_cache, max_bs=min(cuda_graph_max_bs or self.max_running, self.max_running),
+                max_context=self.max_context, pad_slot=self.max_running, graphs=graphs if self.cuda_graph else None)
 
         self.cond = threading.Condition()  # guards all request state below
         self.model_lock = threading.Lock()  # held by a forward and by a weight commit
@@ -185,10 +209,34 @@ class Engine:
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> "Engine":
+        """Captures the decode graphs (when on), then starts the engine thread."""
         if self._thread is None:
+            if self.static_decoder is not None and self.static_decoder.graphs is not None:
+                with torch.inference_mode(), self.model_lock:
+                    self._capture_graphs()
             self._thread = threading.Thread(target=self._run, name="moe-rl-engine", daemon=True)
             self._thread.start()
         return self
+
+    def _capture_graphs(self) -> None:
+        """Captures every decode shape, once the step is known to read nothing on the host (a
+        graph cannot capture that). Unset, engine.cuda_graph then turns off (logged); set, it
+        is an error naming the read."""
+        dec = self.static_decoder
+        reads = dec.host_reads()
+        if reads:
+            why = (f"the decode step reads device values on the host ({', '.join(reads)}), which a CUDA graph "
+                   f"cannot capture (e.g. float32/float16 experts on a GPU run padded_grouped_mm, which reads the "
+                   f"largest group's size; bf16 experts on sm_90+ read nothing: engine.dtype=bfloat16)")
+            if self._asked["cuda_graph"]:
+                raise ValueError(f"engine.cuda_graph=true: {why}")
+            log.warning("engine.cuda_graph: off (unset, and %s)", why)
+            dec.graphs, self.cuda_graph = None, False
+            if self._asked["static_decode"] is None:  # it followed engine.cuda_graph
+                self.static_decoder, self.static_decode = None, False
+            return
+        dec.capture()
+        self.stats["decode_graphs"] = len(dec.replays)
 
     def stop(self) -> None:
         with self.cond:
@@ -282,6 +330,8 @@ class Engine:
         """Runs ``commit`` (copies staged weights into the live parameters) between steps."""
         with self.model_lock:
             commit()
+            if self.static_decoder is not None:
+                self.static_decoder.check_weights()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
         self.last_update_error = None
@@ -296,6 +346,9 @@ class Engine:
                 "max_running_requests": self.max_running,
                 "max_context": self.max_context,
                 "dtype": str(self.dtype).replace("torch.", ""),
+                "static_decode": self.static_decode,
+                "cuda_graph": self.cuda_graph,
+                "cuda_graph_max_bs": self.static_decoder.max_bs if self.static_decoder is not None else None,
                 "num_hidden_layers": self.num_layers,
                 "moe_layers": self.moe_layers,
                 "num_experts": self.arch.num_experts,
@@ -356,6 +409,15 @@ class Engine:
         return batch
 
     def _step(self, batch: list[tuple[_Req, list[int], int]]) -> None:
+        dec = self.static_decoder
+        if dec is not None and dec.fits(len(batch)) and all(start > 0 and len(toks) == 1 for _, toks, start in batch):
+            fwd = self._forward_static(batch)  # decode only
+        else:
+            fwd = self._forward_eager(batch)
+        self._sample_and_record(batch, fwd)
+
+    def _forward_eager(self, batch: list[tuple[_Req, list[int], int]]) -> _Forward:
+        """Prefills and decodes of any lengths in one forward (see the module docstring)."""
         segments, ids, pos, off = [], [], [], 0
         for r, toks, start in batch:
             segments.append((r.slot, start, len(toks), off))
@@ -374,7 +436,6 @@ class Engine:
                 in_spans.append((i, len(in_rows), max(0, len(prompt) - 1 - s0)))
                 in_rows.extend(range(o + s0, o + len(prompt) - 1))
                 in_targets.extend(prompt[s0 + 1 :])
-        n_top = max((r.req.top_logprobs_num for r, _, _ in batch), default=0)
         # every index of the step in one host-to-device copy
         host = torch.tensor(ids + pos + last + [s[3] for s in dec] + [s[0] for s in dec] + [s[1] for s in dec]
                             + in_rows + in_targets, dtype=torch.long)
@@ -389,10 +450,32 @@ class Engine:
             # one lm_head call: the last row of every request, then the input-log-prob rows
             logits = self.model.lm_head(hidden.index_select(0, torch.cat([last_rows, idx[6]]))).float()
             version = self.weight_version
-        logits, in_logits = logits[: len(last)], logits[len(last) :]
+        want_routing = record and any(r.req.return_routed_experts for r, _, _ in batch)
+        return _Forward(logits=logits[: len(last)], in_logits=logits[len(last) :], in_targets=idx[7],
+                        in_spans=in_spans, routing=torch.stack(record, 1) if want_routing else None,
+                        spans=[(s[3], s[2]) for s in segments], version=version)
+
+    def _forward_static(self, batch: list[tuple[_Req, list[int], int]]) -> _Forward:
+        """A decode-only step through the static-shape decoder (a CUDA graph replay when
+        captured): the same outputs as ``_forward_eager`` would give."""
+        with self.model_lock:
+            logits, routing = self.static_decoder.run([toks[0] for _, toks, _ in batch], [start for _, _, start in batch],
+                                               [r.slot for r, _, _ in batch])
+            version = self.weight_version
+        self.stats["decode_graph_steps" if self.static_decoder.graphs is not None else "decode_static_steps"] += 1
+        want_routing = routing is not None and any(r.req.return_routed_experts for r, _, _ in batch)
+        return _Forward(logits=logits, in_logits=None, in_targets=None, in_spans=[],
+                        routing=routing if want_routing else None, spans=[(i, 1) for i in range(len(batch))],
+                        version=version)
+
+    def _sample_and_record(self, batch: list[tuple[_Req, list[int], int]], fwd: _Forward) -> None:
+        """Penalties, sampling and log-probs on the device, the step's one device-to-host copy,
+        then each request's bookkeeping."""
+        logits, version = fwd.logits, fwd.version
+        n_top = max((r.req.top_logprobs_num for r, _, _ in batch), default=0)
         pen = [i for i, (r, _, _) in enumerate(batch) if r.params.penalized]
         if pen:  # SGLang processes the logits before sampling and before its output log-probs
-            rows = torch.tensor(pen, dtype=torch.long).to(self.device)
+            rows = torch.tensor(pen, dtype=torch.long).to(self.device, non_blocking=True)
             sub = logits.index_select(0, rows)
             apply_penalties(sub, [batch[i][0].params for i in pen], [batch[i][0].output_ids for i in pen])
             logits.index_copy_(0, rows, sub)
@@ -402,12 +485,11 @@ class Engine:
         lps_dev = logp.gather(1, tokens_dev[:, None]).squeeze(1)
         # the step's one device-to-host copy: tokens, log-probs and the routing record (token
         # and expert ids are exact in float64)
-        want_routing = any(r.req.return_routed_experts for r, _, _ in batch)
-        B, n_in = len(batch), len(in_rows)
+        B, n_in = len(batch), 0 if fwd.in_targets is None else fwd.in_targets.numel()
         parts = [tokens_dev.double(), lps_dev.double()]
         if n_in:  # input log-probs at temperature 1, as SGLang's logits processor
-            in_logp = torch.log_softmax(in_logits, dim=-1)
-            parts.append(in_logp.gather(1, idx[7][:, None]).squeeze(1).double())
+            in_logp = torch.log_softmax(fwd.in_logits, dim=-1)
+            parts.append(in_logp.gather(1, fwd.in_targets[:, None]).squeeze(1).double())
         if n_top:  # top-k of the sampling distribution (output) and of the input rows
             out_top = logp.topk(n_top, dim=-1)
             parts += [out_top.values.reshape(-1).double(), out_top.indices.reshape(-1).double()]
@@ -415,9 +497,9 @@ class Engine:
                 in_top = in_logp.topk(n_top, dim=-1)
                 parts += [in_top.values.reshape(-1).double(), in_top.indices.reshape(-1).double()]
         n_route = 0
-        if want_routing and record:
-            parts.append(torch.stack(record, 1).reshape(-1).double())
-            n_route = off * len(record) * self.top_k
+        if fwd.routing is not None:
+            parts.append(fwd.routing.reshape(-1).double())
+            n_route = fwd.routing.numel()
         flat = torch.cat(parts).cpu()
         sizes = [B, B, n_in]
         sizes += [B * n_top, B * n_top, n_in * n_top, n_in * n_top] if n_top else [0, 0, 0, 0]
@@ -428,13 +510,14 @@ class Engine:
         if n_top:
             out_top_v, out_top_i = f_otv.view(B, n_top).tolist(), f_oti.view(B, n_top).long().tolist()
             in_top_v, in_top_i = f_itv.view(n_in, n_top).tolist(), f_iti.view(n_in, n_top).long().tolist()
+        off = sum(n for _, n in fwd.spans)
         routing = None
-        if want_routing:
+        if any(r.req.return_routed_experts for r, _, _ in batch):
             routing = np.zeros((off, self.num_layers, self.top_k), dtype=np.int32)  # dense layers: 0
-            if record:
-                routing[:, self.moe_layers, :] = f_route.view(off, len(record), self.top_k).to(torch.int32).numpy()
+            if n_route:
+                routing[:, self.moe_layers, :] = f_route.view(off, len(self.moe_layers), self.top_k).to(torch.int32).numpy()
         # SGLang's layout: the first input token of the span has no log-prob (None)
-        for i, at, n in in_spans:
+        for i, at, n in fwd.in_spans:
             r, k = batch[i][0], batch[i][0].req.top_logprobs_num
             s0 = r.req.input_logprob_start
             if s0 >= len(r.req.input_ids):
@@ -448,7 +531,7 @@ class Engine:
             self.stats["steps"] += 1
             self.stats["forwarded_tokens"] += off
             for i, (r, toks, start) in enumerate(batch):
-                n, o = len(toks), segments[i][3]
+                o, n = fwd.spans[i]
                 if start == 0:  # a (re-)prefill recomputes the routing of every token it forwards
                     r.routing, r.routing_len = [], 0
                 if r.req.return_routed_experts:
@@ -483,48 +566,10 @@ class Engine:
                 elif r.on_update is not None:
                     r.on_update(self._response(r, None))
 
-    @classmethod
-    def _sample_batch(cls, reqs: list[_Req], logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-        """One token per row, as a long tensor on the logits' device. Plain temperature
-        sampling (no top-k/top-p, the RL case) is done for all such rows at once by inverse CDF
-        on the device, with one uniform draw from each request's own (CPU) generator, so a
-        request's tokens depend on its seed and not on its batch-mates or the device."""
-        device = logits.device
-        tokens = torch.zeros(len(reqs), dtype=torch.long, device=device)
-        is_plain = [not r.params.greedy and r.params.top_k <= 0 and r.params.top_p >= 1.0 and r.params.min_p <= 0.0
-                    for r in reqs]
-        plain = [i for i, p in enumerate(is_plain) if p]
-        other = [i for i, p in enumerate(is_plain) if not p]
-        if plain:
-            rows = torch.tensor(plain, dtype=torch.long).to(device, non_blocking=True)
-            u = torch.stack([torch.rand((), generator=reqs[i].generator) for i in plain]).to(device, non_blocking=True)
-            cdf = logp.index_select(0, rows).exp().cumsum(dim=-1)
-            # first index whose cdf exceeds u * total: token i with probability p_i exactly
-            picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-            tokens[rows] = picked.clamp_(max=logits.shape[1] - 1)
-        if other:  # top-k / top-p / min-p / greedy rows: per row, on the host (their generators are CPU ones)
-            lg, lp = logits[other].cpu(), logp[other].cpu()
-            chosen = [cls._sample(reqs[i].params, lg[j], lp[j], reqs[i].generator) for j, i in enumerate(other)]
-            tokens[torch.tensor(other, dtype=torch.long).to(device)] = torch.tensor(chosen, dtype=torch.long).to(device)
-        return tokens
-
     @staticmethod
-    def _sample(p: P.SamplingParams, logits: torch.Tensor, logp: torch.Tensor, gen: torch.Generator) -> int:
-        if p.greedy:
-            return int(torch.argmax(logits))
-        probs = logp.exp()
-        if p.top_k > 0 and p.top_k < probs.numel():
-            kth = torch.topk(probs, p.top_k).values[-1]
-            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-        if p.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, 0)
-            drop = (cum - sorted_p) > p.top_p * cum[-1]  # keep the smallest prefix reaching top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-        if p.min_p > 0.0:  # SGLang's: keep tokens with at least min_p times the top probability
-            probs = torch.where(probs >= probs.max() * p.min_p, probs, torch.zeros_like(probs))
-        return int(torch.multinomial(probs, 1, generator=gen))
+    def _sample_batch(reqs: list[_Req], logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """One token per row on the logits' device (``sampling.sample_tokens``)."""
+        return sample_tokens([r.params for r in reqs], [r.generator for r in reqs], logits, logp)
 
     def _stop_str(self, r: _Req) -> str | None:
         """The first of the request's stop strings in the decoded tail of its output (SGLang's

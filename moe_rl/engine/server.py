@@ -49,10 +49,13 @@ def build_model(cfg):
     return model.to(_DTYPES[cfg.engine.dtype])
 
 
-def build_engine(cfg, model=None, device: str | torch.device | None = None) -> Engine:
+def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
+                 cuda_graph: bool | None = None, static_decode: bool | None = None) -> Engine:
     """``device``: where the model and KV cache live (default: where ``model`` is, CPU for a
     new one). On a GPU the KV cache holds as many requests as placement.mem_fraction_static
-    of its memory leaves after the weights (at most engine.max_running_requests)."""
+    of its memory leaves after the weights (at most engine.max_running_requests).
+    ``cuda_graph`` / ``static_decode``: override engine.cuda_graph / engine.static_decode
+    (``moe-rl bench engine`` measures each setting)."""
     e = cfg.engine
     model = model if model is not None else build_model(cfg)
     if device is not None:
@@ -77,6 +80,9 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None) -> E
         weight_version=e.weight_version,
         threads=e.threads,
         model_path=cfg.model.path,
+        static_decode=e.static_decode if static_decode is None else static_decode,
+        cuda_graph=e.cuda_graph if cuda_graph is None else cuda_graph,
+        cuda_graph_max_bs=e.cuda_graph_max_bs,
     )
     lora.attach(engine, cfg)  # LoRA serving: moe_rl.engine.lora
     return engine
@@ -268,8 +274,10 @@ class EngineServer:
             if adapter_params is not None:  # LoRA serving: updates carry the adapter tensors only
                 self.receiver = WeightReceiver(adapter_params)
             else:
-                self.receiver = WeightReceiver(dict(iter_local_hf_tensors(model)),
-                                               rebind=lambda staged: bind_hf_views(model, staged))
+                # a zero-copy commit moves the weights to the received buckets; captured decode
+                # graphs read them where they were, so with graphs the update copies in place
+                rebind = None if self.engine.cuda_graph else (lambda staged: bind_hf_views(model, staged))
+                self.receiver = WeightReceiver(dict(iter_local_hf_tensors(model)), rebind=rebind)
         return self.receiver
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:

@@ -102,6 +102,24 @@ def check_against_native(model, prompt, out, temperature):
     np.testing.assert_array_equal(rows, ref_rows)
 
 
+def generate_queued(engine, bodies: list[dict], timeout: float = 120) -> list[dict]:
+    """Queues every /generate body, then starts the engine and waits for all: two engines given
+    the same bodies run the same sequence of batches. Stops the engine."""
+    from moe_rl.engine.protocol import GenerateRequest
+
+    outs, done = {}, threading.Semaphore(0)
+    for i, body in enumerate(bodies):
+        req = GenerateRequest.parse(body, vocab_size=engine.arch.vocab_size, max_context=engine.max_context)
+        engine.submit(req, lambda r, i=i: (outs.__setitem__(i, r), done.release()))
+    engine.start()
+    try:
+        for _ in bodies:
+            assert done.acquire(timeout=timeout)
+    finally:
+        engine.stop()
+    return [outs[i] for i in range(len(bodies))]
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 

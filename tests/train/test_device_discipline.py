@@ -288,6 +288,55 @@ def _engine(cfg):
         assert np.array_equal(decode_routed_experts(a, L, K), decode_routed_experts(b, L, K))
 
 
+def _static_engine_on_both():
+    inference_mode, torch.inference_mode = torch.inference_mode, torch.no_grad
+    try:
+        _static_engine()
+    finally:
+        torch.inference_mode = inference_mode
+
+
+def _static_engine():
+    """The engine's static decode step (issue 30) on fakedev gives the dynamic step's tokens,
+    log-probs and routing on the CPU. The host syncs of the run: one read per step (d2h), no
+    blocking copy, no data-dependent shape; the only other ones (item) are the padded grouped
+    GEMM's, which fakedev takes as fp32 on a GPU does, so the check before capture finds them
+    and an unset engine.cuda_graph turns off there."""
+    from moe_rl.config import load_config
+    from moe_rl.engine import decode_routed_experts, output_logprobs
+    from moe_rl.engine.engine import Engine
+    from moe_rl.model.qwen3_moe import MoEForCausalLM
+    from tests.engine.test_static_decode import StandInGraphs
+
+    arch = load_config(None, TINY).model.arch()
+    prompts = [[(5 * i + 3 * j + 1) % arch.vocab_size for j in range(3 + 7 * i)] for i in range(4)]
+    cpu = Engine(MoEForCausalLM(arch).init_weights(0, std=0.3), max_running_requests=3, max_context=64).start()
+    try:
+        want = _generate(cpu, prompts, 8)
+    finally:
+        cpu.stop()
+    model = MoEForCausalLM(arch).init_weights(0, std=0.3).to(fd.DEVICE)
+    engine = Engine(model, max_running_requests=3, max_context=64, static_decode=True).start()
+    try:
+        with fd.recording(stacks=True) as rec:
+            got = _generate(engine, prompts, 8)
+    finally:
+        engine.stop()
+    assert engine.stats["decode_static_steps"] > 10
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), rtol=1e-5, atol=1e-6)
+        L, K = arch.num_hidden_layers, arch.num_experts_per_tok
+        assert np.array_equal(decode_routed_experts(a, L, K), decode_routed_experts(b, L, K))
+    k = rec.counts()
+    assert k["d2h"] == engine.stats["steps"] and k["h2d_blocking"] == 0 and k["shape"] == 0, k
+    assert k["item"] > 0 and all(any("grouped.py" in f for f in e.stack) for e in rec.events if e.kind == "item")
+    graphs = StandInGraphs()
+    auto = Engine(model, max_running_requests=3, max_context=64, cuda_graph=None, graphs=graphs).start()
+    auto.stop()
+    assert not auto.cuda_graph and auto.static_decoder is None and graphs.captures == 0
+
+
 class _Handoff:
     """A weight-sync group of two on one machine: the receiver's broadcast takes the sender's
     bucket (what NCCL/gloo carry between processes; they cannot carry fakedev tensors)."""
@@ -347,6 +396,12 @@ def test_engine_on_a_second_device(fakedev):
     """The embedded engine generates on fakedev exactly what it generates on the CPU (greedy and
     sampled rows, a top-k row, more requests than slots)."""
     fakedev(_engine_on_both)
+
+
+def test_static_decode_on_a_second_device(fakedev):
+    """The static decode step on fakedev: the CPU's outputs, one read per step and no blocking
+    copy; graphs stay off where the step reads the host (issue 30)."""
+    fakedev(_static_engine_on_both)
 
 
 def test_weight_sync_on_a_second_device(fakedev):

@@ -1,0 +1,245 @@
+"""The engine's decode step with static shapes, and its CUDA graphs (SGLang's decode graphs).
+
+A decode-only step (every running request forwards its one last token) is padded up to a
+batch-size bucket (``decode_batch_sizes``: SGLang's list) and attends over a context-length
+bucket (``context_sizes``: powers of two up to ``max_context``), so each (batch, context)
+pair has one shape. Its inputs (token ids, positions, KV-cache slots) live in preallocated
+device buffers, filled by one host-to-device copy; padding rows read and write a spare
+KV-cache slot that no request owns. Its outputs (fp32 logits and the routing record) land in
+preallocated buffers too, shared by every shape.
+
+With ``graphs`` (``CudaGraphs`` on a GPU) the step of each (batch, context) pair is captured
+once, largest first into one memory pool as SGLang does, and replayed; batches larger than the
+largest bucket, and steps with a prefill, run the engine's eager path. The capture mechanics
+sit behind ``graphs.capture(fn) -> replay``, so everything else here (bucketing, padding, the
+buffers, which shape runs) is the same, and tested, on a CPU. Before capturing, the engine
+checks that the step reads no device value on the host (``host_reads``): a graph would bake
+in whatever the host read at capture.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+log = logging.getLogger(__name__)
+
+
+aten = torch.ops.aten
+
+
+class _HostReads(TorchDispatchMode):
+    """Notes the ops by which the host reads device values: a scalar read (item, int(),
+    bool()), nonzero (its size), a copy from a device to the CPU (cpu(), tolist()). Under
+    inference mode the composite ops (item, is_nonzero, to) arrive undecomposed."""
+
+    SCALAR = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default}
+    TO = {aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.to.other}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._reads_host(func, args, kwargs):
+            self.reads.append(str(func))
+        return func(*args, **kwargs)
+
+    def _reads_host(self, func, args, kwargs) -> bool:
+        def on_device(t):
+            return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+        if func in self.SCALAR:
+            return any(on_device(a) for a in args)
+        if func is aten.copy_.default:
+            return args[0].device.type == "cpu" and on_device(args[1])
+        if func in self.TO and on_device(args[0]):
+            dst = args[1] if func is aten.to.device else args[1].device if func is aten.to.other else kwargs.get("device")
+            return dst is not None and torch.device(dst).type == "cpu"
+        return False
+
+
+def host_reads(fn: Callable[[], None]) -> list[str]:
+    """Runs ``fn`` and returns the ops by which it read device values on the host (none on a
+    CPU): a CUDA graph cannot capture them. Where such a read fails (tensors without values:
+    the meta device) the reads so far are the answer."""
+    mode = _HostReads()
+    try:
+        with mode:
+            fn()
+    except (RuntimeError, NotImplementedError):
+        if not mode.reads:
+            raise
+    return sorted(set(mode.reads))
+
+
+def decode_batch_sizes(max_bs: int) -> list[int]:
+    """SGLang's decode capture sizes (``generate_decode_cuda_graph_batch_sizes``, no
+    speculative decoding) up to ``max_bs``, with ``max_bs`` itself."""
+    sizes = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16)) + list(range(512, max_bs + 1, 32))
+    sizes = [s for s in sizes if s <= max_bs]
+    return sizes if max_bs in sizes else sizes + [max_bs]
+
+
+def context_sizes(max_context: int, smallest: int = 64) -> list[int]:
+    """Attention spans of a decode step: powers of two from ``smallest``, then ``max_context``
+    (attention work stays within 2x of the longest running request's)."""
+    sizes, c = [], smallest
+    while c < max_context:
+        sizes.append(c)
+        c *= 2
+    return sizes + [max_context]
+
+
+def pad_to_bucket(n: int, buckets: list[int]) -> int:
+    """The smallest bucket >= n (buckets sorted); n must not exceed the largest."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+class DecodeAttention:
+    """Attention of a static decode batch: row i is the token at position ``pos[i]`` of the
+    request in KV slot ``slots[i]``; it writes its K/V there and attends to positions
+    <= pos[i] of that slot, over the first ``ctx`` positions (masked)."""
+
+    def __init__(self, k_cache, v_cache, slots: torch.Tensor, pos: torch.Tensor, ctx: int):
+        self.k_cache, self.v_cache, self.slots, self.pos, self.ctx = k_cache, v_cache, slots, pos, ctx
+        span = torch.arange(ctx, device=pos.device)
+        self.mask = (span[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, ctx]
+
+    def __call__(self, layer, q, k, v):
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        kc[self.slots, :, self.pos] = k
+        vc[self.slots, :, self.pos] = v
+        ks = kc[:, :, : self.ctx].index_select(0, self.slots)  # [B, Hkv, ctx, D]
+        vs = vc[:, :, : self.ctx].index_select(0, self.slots)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=self.mask, enable_gqa=True)
+        return o.squeeze(2)
+
+
+class CudaGraphs:
+    """``torch.cuda.CUDAGraph`` capture: every graph in one memory pool (the caller captures
+    the largest shape first, so the smaller ones reuse its memory), each warmed up eagerly on
+    the capture stream first (lazy initialisations and caches happen outside the graph).
+    ``thread_local`` capture: the server's other threads may use the GPU meanwhile."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            fn()  # warm-up
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            fn()
+        return graph.replay
+
+
+class StaticDecoder:
+    """Decode steps of ``model`` with static shapes over the engine's KV cache (see the module
+    docstring). ``pad_slot``: a KV-cache slot that no request owns. ``graphs``: a capture
+    backend (``CudaGraphs``), or None for the eager static path."""
+
+    def __init__(self, model, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], *, max_bs: int,
+                 max_context: int, pad_slot: int, graphs=None):
+        self.model = model
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.batch_sizes = decode_batch_sizes(max_bs)
+        self.context_sizes = context_sizes(max_context)
+        self.max_bs = max_bs
+        self.pad_slot = pad_slot
+        self.graphs = graphs
+        self.replays: dict[tuple[int, int], Callable[[], None]] = {}
+        self.weights_at_capture: tuple | None = None
+        self.capture_s = 0.0
+        p = next(model.parameters())
+        dev, arch = p.device, model.arch
+        # inputs: token ids, positions, KV slots ([3, max_bs]); outputs shared by every shape
+        self.inputs = torch.zeros(3, max_bs, dtype=torch.long, device=dev)
+        self.inputs[2].fill_(pad_slot)
+        # the host side of the inputs' one (asynchronous) copy per step; pinned on a GPU
+        self.staging = (self.inputs if dev.type == "cpu"
+                        else torch.empty(3, max_bs, dtype=torch.long, pin_memory=dev.type == "cuda"))
+        self.logits = torch.zeros(max_bs, arch.vocab_size, dtype=torch.float32, device=dev)
+        self.num_moe = len(model.moe_layers)
+        self.routing = torch.zeros(max_bs, self.num_moe, arch.num_experts_per_tok, dtype=torch.long, device=dev)
+
+    def _forward(self, bs: int, ctx: int) -> None:
+        """The step of one shape: reads ``inputs[:, :bs]``, writes ``logits[:bs]`` and
+        ``routing[:bs]`` (the body a graph captures: device work only, no host reads)."""
+        ids, pos, slots = self.inputs[0, :bs], self.inputs[1, :bs], self.inputs[2, :bs]
+        record: list[torch.Tensor] = []
+        hidden = self.model.forward_tokens(ids, pos, DecodeAttention(self.k_cache, self.v_cache, slots, pos, ctx),
+                                           record=record)
+        self.logits[:bs].copy_(self.model.lm_head(hidden))
+        if record:
+            self.routing[:bs].copy_(torch.stack(record, 1))
+
+    def _weights(self) -> tuple:
+        """Where the model's tensors live: a graph replays reads of these addresses."""
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def capture(self) -> None:
+        """Captures every (batch, context) shape, largest first; the inputs hold padding
+        (ids 0, position 0, the spare slot), so capturing writes only the spare slot."""
+        t0 = time.perf_counter()
+        self.replays.clear()
+        self.inputs[:2].zero_()
+        self.inputs[2].fill_(self.pad_slot)
+        for bs in reversed(self.batch_sizes):
+            for ctx in reversed(self.context_sizes):
+                self.replays[(bs, ctx)] = self.graphs.capture(lambda bs=bs, ctx=ctx: self._forward(bs, ctx))
+        self.weights_at_capture = self._weights()
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d decode graphs (batch sizes %s, context spans %s) in %.1f s", len(self.replays),
+                 self.batch_sizes, self.context_sizes, self.capture_s)
+
+    def host_reads(self) -> list[str]:
+        """What keeps the step from being captured: its reads of device values on the host,
+        found by running the smallest shape once (on padding: it writes the spare slot only)."""
+        self.inputs[:2].zero_()
+        self.inputs[2].fill_(self.pad_slot)
+        return host_reads(lambda: self._forward(self.batch_sizes[0], self.context_sizes[0]))
+
+    def check_weights(self) -> None:
+        """After a weight update: graphs that read weights at addresses the model no longer
+        uses are dropped, and captured again before the next replay."""
+        if self.replays and self._weights() != self.weights_at_capture:
+            log.warning("the engine's weights moved to new memory: recapturing the decode graphs")
+            self.replays.clear()
+
+    def fits(self, n: int) -> bool:
+        return n <= self.max_bs
+
+    def run(self, ids: list[int], pos: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of ``len(ids) <= max_bs`` rows -> (fp32 logits [n, V], routing
+        [n, moe_layers, top_k] or None for a dense model), views of the shared outputs that
+        the next step overwrites."""
+        n = len(ids)
+        bs = pad_to_bucket(n, self.batch_sizes)
+        ctx = pad_to_bucket(max(pos) + 1, self.context_sizes)
+        pad = bs - n
+        if self.graphs is not None and not self.replays:
+            self.capture()  # the weights moved (check_weights)
+        # the pinned staging buffer is free again: the previous step's read of its tokens
+        # waited for everything before it, this copy included
+        self.staging[:, :bs] = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [self.pad_slot] * pad])
+        if self.staging is not self.inputs:  # all of it: one contiguous copy (columns >= bs are not read)
+            self.inputs.copy_(self.staging, non_blocking=True)
+        if self.graphs is not None:
+            self.replays[(bs, ctx)]()
+        else:
+            self._forward(bs, ctx)
+        return self.logits[:n], (self.routing[:n] if self.num_moe else None)

@@ -1,0 +1,99 @@
+"""The embedded engine's logit processing and sampling, on the logits' device.
+
+``apply_penalties`` is SGLang's penaltylib; ``sample_tokens`` draws one token per row:
+greedy rows take the argmax, every other row is sampled by inverse CDF with one uniform draw
+from its request's own seeded (CPU) generator, after SGLang's top-k / top-p / min-p truncation
+where asked. The inputs built on the host go over with non-blocking copies, so nothing here
+waits for the device.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import protocol as P
+
+
+def _to(dev: torch.device, values, dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+
+def apply_penalties(logits: torch.Tensor, params: list[P.SamplingParams], outputs: list[list[int]]) -> None:
+    """SGLang's penaltylib on ``logits`` [R, V] (fp32, one row per request) in place, from each
+    request's output tokens so far: ``frequency_penalty`` * count and ``presence_penalty`` once
+    per generated token, ``-inf`` on ``min_new_tokens_ids`` while fewer than ``min_new_tokens``
+    tokens are out (the additive ones, summed first as SGLang's overlap scheduler does), then
+    ``repetition_penalty`` on generated tokens (logit * p when negative, / p otherwise).
+    Prompt tokens are not penalized (SGLang feeds its penalizers the output tokens only)."""
+    R, V = logits.shape
+    dev = logits.device
+
+    def padded(lists):  # ragged id lists -> [R, n] padded with V (a scratch column)
+        n = max(map(len, lists), default=0)
+        return _to(dev, [x + [V] * (n - len(x)) for x in lists], torch.long).view(R, n)
+
+    def column(values):
+        return _to(dev, values, torch.float32)[:, None]
+
+    out = padded([list(o) for o in outputs])
+    counts = torch.zeros(R, V + 1, dtype=torch.float32, device=dev).scatter_add_(
+        1, out, torch.ones(out.shape, dtype=torch.float32, device=dev))[:, :V]
+    seen = counts > 0
+    additive = counts * -column([p.frequency_penalty for p in params])
+    additive -= seen * column([p.presence_penalty for p in params])
+    masked = [sorted(p.min_new_tokens_ids) if len(o) < p.min_new_tokens else [] for p, o in zip(params, outputs)]
+    if any(masked):
+        stop = torch.zeros(R, V + 1, dtype=torch.float32, device=dev).scatter_(1, padded(masked), float("-inf"))
+        additive += stop[:, :V]
+    logits.add_(additive)
+    scale = torch.where(seen, column([p.repetition_penalty for p in params]), 1.0)
+    logits.copy_(torch.where(logits < 0, logits * scale, logits / scale))
+
+
+def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """SGLang's truncation of ``probs`` [R, V] (unnormalised is fine), per row, in this order:
+    keep the ``top_k`` largest (ties with the k-th kept; k >= V keeps all), then the smallest
+    prefix of them (by decreasing probability) whose mass reaches ``top_p`` of what is left,
+    then those with at least ``min_p`` times the largest. Dropped entries become 0; the
+    result is in vocabulary order. One sort per row, whatever the mix of settings."""
+    V = probs.shape[1]
+    srt, order = probs.sort(dim=-1, descending=True)
+    kth = srt.gather(1, (top_k.clamp(1, V) - 1)[:, None])
+    srt = torch.where(srt >= kth, srt, 0.0)
+    cum = srt.cumsum(dim=-1)
+    srt = srt.masked_fill((cum - srt) > top_p[:, None] * cum[:, -1:], 0.0)
+    srt = torch.where(srt >= srt[:, :1] * min_p[:, None], srt, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, srt)
+
+
+def sample_tokens(params: list[P.SamplingParams], generators: list[torch.Generator],
+                  logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [R, V] (processed) and ``logp`` (their log-softmax at
+    each row's temperature), as a long tensor on their device. A sampled row picks the first
+    token whose cumulative probability exceeds u times the row's total, u drawn from its own
+    generator: token i with probability p_i exactly, and a request's tokens depend on its seed
+    alone, not on its batch-mates or the device."""
+    R, V = logits.shape
+    dev = logits.device
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return logits.argmax(dim=-1)
+    all_sampled = len(sampled) == R
+    rows = None if all_sampled else _to(dev, sampled, torch.long)
+    probs = (logp if all_sampled else logp.index_select(0, rows)).exp()
+    cut = [j for j, i in enumerate(sampled) if params[i].top_k > 0 or params[i].top_p < 1.0 or params[i].min_p > 0.0]
+    if cut:
+        ps = [params[sampled[j]] for j in cut]
+        whole = len(cut) == len(sampled)
+        cut_rows = None if whole else _to(dev, cut, torch.long)
+        kept = truncate(probs if whole else probs.index_select(0, cut_rows),
+                        _to(dev, [p.top_k if p.top_k > 0 else V for p in ps], torch.long),
+                        _to(dev, [p.top_p for p in ps], torch.float32), _to(dev, [p.min_p for p in ps], torch.float32))
+        probs = kept if whole else probs.index_copy_(0, cut_rows, kept)
+    u = torch.stack([torch.rand((), generator=generators[i]) for i in sampled]).to(dev, non_blocking=True)
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp_(max=V - 1)
+    if all_sampled:
+        return picked
+    tokens = logits.argmax(dim=-1) if greedy else torch.zeros(R, dtype=torch.long, device=dev)
+    return tokens.index_copy_(0, rows, picked)
