@@ -12,7 +12,7 @@ from .hf_io import (
     parse_expert_name,
     save_hf,
 )
-from .qwen3_moe import MoEForCausalLM, PackedCausal, PaddedCausal, RoutingError, packed_positions
+from .transformer import MoEForCausalLM, PackedCausal, PaddedCausal, RoutingError, packed_positions
 
 __all__ = [
     "MoEArch",

@@ -45,7 +45,7 @@ from torch.nn import functional as F
 
 from .grouped import grouped_mm
 from .hf_io import atomic_dir, iter_local_hf_tensors, parse_expert_name
-from .qwen3_moe import MoEForCausalLM
+from .transformer import MoEForCausalLM
 
 # target name -> where it sits in a decoder layer
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
