@@ -1,7 +1,8 @@
-"""Torch-native Qwen3-MoE model with routing record/replay and expert parallelism."""
+"""Torch-native MoE models (Qwen3-MoE, GLM-4.5) with routing record/replay and expert parallelism."""
 from .arch import MoEArch
 from .hf_io import (
     expert_owner,
+    hf_dtype,
     hf_param_specs,
     hf_state_dict,
     bind_hf_views,
@@ -30,5 +31,6 @@ __all__ = [
     "bind_hf_views",
     "local_hf_tensor",
     "expert_owner",
+    "hf_dtype",
     "parse_expert_name",
 ]
