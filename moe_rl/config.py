@@ -26,7 +26,7 @@ class Strict(BaseModel):
 
 
 class ModelConfig(MoEArch):
-    """Architecture (HF Qwen3-MoE field names) plus where the weights come from."""
+    """Architecture (HF field names; ``model_type`` picks the family) plus where the weights come from."""
 
     path: str | None = None  # HF checkpoint dir; its config.json overrides the fields above
     init_seed: int = 0  # seeded random init when path is unset
@@ -164,6 +164,9 @@ class TrainConfig(Strict):
     tp_size: int = Field(1, ge=1)
     threads: int | None = Field(None, ge=1, description="torch threads of a trainer rank")
     seed: int = 0
+    # sigmoid routers (GLM): the expert-score correction bias is frozen (0) or moved after each
+    # optimizer step by DeepSeek-V3's rule, bias += rate * sign(mean load - load) (docs/architecture.md)
+    expert_bias_update_rate: float = Field(0.0, ge=0)
     # train.backend=megatron only (docs/megatron.md)
     megatron_use_te: bool | None = None  # Transformer Engine layer specs; None = when TE imports
     megatron_grouped_gemm: bool | None = None  # grouped experts (TEGroupedMLP with TE, else TorchGroupedMLP); None = true
@@ -332,6 +335,9 @@ class ExperimentConfig(Strict):
         if self.fault.action == "enospc" and self.fault.point not in (None, "checkpoint.write"):
             raise ValueError(f"fault.action=enospc fails a checkpoint write: it needs fault.point=checkpoint.write, "
                              f"not {self.fault.point}")
+        if self.train.expert_bias_update_rate and not self.model.path and self.model.router != "sigmoid":
+            raise ValueError(f"train.expert_bias_update_rate is set but model.model_type={self.model.model_type!r} has "
+                             "no expert-score correction bias (a sigmoid router's)")
         if self.pools.trainer % self.train.ep_size:
             raise ValueError(f"pools.trainer={self.pools.trainer} must be a multiple of train.ep_size={self.train.ep_size}")
         if not self.model.path and self.model.num_experts % self.train.ep_size:

@@ -130,7 +130,7 @@ def _stacked_expert_names(model: MoEForCausalLM, pname: str) -> list[str]:
     return [expert_name(layer, lo + e, proj) for e in range(moe.num_local)]
 
 
-def _hf_tensors(model: MoEForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_named_tensors(model: MoEForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's parameters and the buffers that are HF tensors (the correction bias)."""
     yield from model.named_parameters()
     yield from ((n, b) for n, b in model.named_buffers() if n.endswith(FP32_SUFFIXES))
@@ -139,7 +139,7 @@ def _hf_tensors(model: MoEForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
 def _binding_anchors(model: MoEForCausalLM) -> list[str]:
     """Per parameter, the HF names that pin where its views lie (first and last expert)."""
     names = []
-    for pname, _ in _hf_tensors(model):
+    for pname, _ in hf_named_tensors(model):
         if ".experts." in pname:
             experts = _stacked_expert_names(model, pname)
             names += [experts[0], experts[-1]]
@@ -172,7 +172,7 @@ def bind_hf_views(model: MoEForCausalLM, views: dict[str, torch.Tensor]) -> dict
     else:
         return None
     plan = []
-    for pname, p in _hf_tensors(model):
+    for pname, p in hf_named_tensors(model):
         if ".experts." in pname:
             vs = [views.get(n) for n in _stacked_expert_names(model, pname)]
             if any(v is None or v.dtype != p.dtype or tuple(v.shape) != tuple(p.shape[1:]) or not v.is_contiguous()

@@ -145,3 +145,88 @@ def test_family_fields_are_checked():
         MoEArch(model_type="glm4_moe", n_group=3)
     assert MoEArch(model_type="glm4_moe").partial_rotary_factor == 0.5  # HF's default
     assert MoEArch().use_qk_norm is True and MoEArch().rotary_dim == 16
+
+
+# --- routing replay (R3) with the sigmoid router -------------------------------------------------
+GLM = MoEArch(model_type="glm4_moe", vocab_size=40, hidden_size=32, num_hidden_layers=3, head_dim=8,
+              num_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+              first_k_dense_replace=1, routed_scaling_factor=2.5, moe_intermediate_size=16)
+
+
+def glm_model(seed=7):
+    model = MoEForCausalLM(GLM).init_weights(seed, std=0.2)
+    with torch.no_grad():
+        for i in model.moe_layers:
+            model.model.layers[i].mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=torch.Generator().manual_seed(i))
+    return model
+
+
+def tokens(B=2, T=6):
+    return torch.randint(0, 40, (B, T), generator=torch.Generator().manual_seed(0))
+
+
+def test_glm_record_replay_reproduces_logits_and_skips_dense_layers():
+    model = glm_model()
+    rec = []
+    with torch.no_grad():
+        ref = model(tokens(), record=rec)
+        assert len(rec) == len(model.moe_layers) == 2 and all(r.shape == (12, 3) for r in rec)
+        assert torch.equal(model(tokens(), replay=rec), ref)
+        # the bias only selects: under replay moving it changes nothing, without replay it does
+        for i in model.moe_layers:
+            model.model.layers[i].mlp.gate.e_score_correction_bias.add_(torch.linspace(-1, 1, 8))
+        assert torch.equal(model(tokens(), replay=rec), ref)
+        assert not torch.equal(model(tokens()), ref)
+
+
+def test_glm_replayed_weights_are_unbiased_scores_renormalised_and_scaled():
+    model = glm_model()
+    moe = model.model.layers[1].mlp
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(1))
+    given = torch.randperm(8, generator=torch.Generator().manual_seed(2))[:3].repeat(6, 1)
+    with torch.no_grad():
+        chosen, w = moe.route(x, given)
+        scores = torch.sigmoid(x @ moe.gate.weight.T)  # plain torch: HF's / Megatron's formula
+        s = scores.gather(1, given)
+        want = s / s.sum(-1, keepdim=True) * 2.5
+    assert torch.equal(chosen, given)
+    torch.testing.assert_close(w, want, atol=1e-6, rtol=0)
+
+
+def test_glm_router_gets_gradients_under_replay_and_the_bias_none():
+    model = glm_model()
+    rec = []
+    with torch.no_grad():
+        model(tokens(), record=rec)
+    model(tokens(), replay=rec).logsumexp(-1).sum().backward()
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.grad is not None and gate.weight.grad.abs().sum() > 0
+    assert "e_score_correction_bias" not in dict(model.named_parameters())
+    assert model.model.layers[1].mlp.shared_experts.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_expert_bias_update_follows_deepseek_v3_rule():
+    """bias += rate * sign(mean_load - load), with the load of forwards that build a graph
+    (replayed routings count), restarting after each update; nothing counts under no_grad."""
+    model = glm_model()
+    model.track_expert_load()
+    T = 12
+    g = torch.Generator().manual_seed(5)
+    replay = [torch.rand(T, 8, generator=g).argsort(1)[:, :3] for _ in model.moe_layers]
+    # expert 0 of the first MoE layer gets every token
+    replay[0] = torch.cat([torch.zeros(T, 1, dtype=torch.long), 1 + torch.rand(T, 7, generator=g).argsort(1)[:, :2]], 1)
+    before = [model.model.layers[i].mlp.gate.e_score_correction_bias.clone() for i in model.moe_layers]
+    with torch.no_grad():
+        model(tokens(), replay=replay)  # a proximal forward: not counted
+    model(tokens(), replay=replay).sum().backward()
+    model.update_expert_bias(0.01)
+    for i, r, b in zip(model.moe_layers, replay, before):
+        load = torch.bincount(r.reshape(-1), minlength=8).double()
+        want = b + 0.01 * torch.sign(load.mean() - load).float()
+        gate = model.model.layers[i].mlp.gate
+        torch.testing.assert_close(gate.e_score_correction_bias, want, atol=0, rtol=0)
+        assert gate.e_score_correction_bias[0] < b[0] if i == model.moe_layers[0] else True
+        assert gate.load.sum() == 0
+    model.update_expert_bias(0.01)  # no tokens since: loads are equal, sign 0, nothing moves
+    for i, b in zip(model.moe_layers, before):
+        assert not torch.equal(model.model.layers[i].mlp.gate.e_score_correction_bias, b)
