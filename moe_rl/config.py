@@ -238,7 +238,8 @@ class LoraConfig(Strict):
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapter dropout is not implemented")
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
-                          "experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
+                          "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
+                          "shared_experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
                                                    "experts.gate_up_proj", "experts.down_proj"]
     layers: list[int] | None = None  # decoder layers to adapt; None = all
     seed: int = 0
@@ -389,6 +390,10 @@ class ExperimentConfig(Strict):
         if "router" in self.lora.targets:
             raise ValueError(f"{where}: lora.targets has 'router'; SGLang's per-expert adapter files carry no router "
                              "adapter (drop 'router', or use lora.sync=merged)")
+        shared = [t for t in self.lora.targets if t.startswith("shared_experts.")]
+        if shared:
+            raise ValueError(f"{where}: lora.targets has {shared}; serving shared-expert adapters through SGLang's "
+                             "LoRA files is not checked against SGLang yet (use lora.sync=merged)")
         qkv = {"q_proj", "k_proj", "v_proj"} & set(self.lora.targets)
         if qkv and not {"q_proj", "v_proj"} <= qkv:
             raise ValueError(f"{where}: lora.targets has {sorted(qkv)}; SGLang stacks q/k/v adapters into qkv_proj "
