@@ -257,8 +257,8 @@ class SigmoidGate(nn.Linear):
 
     Logits are computed in fp32 whatever the model's dtype (as HF), and the bias is a buffer (not
     trained) kept in fp32 when the model is cast to a 16-bit dtype, as HF and SGLang keep it:
-    a rounded bias would choose other experts. ``count_load`` (``MoEForCausalLM.
-    track_expert_load``) sums the tokens routed to each expert in forwards that build a graph,
+    a rounded bias would choose other experts. ``load``, when set (``MoEForCausalLM.
+    track_expert_load``), sums the tokens routed to each expert in forwards that build a graph,
     for ``MoEForCausalLM.update_expert_bias``."""
 
     def __init__(self, arch: MoEArch):
@@ -286,7 +286,7 @@ class SigmoidGate(nn.Linear):
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """Group-limited top-k over score + bias, as batched tensor ops: [N, E] -> ids [N, k]."""
-        choice = scores + self.e_score_correction_bias.to(scores.dtype)
+        choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             N, E = choice.shape
             grouped = choice.view(N, self.n_group, E // self.n_group)
