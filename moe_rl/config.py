@@ -26,7 +26,7 @@ class Strict(BaseModel):
 
 
 class ModelConfig(MoEArch):
-    """Architecture (HF Qwen3-MoE field names) plus where the weights come from."""
+    """Architecture (HF field names; ``model_type`` picks the family) plus where the weights come from."""
 
     path: str | None = None  # HF checkpoint dir; its config.json overrides the fields above
     init_seed: int = 0  # seeded random init when path is unset
@@ -181,6 +181,9 @@ class TrainConfig(Strict):
         "d_hidden and d_weight made in the forward, 3 GEMMs instead of 4): auto = when algo's loss is per-token "
         "(not gspo, not tis_level=sequence with ratio_anchor=proximal), else the general path; true = refuse a "
         "loss that is not; false = always the general path (docs/algorithms.md)")
+    # sigmoid routers (GLM): the expert-score correction bias is frozen (0) or moved after each
+    # optimizer step by DeepSeek-V3's rule, bias += rate * sign(mean load - load) (docs/architecture.md)
+    expert_bias_update_rate: float = Field(0.0, ge=0)
     # train.backend=megatron only (docs/megatron.md)
     megatron_use_te: bool | None = None  # Transformer Engine layer specs; None = when TE imports
     megatron_grouped_gemm: bool | None = None  # grouped experts (TEGroupedMLP with TE, else TorchGroupedMLP); None = true
@@ -252,7 +255,8 @@ class LoraConfig(Strict):
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapter dropout is not implemented")
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
-                          "experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
+                          "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
+                          "shared_experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
                                                    "experts.gate_up_proj", "experts.down_proj"]
     layers: list[int] | None = None  # decoder layers to adapt; None = all
     seed: int = 0
@@ -349,6 +353,9 @@ class ExperimentConfig(Strict):
         if self.fault.action == "enospc" and self.fault.point not in (None, "checkpoint.write"):
             raise ValueError(f"fault.action=enospc fails a checkpoint write: it needs fault.point=checkpoint.write, "
                              f"not {self.fault.point}")
+        if self.train.expert_bias_update_rate and not self.model.path and self.model.router != "sigmoid":
+            raise ValueError(f"train.expert_bias_update_rate is set but model.model_type={self.model.model_type!r} has "
+                             "no expert-score correction bias (a sigmoid router's)")
         if self.pools.trainer % self.train.ep_size:
             raise ValueError(f"pools.trainer={self.pools.trainer} must be a multiple of train.ep_size={self.train.ep_size}")
         if not self.model.path and self.model.num_experts % self.train.ep_size:
@@ -407,6 +414,10 @@ class ExperimentConfig(Strict):
         if "router" in self.lora.targets:
             raise ValueError(f"{where}: lora.targets has 'router'; SGLang's per-expert adapter files carry no router "
                              "adapter (drop 'router', or use lora.sync=merged)")
+        shared = [t for t in self.lora.targets if t.startswith("shared_experts.")]
+        if shared:
+            raise ValueError(f"{where}: lora.targets has {shared}; serving shared-expert adapters through SGLang's "
+                             "LoRA files is not checked against SGLang yet (use lora.sync=merged)")
         qkv = {"q_proj", "k_proj", "v_proj"} & set(self.lora.targets)
         if qkv and not {"q_proj", "v_proj"} <= qkv:
             raise ValueError(f"{where}: lora.targets has {sorted(qkv)}; SGLang stacks q/k/v adapters into qkv_proj "

@@ -102,3 +102,16 @@ def test_a_dumped_config_round_trips_with_lora_off(tmp_path):
     path = tmp_path / "dumped.yaml"
     path.write_text(dump_config(load_config("configs/tiny.yaml")))
     assert load_config(path).lora.enabled is False
+
+
+def test_glm_keys_are_checked_by_name():
+    cfg = load_config("configs/glm_tiny.yaml", ["train.expert_bias_update_rate=0.001"])
+    assert cfg.model.arch().router == "sigmoid" and cfg.train.expert_bias_update_rate == 0.001
+    with pytest.raises(ConfigError, match="train.expert_bias_update_rate.*qwen3_moe"):
+        load_config("configs/tiny.yaml", ["train.expert_bias_update_rate=0.001"])
+    with pytest.raises(ConfigError, match="n_shared_experts=1 is not supported by model_type='qwen3_moe'"):
+        load_config("configs/tiny.yaml", ["model.n_shared_experts=1"])
+    with pytest.raises(ConfigError, match="shared_experts.down_proj"):
+        load_config("configs/glm_tiny.yaml", ["lora.enabled=true", "lora.sync=adapter", "engine.kind=sglang",
+                                              "engine.urls=[http://x:1]", "pools.rollout=0",
+                                              "lora.targets=[q_proj,v_proj,shared_experts.down_proj]"])

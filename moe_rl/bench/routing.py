@@ -60,7 +60,7 @@ def measure(cfg, n_samples: int, prompt_len: int, max_new: int, seed: int) -> di
     responses = generate(cfg, prompts, max_new, temperature)
     gen_s = time.perf_counter() - t0
     spec = RoutingSpec(arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts,
-                       tuple(arch.mlp_only_layers), arch.decoder_sparse_step)
+                       tuple(arch.mlp_only_layers), arch.decoder_sparse_step, arch.first_k_dense_replace)
     trainer = NativeBackend(cfg)  # fp32: model.dtype of the config
     rows = {}
     for replay in (True, False):

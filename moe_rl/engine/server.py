@@ -25,6 +25,7 @@ from aiohttp import web
 
 from moe_rl import faults
 from moe_rl.gc_control import freeze_gc, paused_gc
+from moe_rl.model.arch import FAMILIES
 
 from . import lora
 from . import protocol as P
@@ -415,8 +416,8 @@ class EngineServer:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.engine.weight_version,
-            "model_type": "qwen3_moe",
-            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": self.engine.arch.model_type,
+            "architectures": [FAMILIES[self.engine.arch.model_type].architecture],
             "engine": "moe-rl-embedded",
             **info,
         })

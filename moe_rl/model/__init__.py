@@ -1,7 +1,8 @@
-"""Torch-native Qwen3-MoE model with routing record/replay and expert parallelism."""
+"""Torch-native MoE models (Qwen3-MoE, GLM-4.5) with routing record/replay and expert parallelism."""
 from .arch import MoEArch
 from .hf_io import (
     expert_owner,
+    hf_dtype,
     hf_param_specs,
     hf_state_dict,
     bind_hf_views,
@@ -12,7 +13,7 @@ from .hf_io import (
     parse_expert_name,
     save_hf,
 )
-from .qwen3_moe import MoEForCausalLM, PackedCausal, PaddedCausal, RoutingError, packed_positions
+from .transformer import MoEForCausalLM, PackedCausal, PaddedCausal, RoutingError, packed_positions
 
 __all__ = [
     "MoEArch",
@@ -30,5 +31,6 @@ __all__ = [
     "bind_hf_views",
     "local_hf_tensor",
     "expert_owner",
+    "hf_dtype",
     "parse_expert_name",
 ]

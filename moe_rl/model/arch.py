@@ -1,23 +1,67 @@
-"""Architecture hyper-parameters of a Qwen3-MoE decoder, with HuggingFace's field names."""
+"""Architecture hyper-parameters of a MoE decoder, with HuggingFace's field names.
+
+One description covers every supported family; ``model_type`` (HF's name) picks the family,
+and :data:`FAMILIES` says what is particular to each: its HF class, its router and which of
+the fields below it uses. The model code reads only the fields (router, shared experts,
+dense layers, attention options), never the family name itself.
+"""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
-class MoEArch(BaseModel):
-    """The fields of HF's ``Qwen3MoeConfig`` that define the computation.
+@dataclass(frozen=True)
+class Family:
+    """What one HF model family fixes.
 
-    Names are HF's, so ``config.json`` round-trips. Defaults give the tiny CPU model.
+    ``router``: "softmax" (softmax over all experts, top-k, optional renormalisation; Qwen3-MoE,
+    Mixtral) or "sigmoid" (sigmoid scores, a correction bias used only to choose experts,
+    group-limited top-k, weights from the unbiased scores times ``routed_scaling_factor``;
+    GLM-4.5, DeepSeek-V3). ``experts_key``: the config.json key of the routed-expert count.
+    ``fixed``: fields the family has no knob for, with the only value it supports.
+    """
+
+    architecture: str
+    router: Literal["softmax", "sigmoid"]
+    experts_key: str
+    defaults: dict
+    fixed: dict
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM", "softmax", "num_experts",
+        defaults={"use_qk_norm": True, "partial_rotary_factor": 1.0},
+        fixed={"use_qk_norm": True, "partial_rotary_factor": 1.0, "attention_bias": False, "n_shared_experts": 0,
+               "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0},
+    ),
+    "glm4_moe": Family(
+        "Glm4MoeForCausalLM", "sigmoid", "n_routed_experts",
+        defaults={"use_qk_norm": False, "partial_rotary_factor": 0.5},  # HF Glm4MoeConfig's defaults
+        fixed={"mlp_only_layers": [], "decoder_sparse_step": 1},
+    ),
+}
+_BY_ARCHITECTURE = {f.architecture: t for t, f in FAMILIES.items()}
+
+
+class MoEArch(BaseModel):
+    """The fields of HF's ``Qwen3MoeConfig`` / ``Glm4MoeConfig`` that define the computation.
+
+    Names are HF's, so ``config.json`` round-trips (GLM's ``n_routed_experts`` is
+    ``num_experts`` here, HF's ``num_local_experts`` for both). Defaults give the tiny CPU model.
     """
 
     model_config = ConfigDict(extra="forbid")
 
+    model_type: Literal["qwen3_moe", "glm4_moe"] = "qwen3_moe"  # the family (see FAMILIES)
     vocab_size: int = 64
     hidden_size: int = 64
-    intermediate_size: int = 128  # dense MLP width (mlp_only_layers)
+    intermediate_size: int = 128  # dense MLP width (dense layers)
     moe_intermediate_size: int = 32
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
@@ -26,8 +70,16 @@ class MoEArch(BaseModel):
     num_experts: int = 8
     num_experts_per_tok: int = 2
     norm_topk_prob: bool = True
-    mlp_only_layers: list[int] = []
-    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = []  # Qwen3-MoE: dense layers by index
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every n-th layer sparse
+    first_k_dense_replace: int = 0  # GLM: the first k layers dense
+    n_shared_experts: int = 0  # GLM: shared experts beside the routed ones (one MLP of n x width)
+    n_group: int = 1  # GLM: expert groups of the group-limited top-k
+    topk_group: int = 1  # GLM: groups a token may route to
+    routed_scaling_factor: float = 1.0  # GLM: routed-expert weights are multiplied by this
+    partial_rotary_factor: float | None = None  # share of head_dim that is rotated (None: family default)
+    use_qk_norm: bool | None = None  # RMSNorm of q and k per head (None: family default)
+    attention_bias: bool = False  # bias on q/k/v projections (GLM-4.5)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 512
@@ -35,6 +87,14 @@ class MoEArch(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "MoEArch":
+        fam = FAMILIES[self.model_type]
+        for k, v in fam.defaults.items():
+            if getattr(self, k) is None:
+                setattr(self, k, v)
+        for k, v in fam.fixed.items():
+            if getattr(self, k) != v:
+                raise ValueError(f"{k}={getattr(self, k)!r} is not supported by model_type={self.model_type!r} "
+                                 f"(it has {v!r}); see moe_rl/model/arch.py FAMILIES")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -44,12 +104,42 @@ class MoEArch(BaseModel):
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ValueError(f"mlp_only_layers has layer indices out of range: {bad}")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, num_hidden_layers]")
+        if self.n_shared_experts < 0:
+            raise ValueError("n_shared_experts must be >= 0")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"num_experts={self.num_experts} must be a multiple of n_group={self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        per_group = self.num_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError("group-limited routing scores a group by its two best experts: "
+                             f"num_experts / n_group = {per_group} must be >= 2")
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of topk_group="
+                             f"{self.topk_group} groups ({self.topk_group * per_group})")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} x head_dim={self.head_dim} "
+                             "must give an even rotary width >= 2")
         return self
 
+    # --- what the model code reads -------------------------------------------------------
+    @property
+    def router(self) -> str:
+        return FAMILIES[self.model_type].router
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that RoPE rotates (HF: ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def is_moe_layer(self, i: int) -> bool:
-        """HF's rule for which decoder layers have a sparse MoE block."""
+        """HF's rules for which decoder layers have a sparse MoE block (Qwen3-MoE's
+        mlp_only_layers / decoder_sparse_step, GLM's first_k_dense_replace)."""
         return (
-            i not in self.mlp_only_layers
+            i >= self.first_k_dense_replace
+            and i not in self.mlp_only_layers
             and self.num_experts > 0
             and (i + 1) % self.decoder_sparse_step == 0
         )
@@ -58,22 +148,38 @@ class MoEArch(BaseModel):
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
+    @property
+    def dense_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i)]
+
     # --- HF config.json -------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict) -> "MoEArch":
         d = dict(d)
+        model_type = d.get("model_type")
+        if model_type is None and d.get("architectures"):
+            model_type = _BY_ARCHITECTURE.get(d["architectures"][0])
+        model_type = model_type or "qwen3_moe"
+        if model_type not in FAMILIES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)} "
+                             "(docs/architecture.md says how a family is added)")
+        d["model_type"] = model_type
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if "rope_theta" not in d and "rope_theta" in rope:
             d["rope_theta"] = rope["rope_theta"]
+        if d.get("partial_rotary_factor") is None and "partial_rotary_factor" in rope:
+            d["partial_rotary_factor"] = rope["partial_rotary_factor"]
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ValueError(f"unsupported rope_type {rope_type!r} (only default RoPE)")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
-        if d.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported (Qwen3-MoE has none)")
-        if d.get("num_experts") is None and d.get("num_local_experts") is not None:
-            d["num_experts"] = d["num_local_experts"]  # transformers v5 spelling
+        experts = d.get(FAMILIES[model_type].experts_key)
+        if experts is None:
+            experts = d.get("num_local_experts")  # transformers v5 spelling
+        d["num_experts"] = experts
+        if model_type == "qwen3_moe":
+            d.pop("use_qk_norm", None)  # Qwen3-MoE always normalises q and k; HF has no such key
         if d.get("head_dim") is None:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         return cls(**{k: d[k] for k in cls.model_fields if d.get(k) is not None})
@@ -83,22 +189,34 @@ class MoEArch(BaseModel):
         p = Path(path) / "config.json"
         if not p.exists():
             raise FileNotFoundError(f"{p}: no config.json in the checkpoint directory")
-        return cls.from_hf_dict(json.loads(p.read_text()))
+        try:
+            return cls.from_hf_dict(json.loads(p.read_text()))
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
 
     def to_hf_dict(self) -> dict:
+        fam = FAMILIES[self.model_type]
         d = self.model_dump()
+        d.pop("num_experts")
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.model_type == "qwen3_moe":  # HF's Qwen3MoeConfig has none of GLM's keys
+            for k in ("use_qk_norm", "partial_rotary_factor", "n_shared_experts", "n_group", "topk_group",
+                      "routed_scaling_factor", "first_k_dense_replace"):
+                d.pop(k)
+            d.update(output_router_logits=False, router_aux_loss_coef=0.0, sliding_window=None,
+                     use_sliding_window=False)
+        else:
+            for k in fam.fixed:  # keys of other families
+                d.pop(k)
+            rope["partial_rotary_factor"] = self.partial_rotary_factor
+            d["num_nextn_predict_layers"] = 0  # no MTP layers are modelled (or saved)
         d.update(
-            architectures=["Qwen3MoeForCausalLM"],
+            {fam.experts_key: self.num_experts},
+            architectures=[fam.architecture],
             num_local_experts=self.num_experts,
-            model_type="qwen3_moe",
             hidden_act="silu",
-            attention_bias=False,
             attention_dropout=0.0,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            output_router_logits=False,
-            router_aux_loss_coef=0.0,
+            rope_parameters=rope,
             use_cache=True,
-            sliding_window=None,
-            use_sliding_window=False,
         )
         return d

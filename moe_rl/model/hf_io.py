@@ -1,4 +1,4 @@
-"""HuggingFace checkpoint I/O and the HF <-> native parameter-name map.
+"""HuggingFace checkpoint I/O and the HF <-> native parameter-name map (every family).
 
 HF names experts one tensor each: ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``
 (transformers v5 checkpoints may instead hold stacked ``experts.gate_up_proj`` /
@@ -20,11 +20,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .arch import MoEArch
-from .qwen3_moe import MoEForCausalLM
+from .transformer import MoEForCausalLM
 
 _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+# kept in fp32 whatever the model's dtype (HF's _keep_in_fp32_modules_strict; SGLang's parameter
+# is fp32): a rounded expert-score correction bias chooses other experts
+FP32_SUFFIXES = (".e_score_correction_bias",)
+
+
+def hf_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor ``name`` has (on the wire, in a checkpoint) when the model is ``dtype``."""
+    return torch.promote_types(dtype, torch.float32) if name.endswith(FP32_SUFFIXES) else dtype
 
 
 def expert_name(layer: int, expert: int, proj: str) -> str:
@@ -40,35 +49,40 @@ def parse_expert_name(name: str) -> tuple[int, int, str] | None:
 def hf_param_specs(arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
     """Every HF tensor name with its full (un-sharded) shape, in a fixed canonical order."""
     H, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
     specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (arch.vocab_size, H))]
+
+    def mlp(prefix: str, inter: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [(prefix + "gate_proj.weight", (inter, H)), (prefix + "up_proj.weight", (inter, H)),
+                (prefix + "down_proj.weight", (H, inter))]
+
     for i in range(arch.num_hidden_layers):
         p = f"model.layers.{i}."
-        specs += [
-            (p + "input_layernorm.weight", (H,)),
-            (p + "self_attn.q_proj.weight", (arch.num_attention_heads * hd, H)),
-            (p + "self_attn.k_proj.weight", (arch.num_key_value_heads * hd, H)),
-            (p + "self_attn.v_proj.weight", (arch.num_key_value_heads * hd, H)),
-            (p + "self_attn.o_proj.weight", (H, arch.num_attention_heads * hd)),
-            (p + "self_attn.q_norm.weight", (hd,)),
-            (p + "self_attn.k_norm.weight", (hd,)),
-            (p + "post_attention_layernorm.weight", (H,)),
-        ]
+        a = p + "self_attn."
+        specs.append((p + "input_layernorm.weight", (H,)))
+        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            specs.append((a + proj + ".weight", (out, H)))
+            if arch.attention_bias:
+                specs.append((a + proj + ".bias", (out,)))
+        specs.append((a + "o_proj.weight", (H, q)))
+        if arch.use_qk_norm:
+            specs += [(a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))]
+        specs.append((p + "post_attention_layernorm.weight", (H,)))
         if arch.is_moe_layer(i):
             I = arch.moe_intermediate_size
             specs.append((p + "mlp.gate.weight", (arch.num_experts, H)))
+            if arch.router == "sigmoid":
+                specs.append((p + "mlp.gate.e_score_correction_bias", (arch.num_experts,)))
             for e in range(arch.num_experts):
                 specs += [
                     (expert_name(i, e, "gate_proj"), (I, H)),
                     (expert_name(i, e, "up_proj"), (I, H)),
                     (expert_name(i, e, "down_proj"), (H, I)),
                 ]
+            if arch.n_shared_experts:
+                specs += mlp(p + "mlp.shared_experts.", I * arch.n_shared_experts)
         else:
-            I = arch.intermediate_size
-            specs += [
-                (p + "mlp.gate_proj.weight", (I, H)),
-                (p + "mlp.up_proj.weight", (I, H)),
-                (p + "mlp.down_proj.weight", (H, I)),
-            ]
+            specs += mlp(p + "mlp.", arch.intermediate_size)
     specs.append(("model.norm.weight", (H,)))
     if not arch.tie_word_embeddings:
         specs.append(("lm_head.weight", (arch.vocab_size, H)))
@@ -87,7 +101,11 @@ def local_hf_tensor(model: MoEForCausalLM, name: str) -> torch.Tensor | None:
     """A view of this rank's tensor for an HF name; None if another EP rank holds it."""
     parsed = parse_expert_name(name)
     if parsed is None:
-        return model.get_parameter(name) if name != "lm_head.weight" or not model.arch.tie_word_embeddings else model.lm_head.weight
+        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+            return model.lm_head.weight
+        if name.endswith(FP32_SUFFIXES):
+            return model.get_buffer(name)
+        return model.get_parameter(name)
     layer, expert, proj = parsed
     moe = model.model.layers[layer].mlp
     lo = moe.ep_rank * moe.num_local
@@ -112,10 +130,16 @@ def _stacked_expert_names(model: MoEForCausalLM, pname: str) -> list[str]:
     return [expert_name(layer, lo + e, proj) for e in range(moe.num_local)]
 
 
+def hf_named_tensors(model: MoEForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters and the buffers that are HF tensors (the correction bias)."""
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if n.endswith(FP32_SUFFIXES))
+
+
 def _binding_anchors(model: MoEForCausalLM) -> list[str]:
     """Per parameter, the HF names that pin where its views lie (first and last expert)."""
     names = []
-    for pname, _ in model.named_parameters():
+    for pname, _ in hf_named_tensors(model):
         if ".experts." in pname:
             experts = _stacked_expert_names(model, pname)
             names += [experts[0], experts[-1]]
@@ -148,7 +172,7 @@ def bind_hf_views(model: MoEForCausalLM, views: dict[str, torch.Tensor]) -> dict
     else:
         return None
     plan = []
-    for pname, p in model.named_parameters():
+    for pname, p in hf_named_tensors(model):
         if ".experts." in pname:
             vs = [views.get(n) for n in _stacked_expert_names(model, pname)]
             if any(v is None or v.dtype != p.dtype or tuple(v.shape) != tuple(p.shape[1:]) or not v.is_contiguous()
@@ -192,11 +216,17 @@ def _checkpoint_files(path: Path) -> list[Path]:
 def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
     """Loads an HF safetensors checkpoint into ``model`` (this rank's experts only)."""
     path = Path(path)
-    missing = {n for n, _ in hf_param_specs(model.arch)}
+    specs = {n for n, _ in hf_param_specs(model.arch)}
+    missing = set(specs)
     with torch.no_grad():
         for f in _checkpoint_files(path):
             with safe_open(str(f), framework="pt") as sf:
                 for key in sf.keys():
+                    in_layer = _LAYER_RE.match(key)
+                    if in_layer and int(in_layer.group(1)) >= model.arch.num_hidden_layers:
+                        continue  # GLM's multi-token-prediction layer (num_nextn_predict_layers): not modelled
+                    if key not in specs and 0 in sf.get_slice(key).get_shape():
+                        continue  # HF's GLM with n_shared_experts=0 saves a zero-width shared MLP
                     stacked = _STACKED_RE.match(key)
                     if stacked:  # transformers v5 layout: [E, 2I, H] / [E, H, I]
                         layer, kind = int(stacked.group(1)), stacked.group(2)
@@ -222,7 +252,7 @@ def _assign(model, name, tensor, missing, f):
     try:
         dst = local_hf_tensor(model, name)
     except AttributeError:
-        raise KeyError(f"{f}: unexpected tensor {name!r} for a Qwen3-MoE model of this config") from None
+        raise KeyError(f"{f}: unexpected tensor {name!r} for a {model.arch.model_type} model of this config") from None
     if dst is None:
         missing.discard(name)
         return
@@ -233,7 +263,8 @@ def _assign(model, name, tensor, missing, f):
 
 
 def load_hf(path: str | Path, dtype: torch.dtype | None = None, ep_group=None) -> MoEForCausalLM:
-    """Builds a model from an HF Qwen3-MoE directory (config.json + safetensors)."""
+    """Builds a model from an HF directory (config.json + safetensors) of a supported family
+    (``model_type``: see ``moe_rl.model.arch.FAMILIES``)."""
     arch = MoEArch.from_hf_dir(path)
     model = MoEForCausalLM(arch, ep_group=ep_group)
     load_hf_weights(model, path)
@@ -282,7 +313,7 @@ def save_hf(state: dict[str, torch.Tensor] | MoEForCausalLM, path: str | Path, a
         state = hf_state_dict(state)
     if arch is None:
         raise ValueError("save_hf: arch is required when saving a state dict")
-    dtypes = {t.dtype for t in state.values()}
+    dtypes = {t.dtype for n, t in state.items() if not n.endswith(FP32_SUFFIXES)}
     cfg = arch.to_hf_dict()
     cfg["dtype"] = str(next(iter(dtypes))).replace("torch.", "") if len(dtypes) == 1 else "float32"
     with atomic_dir(path) as tmp:

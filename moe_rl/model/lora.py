@@ -1,4 +1,4 @@
-"""LoRA adapters for the native Qwen3-MoE model: attention, router and routed experts.
+"""LoRA adapters for the native MoE model: attention, router, routed and shared experts.
 
 An adapter on a weight W [out, in] is a pair A [r, in], B [out, r]; the adapted weight is
 W + (alpha / r) * B @ A. On a layer's experts (stacked [E, out, in]) there is one pair per
@@ -45,13 +45,15 @@ from torch.nn import functional as F
 
 from .grouped import grouped_mm
 from .hf_io import atomic_dir, iter_local_hf_tensors, parse_expert_name
-from .qwen3_moe import MoEForCausalLM
+from .transformer import MoEForCausalLM
 
 # target name -> where it sits in a decoder layer
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+SHARED_EXPERT_TARGETS = ("shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj")  # GLM
+DENSE_TARGETS = ATTENTION_TARGETS + SHARED_EXPERT_TARGETS  # nn.Linear modules (PEFT target_modules)
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 ROUTER_TARGET = "router"
-TARGETS = ATTENTION_TARGETS + (ROUTER_TARGET,) + EXPERT_TARGETS
+TARGETS = ATTENTION_TARGETS + (ROUTER_TARGET,) + EXPERT_TARGETS + SHARED_EXPERT_TARGETS
 
 
 class LoraError(ValueError):
@@ -81,6 +83,10 @@ def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) 
                 sites.append(_Site(p + "self_attn." + t, t, i, getattr(layer.self_attn, t), ("weight",), None))
             elif not layer.is_moe:
                 continue  # router and experts exist only in MoE layers
+            elif t in SHARED_EXPERT_TARGETS:
+                if layer.mlp.shared_experts is not None:
+                    proj = t.split(".")[1]
+                    sites.append(_Site(p + "mlp." + t, t, i, getattr(layer.mlp.shared_experts, proj), ("weight",), None))
             elif t == ROUTER_TARGET:
                 sites.append(_Site(p + "mlp.gate", t, i, layer.mlp.gate, ("weight",), None))
             elif t == "experts.gate_up_proj":
@@ -297,7 +303,7 @@ class LoraAdapters(nn.Module):
     def peft_config(self) -> dict:
         modules, params = [], []
         for s in self.sites:
-            if s.target in ATTENTION_TARGETS:
+            if s.target in DENSE_TARGETS:
                 modules.append(s.key)
             elif s.target == ROUTER_TARGET:
                 params.append(s.key + ".weight")

@@ -1,7 +1,8 @@
 """Which decoder layers are MoE layers, and the routing shape of a model.
 
-Standalone (no import of ``moe_rl.model``): the Qwen3-MoE rule, which Mixtral-style configs
-(every layer sparse) also satisfy with the defaults.
+Standalone (no import of ``moe_rl.model``): the Qwen3-MoE rule (``mlp_only_layers``,
+``decoder_sparse_step``) and GLM's / DeepSeek-V3's (``first_k_dense_replace``), which
+Mixtral-style configs (every layer sparse) also satisfy with the defaults.
 """
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ __all__ = ["moe_layer_indices", "RoutingSpec"]
 
 
 def moe_layer_indices(num_hidden_layers: int, mlp_only_layers: Iterable[int] = (),
-                      decoder_sparse_step: int = 1, num_experts: int = 1) -> list[int]:
+                      decoder_sparse_step: int = 1, num_experts: int = 1,
+                      first_k_dense_replace: int = 0) -> list[int]:
     """Indices of the sparse (MoE) decoder layers, in order.
 
-    Qwen3-MoE rule: layer ``i`` is sparse iff ``i not in mlp_only_layers and num_experts > 0 and
-    (i + 1) % decoder_sparse_step == 0``.
+    Layer ``i`` is sparse iff ``i >= first_k_dense_replace and i not in mlp_only_layers and
+    num_experts > 0 and (i + 1) % decoder_sparse_step == 0`` (HF's Qwen3-MoE and GLM rules).
     """
     if num_hidden_layers < 0:
         raise ValueError(f"num_hidden_layers must be >= 0, got {num_hidden_layers}")
@@ -25,7 +27,7 @@ def moe_layer_indices(num_hidden_layers: int, mlp_only_layers: Iterable[int] = (
     if num_experts <= 0:
         return []
     dense = set(int(i) for i in mlp_only_layers)
-    return [i for i in range(num_hidden_layers)
+    return [i for i in range(first_k_dense_replace, num_hidden_layers)
             if i not in dense and (i + 1) % decoder_sparse_step == 0]
 
 
@@ -42,6 +44,7 @@ class RoutingSpec:
     num_experts: int
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    first_k_dense_replace: int = 0
     moe_layers: tuple[int, ...] = field(init=False)
 
     def __post_init__(self):
@@ -49,7 +52,7 @@ class RoutingSpec:
             raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={self.top_k}, "
                              f"num_experts={self.num_experts}")
         layers = moe_layer_indices(self.num_hidden_layers, self.mlp_only_layers,
-                                   self.decoder_sparse_step, self.num_experts)
+                                   self.decoder_sparse_step, self.num_experts, self.first_k_dense_replace)
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         object.__setattr__(self, "moe_layers", tuple(layers))
 
@@ -60,8 +63,9 @@ class RoutingSpec:
     @classmethod
     def from_hf_config(cls, config: Any) -> "RoutingSpec":
         """From a HuggingFace config (object or dict): Qwen3-MoE / Qwen2-MoE names
-        (``num_experts``, ``num_experts_per_tok``, ``mlp_only_layers``, ``decoder_sparse_step``)
-        or Mixtral's (``num_local_experts``)."""
+        (``num_experts``, ``num_experts_per_tok``, ``mlp_only_layers``, ``decoder_sparse_step``),
+        Mixtral's (``num_local_experts``) or GLM's / DeepSeek-V3's (``n_routed_experts``,
+        ``first_k_dense_replace``)."""
         get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
         num_experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts")
         if not num_experts:
@@ -70,4 +74,5 @@ class RoutingSpec:
                    top_k=int(get("num_experts_per_tok")),
                    num_experts=int(num_experts),
                    mlp_only_layers=tuple(get("mlp_only_layers") or ()),
-                   decoder_sparse_step=int(get("decoder_sparse_step") or 1))
+                   decoder_sparse_step=int(get("decoder_sparse_step") or 1),
+                   first_k_dense_replace=int(get("first_k_dense_replace") or 0))

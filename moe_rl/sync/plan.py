@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.protocol import FrozenList
-from ..model.hf_io import hf_param_specs, parse_expert_name
+from ..model.hf_io import hf_dtype, hf_param_specs, local_hf_tensor, parse_expert_name
 
 _DTYPES = {
     "float32": torch.float32,
@@ -176,11 +176,11 @@ def model_specs(model, dtype: torch.dtype | None = None) -> list[tuple[str, tupl
     out = []
     for name, shape in hf_param_specs(model.arch):
         if dtype is not None:
-            dt = dtype
+            dt = hf_dtype(name, dtype)  # the correction bias stays fp32 on the wire
         else:
             parsed = parse_expert_name(name)
             if parsed is None:
-                dt = model.get_parameter(name).dtype if name != "lm_head.weight" else model.lm_head.weight.dtype
+                dt = local_hf_tensor(model, name).dtype
             else:
                 layer, _, proj = parsed
                 dt = getattr(model.model.layers[layer].mlp.experts, proj).dtype

@@ -12,7 +12,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..model import MoEArch, hf_param_specs, local_hf_tensor
+from ..model import MoEArch, hf_dtype, hf_param_specs, local_hf_tensor
+from ..model.hf_io import hf_named_tensors
 from .plan import model_specs
 
 
@@ -32,7 +33,7 @@ class ModelSource:
 
     def cache_key(self):
         """Changes when a parameter moved, invalidating cached bucket views."""
-        return tuple(p.data_ptr() for p in self.model.parameters())
+        return tuple(t.data_ptr() for _, t in hf_named_tensors(self.model))
 
 
 class StreamSource:
@@ -42,7 +43,7 @@ class StreamSource:
         self._it: Iterator[tuple[str, torch.Tensor]] | None = None
 
     def specs(self, wire_dtype: torch.dtype | None = None):
-        return [(n, tuple(s), wire_dtype or self.dtype) for n, s in hf_param_specs(self.arch)]
+        return [(n, tuple(s), hf_dtype(n, wire_dtype or self.dtype)) for n, s in hf_param_specs(self.arch)]
 
     def begin(self) -> None:
         self._it = self.make_iter()

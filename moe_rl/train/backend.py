@@ -154,6 +154,19 @@ class NativeBackend(DataParallelStep):
 
             self.lora = build_lora(self.model, cfg.lora)
         self._setup_optimizer()
+        self.bias_rate = cfg.train.expert_bias_update_rate
+        if self.bias_rate:
+            if self.arch.router != "sigmoid":
+                raise ValueError(f"train.expert_bias_update_rate: model_type={self.arch.model_type!r} has no "
+                                 "expert-score correction bias (a sigmoid router's)")
+            self.model.track_expert_load()
+
+    def optimizer_step(self) -> dict[str, float]:
+        stats = super().optimizer_step()
+        if self.bias_rate:  # the tokens of every trainer rank count (each forwarded its own)
+            trainer = self.groups.trainer if self.groups is not None and len(self.groups.layout.trainer_ranks) > 1 else None
+            self.model.update_expert_bias(self.bias_rate, group=trainer)
+        return stats
 
     def _adapted(self):
         """With LoRA the forward adds the adapters' rows (unmerged, the engine's form; docs/lora.md

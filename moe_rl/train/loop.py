@@ -263,7 +263,8 @@ class Trainer:
             client = EngineClient.from_config(cfg.engine, self.urls)
             client.lora_path = getattr(self.sender, "lora_name", None)
             spec = RoutingSpec(self.arch.num_hidden_layers, self.arch.num_experts_per_tok, self.arch.num_experts,
-                               tuple(self.arch.mlp_only_layers), self.arch.decoder_sparse_step)
+                               tuple(self.arch.mlp_only_layers), self.arch.decoder_sparse_step,
+                               self.arch.first_k_dense_replace)
             m = rollout_state or {}
             if m:
                 self.buffer.load_state_dict(m["buffer"])

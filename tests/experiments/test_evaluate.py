@@ -7,7 +7,7 @@ import torch
 from moe_rl.config import load_config
 from moe_rl.experiments.evaluate import EVAL_DATA_SEED, evaluate_policy, evaluate_run
 from moe_rl.model.hf_io import save_hf
-from moe_rl.model.qwen3_moe import MoEForCausalLM
+from moe_rl.model.transformer import MoEForCausalLM
 from moe_rl.tasks import task_from_config
 
 ROOT = Path(__file__).resolve().parents[2]

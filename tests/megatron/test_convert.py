@@ -38,6 +38,26 @@ def tiny():
     return arch, state
 
 
+@pytest.fixture(scope="module")
+def glm():
+    """A tiny GLM-4.5 made by transformers: q/k/v bias, correction bias, shared experts, groups,
+    the first layer dense, no q/k norm."""
+    cfg = transformers.Glm4MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=6, num_experts_per_tok=2,
+        n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=1, attention_bias=True, use_qk_norm=False)
+    torch.manual_seed(0)
+    ref = transformers.Glm4MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for t in ref.state_dict().values():
+            t.normal_(0, 0.15)
+    arch = MoEArch.from_hf_dict(cfg.to_dict())
+    state = _per_expert_hf_state(ref, arch)
+    assert set(state) == {n for n, _ in hf_param_specs(arch)}
+    assert any(n.endswith("e_score_correction_bias") for n in state) and any(".shared_experts." in n for n in state)
+    return arch, state
+
+
 def _per_expert_hf_state(ref, arch):
     """HF names with one tensor per expert (transformers v5 stores experts stacked)."""
     out = {}
@@ -60,10 +80,11 @@ def _per_expert_hf_state(ref, arch):
 LAYOUTS = [dict(), dict(te=True), dict(te=True, grouped_gemm=True), dict(grouped_gemm=True)]  # last: TorchGroupedMLP
 
 
+@pytest.mark.parametrize("family", ["tiny", "glm"])
 @pytest.mark.parametrize("kind", LAYOUTS, ids=["local", "te", "te-grouped", "torch-grouped"])
 @pytest.mark.parametrize("ep", [1, 2])
-def test_round_trip_bit_identical(tiny, kind, ep):
-    arch, hf = tiny
+def test_round_trip_bit_identical(request, family, kind, ep):
+    arch, hf = request.getfixturevalue(family)
     seen = {}
     for r in range(ep):
         layout = MegatronLayout(**kind, ep_size=ep, ep_rank=r)
@@ -82,10 +103,11 @@ def test_round_trip_bit_identical(tiny, kind, ep):
         assert t.dtype == hf[name].dtype and torch.equal(t, hf[name]), name
 
 
+@pytest.mark.parametrize("family", ["tiny", "glm"])
 @pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2)])
-def test_round_trip_tensor_parallel(tiny, tp, ep):
+def test_round_trip_tensor_parallel(request, family, tp, ep):
     """TP shards joined by a gather (concatenation over TP ranks) give the HF tensors back."""
-    arch, hf = tiny
+    arch, hf = request.getfixturevalue(family)
     for er in range(ep):
         states = [hf_to_megatron(hf, arch, MegatronLayout(tp_size=tp, tp_rank=r, ep_size=ep, ep_rank=er))
                   for r in range(tp)]
@@ -136,3 +158,17 @@ def test_refuses_unshardable():
         megatron_param_specs(MoEArch(tie_word_embeddings=True), MegatronLayout())
     with pytest.raises(ValueError, match="gather"):
         list(megatron_to_hf({}, MoEArch(), MegatronLayout(tp_size=2)))
+    with pytest.raises(ValueError, match="norm_topk_prob=False with a sigmoid router"):
+        megatron_param_specs(MoEArch(model_type="glm4_moe", norm_topk_prob=False), MegatronLayout())
+    with pytest.raises(ValueError, match="scores a group by its top"):
+        megatron_param_specs(MoEArch(model_type="glm4_moe", num_experts_per_tok=3, n_group=2, topk_group=1),
+                             MegatronLayout())
+
+
+def test_glm_names(glm):
+    arch, _ = glm
+    names = dict(megatron_param_specs(arch, MegatronLayout()))
+    assert names["decoder.layers.1.mlp.router.expert_bias"] == (6,)
+    assert names["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == (64, 32)  # [gate; up] of 2 x 16
+    assert names["decoder.layers.0.self_attention.linear_qkv.bias"] == (64,)  # (4 q + 2 k + 2 v heads) x 8
+    assert not any("layernorm.weight" in n and "_attention.q" in n for n in names)  # use_qk_norm=False

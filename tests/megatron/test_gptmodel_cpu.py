@@ -66,7 +66,7 @@ def test_replay_math_matches_native():
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    from moe_rl.model.qwen3_moe import SparseMoE
+    from moe_rl.model.transformer import SparseMoE
 
     arch = _cfg().model.arch()
     g = torch.Generator().manual_seed(0)

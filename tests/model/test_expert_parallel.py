@@ -6,16 +6,36 @@ import torch.distributed as dist
 from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors
 from tests.distributed import run_distributed
 
-ARCH = MoEArch(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
-               mlp_only_layers=[1], moe_intermediate_size=16, head_dim=8)
+ARCHS = {
+    "qwen3": MoEArch(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
+                     mlp_only_layers=[1], moe_intermediate_size=16, head_dim=8),
+    # GLM: sigmoid router with correction bias and groups, shared experts, a dense first layer
+    "glm": MoEArch(model_type="glm4_moe", vocab_size=48, hidden_size=32, num_hidden_layers=3, num_experts=8,
+                   num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                   routed_scaling_factor=2.0, attention_bias=True, moe_intermediate_size=16, head_dim=8),
+}
 
 
-def _ep_equals_reference(rank, world, use_replay):
+def _build(ARCH, ep_group=None):
+    model = MoEForCausalLM(ARCH, ep_group=ep_group).init_weights(11, std=0.2)
+    with torch.no_grad():
+        for i in model.moe_layers:
+            if ARCH.router == "sigmoid":
+                model.model.layers[i].mlp.gate.e_score_correction_bias.normal_(
+                    0, 0.2, generator=torch.Generator().manual_seed(i))
+    return model
+
+
+def _ep_equals_reference(rank, world, use_replay, arch):
+    ARCH = ARCHS[arch]
     torch.manual_seed(0)
     ids = torch.randint(0, ARCH.vocab_size, (4, 9), generator=torch.Generator().manual_seed(5))
-    ref = MoEForCausalLM(ARCH).init_weights(11, std=0.2)
-    ep = MoEForCausalLM(ARCH, ep_group=dist.group.WORLD).init_weights(11, std=0.2)
-    assert ep.model.layers[0].mlp.num_local == 4
+    ref = _build(ARCH)
+    ep = _build(ARCH, dist.group.WORLD)
+    assert ep.model.layers[ep.moe_layers[0]].mlp.num_local == 4
+    if ARCH.router == "sigmoid":
+        ref.track_expert_load()
+        ep.track_expert_load()
 
     rec = []
     ref_logits = ref(ids, record=rec if use_replay else None)
@@ -32,6 +52,8 @@ def _ep_equals_reference(rank, world, use_replay):
     ref_named = dict(iter_local_hf_tensors(ref))
     checked = 0
     for name, t in iter_local_hf_tensors(ep):
+        if name.endswith("e_score_correction_bias"):
+            continue  # a buffer: no gradient (checked below)
         grad = _grad_of(ep, name)
         if expert_owner(name, ARCH, world) is None:  # replicated: sum the data-parallel parts
             dist.all_reduce(grad)
@@ -41,7 +63,13 @@ def _ep_equals_reference(rank, world, use_replay):
         checked += 1
     assert checked > 0
     if use_replay:
-        assert _grad_of(ep, "model.layers.0.mlp.gate.weight").abs().sum() > 0
+        assert _grad_of(ep, f"model.layers.{ep.moe_layers[0]}.mlp.gate.weight").abs().sum() > 0
+    if ARCH.router == "sigmoid":  # the bias update sees the loads of both ranks' tokens
+        ref.update_expert_bias(0.05)
+        ep.update_expert_bias(0.05, group=dist.group.WORLD)
+        for i in ep.moe_layers:
+            want = ref.model.layers[i].mlp.gate.e_score_correction_bias
+            assert torch.equal(ep.model.layers[i].mlp.gate.e_score_correction_bias, want)
 
 
 def _grad_of(model, hf_name):
@@ -56,6 +84,7 @@ def _grad_of(model, hf_name):
     return getattr(moe.experts, proj).grad[expert - moe.ep_rank * moe.num_local].clone()
 
 
-@pytest.mark.parametrize("use_replay", [False, True], ids=["routed", "replayed"])
-def test_ep2_equals_ep1(use_replay):
-    run_distributed(_ep_equals_reference, 2, use_replay)
+@pytest.mark.parametrize("use_replay,arch", [(False, "qwen3"), (True, "qwen3"), (True, "glm")],
+                         ids=["routed", "replayed", "glm-replayed"])
+def test_ep2_equals_ep1(use_replay, arch):
+    run_distributed(_ep_equals_reference, 2, use_replay, arch)

@@ -6,8 +6,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_rl.model import MoEArch
 from moe_rl.model import grouped as grouped_ops
-from moe_rl.model import qwen3_moe
-from moe_rl.model.qwen3_moe import SparseMoE
+from moe_rl.model import transformer
+from moe_rl.model.transformer import SparseMoE
 
 
 def make_moe(num_experts=8, top_k=3, hidden=32, inter=16, dtype=torch.float32, seed=0):
@@ -62,7 +62,7 @@ def grouped(moe, x, replay):
 def test_grouped_equals_per_expert_reference(monkeypatch, kernel, align, dtype, use_replay):
     """fp32: within 1e-5. bf16: the bf16 model against the fp32 reference on the same (bf16-valued)
     weights, within 2^-6 of each tensor's largest magnitude (the bf16 reference itself is ~0.6% off)."""
-    monkeypatch.setattr(qwen3_moe, "group_align", lambda x: align)  # the CUDA padding path, on CPU
+    monkeypatch.setattr(transformer, "group_align", lambda x: align)  # the CUDA padding path, on CPU
     if kernel == "padded":  # the fallback used where torch._grouped_mm does not run
         monkeypatch.setattr(grouped_ops, "native_grouped_mm", lambda x: False)
     moe = make_moe(dtype=dtype)

@@ -15,8 +15,20 @@ ARCH = MoEArch(vocab_size=97, hidden_size=32, moe_intermediate_size=16, intermed
                mlp_only_layers=[1], rope_theta=10000.0)
 
 
-def make(targets=ALL, layers=None, rank=4, alpha=8.0, seed=0, shared=False):
-    model = MoEForCausalLM(ARCH).init_weights(seed, std=0.1)
+# GLM: sigmoid router with correction bias, shared experts, a dense first layer
+GLM = MoEArch(model_type="glm4_moe", vocab_size=97, hidden_size=32, moe_intermediate_size=16, intermediate_size=48,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6,
+              num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+              routed_scaling_factor=1.5, attention_bias=True, rope_theta=10000.0)
+GLM_ALL = ALL + ["shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]
+
+
+def make(targets=ALL, layers=None, rank=4, alpha=8.0, seed=0, shared=False, arch=ARCH):
+    model = MoEForCausalLM(arch).init_weights(seed, std=0.1)
+    if arch.router == "sigmoid":
+        with torch.no_grad():
+            for i in model.moe_layers:
+                model.model.layers[i].mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     ad = LoraAdapters(model, rank, alpha, targets, layers, shared_outer=shared).init_weights(seed + 1)
     g = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():  # B = 0 at init; random B makes every adapter count
@@ -34,10 +46,10 @@ def merged_by_hand(model, ad):
         for name, A in ad.A.items():
             key = name.replace("__", ".")
             B = ad.B[name]
-            if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
+            if key.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
                 ex = m.get_submodule(key.rsplit(".", 1)[0])
                 I = ex.gate_proj.shape[1]
-                for e in range(ARCH.num_experts):
+                for e in range(model.arch.num_experts):
                     d = s * (B[e if B.shape[0] > 1 else 0] @ A[e if A.shape[0] > 1 else 0])
                     if key.endswith("gate_up_proj"):
                         ex.gate_proj[e] += d[:I]
@@ -280,3 +292,58 @@ def test_peft_loads_adapter_on_hf_base(tmp_path, targets, layers, shared):
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["peft_type"] == "LORA"
 
+
+
+@pytest.mark.parametrize("layers", [None, [2]])
+def test_glm_adapters_on_shared_experts_equal_hand_merge(layers):
+    """GLM: adapters on attention (with q/k/v bias), the sigmoid router, routed and shared
+    experts; both forms equal the hand merge, and gradients reach the shared-expert adapters."""
+    model, ad = make(GLM_ALL, layers, arch=GLM)
+    assert {s.target for s in ad.sites} == set(GLM_ALL)
+    assert all(s.layer >= 1 for s in ad.sites if s.target not in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = merged_by_hand(model, ad)(ids)
+        base = model(ids)
+    with ad.applied():
+        torch.testing.assert_close(model(ids), expected, atol=1e-6, rtol=0)
+    with ad.in_forward():
+        got = model(ids)
+        got.square().mean().backward()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert (got - base).abs().max() > 1e-3
+    shared = [n for n in ad.B if "shared_experts" in n]
+    assert shared and all(ad.B[n].grad.abs().sum() > 0 for n in shared)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_glm_peft_loads_adapter_on_hf_base(tmp_path, monkeypatch):
+    """PEFT's LoRA on transformers' Glm4MoeForCausalLM (shared experts as target_modules, the
+    router and fused experts as target_parameters) gives moe-rl's merged logits, key for key.
+
+    PEFT 0.19 on transformers 5 rewrites every target module named ``*.gate_proj`` / ``up_proj`` /
+    ``down_proj`` of a model with a converted MoE layout (GLM, Qwen-MoE) into the fused expert
+    parameters, for adapters trained on transformers 4's per-expert modules; that rewrite
+    would mistake the shared experts' own nn.Linear modules for experts, so it is turned off here
+    (docs/lora.md)."""
+    from peft.utils import transformers_weight_conversion
+
+    monkeypatch.setattr(transformers_weight_conversion, "_convert_peft_config_moe", lambda cfg, model: None)
+    model, ad = make(GLM_ALL, None, arch=GLM)
+    save_hf(model, tmp_path / "base")
+    save_peft(ad, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    hf = transformers.Glm4MoeForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), ad.applied():
+        ours = model(ids)
+    with torch.no_grad():
+        theirs = pm(input_ids=ids).logits
+        base = model(ids)
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    assert (ours - base).abs().max() > 1e-3
+    assert sorted(peft.get_peft_model_state_dict(pm)) == sorted(ad.peft_state_dict())
+    back = make(GLM_ALL, None, arch=GLM, seed=5)[1]
+    load_peft(back, tmp_path / "adapter")
+    for n, p in ad.named_parameters():
+        assert torch.equal(dict(back.named_parameters())[n], p)

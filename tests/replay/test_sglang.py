@@ -14,6 +14,10 @@ def test_moe_layer_rule():
     assert moe_layer_indices(6, decoder_sparse_step=2) == [1, 3, 5]
     assert moe_layer_indices(6, [1], decoder_sparse_step=2) == [3, 5]
     assert moe_layer_indices(6, num_experts=0) == []
+    assert moe_layer_indices(6, first_k_dense_replace=2) == [2, 3, 4, 5]  # GLM / DeepSeek-V3
+    glm = RoutingSpec.from_hf_config({"num_hidden_layers": 46, "n_routed_experts": 128, "num_experts_per_tok": 8,
+                                      "first_k_dense_replace": 1})
+    assert glm.moe_layers == tuple(range(1, 46)) and glm.num_experts == 128
     spec = RoutingSpec.from_hf_config({"num_hidden_layers": 48, "num_experts": 128,
                                        "num_experts_per_tok": 8, "mlp_only_layers": [],
                                        "decoder_sparse_step": 1})

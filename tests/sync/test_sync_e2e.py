@@ -98,3 +98,41 @@ def test_zero_copy_commits_stay_identical_and_atomic(rebinding_receiver):
     assert ctl.call("hashes")["result"] == expected_hashes(3)
     state = ctl.call("state")["result"]
     assert state["version"] == "z3" and "parameters unchanged (still version z3)" in state["last_error"]
+
+
+GLM = dict(model_type="glm4_moe", mlp_only_layers=[], first_k_dense_replace=1, n_shared_experts=1, n_group=2,
+           attention_bias=True)
+
+
+def _glm_trainer_model(seed):
+    import torch
+
+    model = MoEForCausalLM(H.arch(**GLM)).init_weights(seed)
+    with torch.no_grad():
+        for i in model.moe_layers:
+            model.model.layers[i].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    return model
+
+
+def test_glm_sync_carries_the_correction_bias_through_bound_buffers():
+    """GLM: the sender's parameters and correction-bias buffers live in its bucket buffers, the
+    engine commits by re-pointing them at its received buckets; after a bias update (in place, in
+    the bound storage) the next sync carries the new bias too."""
+    import torch
+
+    with H.spawn_receiver(0, arch_kw=GLM, rebind=True) as (_, ctl, _p):
+        model = _glm_trainer_model(1)
+        sender = WeightSender(model, engines=[ctl], bucket_mb=1, timeout_s=30, bind_params=True)
+        assert sender._bound is not None  # the bias is bound with the parameters
+        sender.sync("g1")
+        assert ctl.call("hashes")["result"] == H.model_hashes(model)
+        model.track_expert_load()
+        model(torch.randint(0, 48, (2, 5))).sum().backward()
+        before = model.model.layers[1].mlp.gate.e_score_correction_bias.clone()
+        model.update_expert_bias(0.5)
+        assert not torch.equal(model.model.layers[1].mlp.gate.e_score_correction_bias, before)
+        sender.sync("g2")
+        sender.close()
+        assert ctl.call("hashes")["result"] == H.model_hashes(model)
+        state = ctl.call("state")["result"]
+        assert state["version"] == "g2" and state["zero_copy_commits"] == 2

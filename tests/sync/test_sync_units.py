@@ -44,6 +44,19 @@ def test_plan_covers_model_in_canonical_order():
     assert {b.dtype for b in bf.buckets} == {torch.bfloat16} and len(bf.buckets) == 1
 
 
+def test_plan_keeps_the_glm_correction_bias_fp32_on_a_16_bit_wire():
+    """GLM's e_score_correction_bias travels (and stays) in fp32 whatever the wire dtype: bf16
+    would round it, and SGLang's parameter is fp32; everything else takes the wire dtype."""
+    glm = H.arch(model_type="glm4_moe", mlp_only_layers=[], first_k_dense_replace=1, n_shared_experts=1)
+    model = MoEForCausalLM(glm).init_weights(0)
+    bias = {n for n, _ in hf_param_specs(glm) if n.endswith("e_score_correction_bias")}
+    assert len(bias) == 2
+    for specs in (model_specs(model, torch.bfloat16), model_specs(model.to(torch.bfloat16))):
+        plan = plan_buckets(specs, 1 << 20)
+        assert {n for b in plan.buckets if b.dtype == torch.float32 for n in b.names} == bias
+        assert {b.dtype for b in plan.buckets} == {torch.float32, torch.bfloat16}
+
+
 # --- receiver checks ----------------------------------------------------------------------
 def _params():
     return {"w.a": torch.zeros(3, 4), "w.b": torch.zeros(5)}

@@ -118,7 +118,7 @@ def _batch(cfg, replay_dir: str) -> list[dict]:
     """Samples as the rollout makes them: behaviour log-probs near the initial model's, routing
     records of the initial model in the replay log (one sample without), two stale samples
     (version 0, trained at version 1: routed by the trainer itself), one multi-turn episode."""
-    from moe_rl.model.qwen3_moe import MoEForCausalLM
+    from moe_rl.model.transformer import MoEForCausalLM
     from moe_rl.replay import ReplayLog
 
     arch = cfg.model.arch()
@@ -193,7 +193,7 @@ def test_one_train_step_on_a_second_device(fakedev, overrides):
 
 # --- replay checks on the device ---------------------------------------------------------------
 def _replay_checks():
-    from moe_rl.model.qwen3_moe import MoEForCausalLM
+    from moe_rl.model.transformer import MoEForCausalLM
     from moe_rl.train.megatron.model import check_replay
 
     dev = fd.DEVICE
@@ -268,7 +268,7 @@ def _sync_on_device():
 def _engine(cfg):
     from moe_rl.engine import decode_routed_experts, output_logprobs
     from moe_rl.engine.engine import Engine
-    from moe_rl.model.qwen3_moe import MoEForCausalLM
+    from moe_rl.model.transformer import MoEForCausalLM
 
     arch = cfg.model.arch()
     prompts = [[(5 * i + 3 * j + 1) % arch.vocab_size for j in range(3 + i)] for i in range(4)]
@@ -358,7 +358,7 @@ def _sync(cfg):
     checksum and commit, both models on fakedev; the trainer with LoRA adapters, so what is
     sent is the merged weights (lora.sync=merged), made on the device."""
     from moe_rl.model import iter_local_hf_tensors
-    from moe_rl.model.qwen3_moe import MoEForCausalLM
+    from moe_rl.model.transformer import MoEForCausalLM
     from moe_rl.sync.receiver import WeightReceiver
     from moe_rl.sync.sender import WeightSender
     from moe_rl.train.backend import NativeBackend

@@ -9,7 +9,7 @@ import torch
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.dist import Groups, Layout
-from moe_rl.model.qwen3_moe import MoEForCausalLM
+from moe_rl.model.transformer import MoEForCausalLM
 from moe_rl.train.loop import Trainer
 
 TINY = ["model.vocab_size=32", "model.hidden_size=32", "model.intermediate_size=64", "model.moe_intermediate_size=16",

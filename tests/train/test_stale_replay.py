@@ -4,7 +4,7 @@ forwards of a plain model (each sequence alone, replayed or not)."""
 import torch
 
 from moe_rl.model.arch import MoEArch
-from moe_rl.model.qwen3_moe import MoEForCausalLM
+from moe_rl.model.transformer import MoEForCausalLM
 from moe_rl.train.loop import replay_rows, stale_rows
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_rl.model.qwen3_moe import PackedCausal
+from moe_rl.model.transformer import PackedCausal
 
 
 class TorchSDPAttention(nn.Module):

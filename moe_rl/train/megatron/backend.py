@@ -162,7 +162,7 @@ class MegatronBackend(DataParallelStep):
         """Copies HF tensors (full, global names; a mapping or a getter) into this rank's
         Megatron parameters."""
         state = hf_to_megatron(hf, self.arch, self.layout)
-        params = dict(self.model.named_parameters())
+        params = self._tensors()
         unknown = sorted(set(state) - set(params))
         missing = sorted(set(params) - set(state))
         if unknown or missing:
@@ -175,9 +175,15 @@ class MegatronBackend(DataParallelStep):
                     raise RuntimeError(f"{name}: converted shape {tuple(t.shape)}, GPTModel has {tuple(p.shape)}")
                 p.copy_(t)
 
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """The GPTModel's parameters and its routers' expert-bias buffers (GLM's correction bias)."""
+        out = dict(self.model.named_parameters())
+        out.update((n, b) for n, b in self.model.named_buffers() if n.endswith(".router.expert_bias"))
+        return out
+
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights under HF names; with LoRA the merged weights (base + s*B@A)."""
-        params = dict(self.model.named_parameters())
+        params = self._tensors()
         # inputs are detached, so no autograd graph is built; no `with no_grad()` around the
         # yield, which would leave autograd off in the caller while the generator is suspended
         get = self._megatron_lora.merged_getter() if self._megatron_lora is not None else (lambda n: params[n].detach())
@@ -259,12 +265,30 @@ class MegatronBackend(DataParallelStep):
 
     def optimizer_step(self) -> dict[str, float]:
         stats = super().optimizer_step()
+        if self.arch.router == "sigmoid":
+            self._update_expert_bias()
         if self.replay is not None:
             pending = self.replay.pending_backward()
             self.replay.end_step()
             if pending:
                 log.warning("routing replay: %d recomputed forwards were never run by a backward this step", pending)
         return stats
+
+    def _update_expert_bias(self) -> None:
+        """train.expert_bias_update_rate > 0: megatron-core's own update of the routers' expert
+        bias from the step's token counts, all-reduced over the trainer pool (its
+        ``_update_router_expert_bias``, what finalize_model_grads runs); the counts restart
+        every step either way (its ``reset_model_temporary_tensors``)."""
+        from megatron.core.distributed.finalize_model_grads import (
+            _update_router_expert_bias,
+            reset_model_temporary_tensors,
+        )
+
+        rate = self.cfg.train.expert_bias_update_rate
+        if rate:
+            self.tconfig.moe_router_bias_update_rate = rate
+            _update_router_expert_bias([self.model], self.tconfig)
+        reset_model_temporary_tensors(self.tconfig, [self.model])
 
     def _ep_group(self):
         return self.ps.get_expert_model_parallel_group()

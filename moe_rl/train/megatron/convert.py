@@ -1,11 +1,11 @@
-"""HuggingFace Qwen3-MoE <-> Megatron-core GPTModel parameter conversion.
+"""HuggingFace (Qwen3-MoE, GLM-4.5) <-> Megatron-core GPTModel parameter conversion.
 
 Pure torch: nothing here imports megatron, so the mapping is testable anywhere. One
 :class:`MegatronLayout` says how the Megatron model was built (which layer spec, which expert
 module, the tensor- and expert-parallel shape and this rank's place in it); every function
 below derives names, shapes and shards from it and the :class:`~moe_rl.model.MoEArch`.
 
-Megatron's layout of a Qwen3-MoE decoder layer ``i`` (pipeline parallelism is not used):
+Megatron's layout of a decoder layer ``i`` (pipeline parallelism is not used):
 
 ======================================  ==========================================================
 HF                                      Megatron
@@ -15,10 +15,14 @@ input_layernorm                         ``input_layernorm.weight`` (local spec) 
 q_proj, k_proj, v_proj                  ``self_attention.linear_qkv.weight``, one row block per
                                         query group ``g``: ``[q heads of g; k_g; v_g]``
 o_proj                                  ``self_attention.linear_proj.weight``
-q_norm, k_norm                          ``self_attention.{q,k}_layernorm.weight``
+q/k/v_proj.bias (GLM attention_bias)     ``self_attention.linear_qkv.bias``, grouped as the weight
+q_norm, k_norm (Qwen3; GLM use_qk_norm)  ``self_attention.{q,k}_layernorm.weight``
 post_attention_layernorm                ``pre_mlp_layernorm.weight``, or for a dense layer under
                                         the TE spec ``mlp.linear_fc1.layer_norm_weight``
 mlp.gate (router)                       ``mlp.router.weight``
+mlp.gate.e_score_correction_bias (GLM)  ``mlp.router.expert_bias`` (a buffer, fp32)
+mlp.shared_experts.{gate,up}_proj (GLM) ``mlp.shared_experts.linear_fc1.weight`` = ``[gate; up]``
+mlp.shared_experts.down_proj (GLM)      ``mlp.shared_experts.linear_fc2.weight``
 experts.{e}.{gate,up}_proj              ``mlp.experts.local_experts.{j}.linear_fc1.weight``
                                         (SequentialMLP) or ``mlp.experts.linear_fc1.weight{j}``
                                         (TEGroupedMLP, TorchGroupedMLP): ``[gate; up]``, j = e - ep_rank * E_local
@@ -75,6 +79,17 @@ def check_arch(arch: MoEArch, layout: MegatronLayout) -> None:
         problems.append(f"vocab_size={arch.vocab_size} is not divisible by tp_size={tp} (no vocab padding)")
     if arch.intermediate_size % tp and len(arch.moe_layers) < arch.num_hidden_layers:
         problems.append(f"intermediate_size={arch.intermediate_size} is not divisible by tp_size={tp}")
+    if (arch.moe_intermediate_size * arch.n_shared_experts) % tp:
+        problems.append(f"the shared experts' width {arch.moe_intermediate_size * arch.n_shared_experts} is not "
+                        f"divisible by tp_size={tp}")
+    if arch.router == "sigmoid":  # what megatron-core's sigmoid routing can express
+        if not arch.norm_topk_prob and arch.num_experts_per_tok > 1:
+            problems.append("norm_topk_prob=False with a sigmoid router (megatron-core always renormalises the "
+                            "top-k sigmoid scores)")
+        if arch.n_group > 1 and arch.num_experts_per_tok // arch.topk_group != 2:
+            problems.append(f"n_group={arch.n_group} with num_experts_per_tok // topk_group = "
+                            f"{arch.num_experts_per_tok // arch.topk_group}: megatron-core scores a group by its "
+                            "top (num_experts_per_tok // topk_group) experts, HF by its top 2")
     if problems:
         raise ValueError("cannot convert this model to Megatron: " + "; ".join(problems))
 
@@ -90,14 +105,22 @@ def _layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, str
         ),
         "self_attn.qkv": p + "self_attention.linear_qkv.weight",
         "self_attn.o_proj.weight": p + "self_attention.linear_proj.weight",
-        "self_attn.q_norm.weight": p + "self_attention.q_layernorm.weight",
-        "self_attn.k_norm.weight": p + "self_attention.k_layernorm.weight",
         "post_attention_layernorm.weight": p + (
             "mlp.linear_fc1.layer_norm_weight" if layout.te and not moe else "pre_mlp_layernorm.weight"
         ),
     }
+    if arch.attention_bias:
+        names["self_attn.qkv_bias"] = p + "self_attention.linear_qkv.bias"
+    if arch.use_qk_norm:
+        names["self_attn.q_norm.weight"] = p + "self_attention.q_layernorm.weight"
+        names["self_attn.k_norm.weight"] = p + "self_attention.k_layernorm.weight"
     if moe:
         names["mlp.gate.weight"] = p + "mlp.router.weight"
+        if arch.router == "sigmoid":
+            names["mlp.gate.e_score_correction_bias"] = p + "mlp.router.expert_bias"
+        if arch.n_shared_experts:
+            names["mlp.shared_experts.fc1"] = p + "mlp.shared_experts.linear_fc1.weight"
+            names["mlp.shared_experts.down_proj.weight"] = p + "mlp.shared_experts.linear_fc2.weight"
     else:
         names["mlp.fc1"] = p + "mlp.linear_fc1.weight"
         names["mlp.down_proj.weight"] = p + "mlp.linear_fc2.weight"
@@ -113,8 +136,8 @@ def expert_names(layout: MegatronLayout, layer: int, local: int) -> tuple[str, s
 
 
 def megatron_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[str, tuple[int, ...]]]:
-    """Every parameter of this rank's GPTModel with its local shape (a fixed order, not
-    necessarily the module order)."""
+    """Every parameter of this rank's GPTModel, and the routers' expert-bias buffers, with its
+    local shape (a fixed order, not necessarily the module order)."""
     check_arch(arch, layout)
     tp = layout.tp_size
     H, hd = arch.hidden_size, arch.head_dim
@@ -123,20 +146,25 @@ def megatron_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[st
     for i in range(arch.num_hidden_layers):
         n = _layer_names(arch, layout, i)
         moe = arch.is_moe_layer(i)
-        specs += [
-            (n["input_layernorm.weight"], (H,)),
-            (n["self_attn.qkv"], ((nq + 2 * nkv) * hd // tp, H)),
-            (n["self_attn.o_proj.weight"], (H, nq * hd // tp)),
-            (n["self_attn.q_norm.weight"], (hd,)),
-            (n["self_attn.k_norm.weight"], (hd,)),
-            (n["post_attention_layernorm.weight"], (H,)),
-        ]
+        specs += [(n["input_layernorm.weight"], (H,)), (n["self_attn.qkv"], ((nq + 2 * nkv) * hd // tp, H))]
+        if "self_attn.qkv_bias" in n:
+            specs.append((n["self_attn.qkv_bias"], ((nq + 2 * nkv) * hd // tp,)))
+        specs.append((n["self_attn.o_proj.weight"], (H, nq * hd // tp)))
+        if "self_attn.q_norm.weight" in n:
+            specs += [(n["self_attn.q_norm.weight"], (hd,)), (n["self_attn.k_norm.weight"], (hd,))]
+        specs.append((n["post_attention_layernorm.weight"], (H,)))
         if moe:
             I = arch.moe_intermediate_size
             specs.append((n["mlp.gate.weight"], (arch.num_experts, H)))
+            if "mlp.gate.e_score_correction_bias" in n:
+                specs.append((n["mlp.gate.e_score_correction_bias"], (arch.num_experts,)))
             for j in range(arch.num_experts // layout.ep_size):
                 fc1, fc2 = expert_names(layout, i, j)
                 specs += [(fc1, (2 * I, H)), (fc2, (H, I))]
+            if "mlp.shared_experts.fc1" in n:
+                S = I * arch.n_shared_experts
+                specs += [(n["mlp.shared_experts.fc1"], (2 * S // tp, H)),
+                          (n["mlp.shared_experts.down_proj.weight"], (H, S // tp))]
         else:
             I = arch.intermediate_size
             specs += [(n["mlp.fc1"], (2 * I // tp, H)), (n["mlp.down_proj.weight"], (H, I // tp))]
@@ -146,23 +174,24 @@ def megatron_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[st
 
 # --- tensor transforms ------------------------------------------------------------------------
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: MoEArch) -> torch.Tensor:
-    """HF q/k/v [heads * hd, H] -> Megatron's fused QKV, grouped by query group."""
+    """HF q/k/v [heads * hd, H] (or biases [heads * hd]) -> Megatron's fused QKV, grouped by
+    query group."""
     nkv, hd = arch.num_key_value_heads, arch.head_dim
     per = arch.num_attention_heads // nkv
-    H = q.shape[1]
+    rest = tuple(q.shape[1:])
     return torch.cat(
-        [q.reshape(nkv, per * hd, H), k.reshape(nkv, hd, H), v.reshape(nkv, hd, H)], dim=1
-    ).reshape(-1, H)
+        [q.reshape(nkv, per * hd, *rest), k.reshape(nkv, hd, *rest), v.reshape(nkv, hd, *rest)], dim=1
+    ).reshape(-1, *rest)
 
 
 def split_qkv(qkv: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_qkv` (any number of whole query groups)."""
     hd = arch.head_dim
     per = arch.num_attention_heads // arch.num_key_value_heads
-    H = qkv.shape[1]
-    g = qkv.reshape(-1, (per + 2) * hd, H)
+    rest = tuple(qkv.shape[1:])
+    g = qkv.reshape(-1, (per + 2) * hd, *rest)
     q, k, v = g.split([per * hd, hd, hd], dim=1)
-    return q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 def _rows(t: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
@@ -202,12 +231,19 @@ def hf_to_megatron(
         hp = f"model.layers.{i}."
         n = _layer_names(arch, layout, i)
         put(n["input_layernorm.weight"], fetch(hp + "input_layernorm.weight"))
-        qkv = fuse_qkv(*(fetch(hp + f"self_attn.{x}_proj.weight") for x in "qkv"), arch)
-        put(n["self_attn.qkv"], qkv.chunk(layout.tp_size, 0)[layout.tp_rank] if layout.tp_size > 1 else qkv)
+        for kind, key in (("weight", "self_attn.qkv"), ("bias", "self_attn.qkv_bias")):
+            if key in n:
+                qkv = fuse_qkv(*(fetch(hp + f"self_attn.{x}_proj.{kind}") for x in "qkv"), arch)
+                put(n[key], qkv.chunk(layout.tp_size, 0)[layout.tp_rank] if layout.tp_size > 1 else qkv)
         put(n["self_attn.o_proj.weight"], _cols(fetch(hp + "self_attn.o_proj.weight"), layout))
-        put(n["self_attn.q_norm.weight"], fetch(hp + "self_attn.q_norm.weight"))
-        put(n["self_attn.k_norm.weight"], fetch(hp + "self_attn.k_norm.weight"))
+        for key in ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.e_score_correction_bias"):
+            if key in n:
+                put(n[key], fetch(hp + key))
         put(n["post_attention_layernorm.weight"], fetch(hp + "post_attention_layernorm.weight"))
+        if "mlp.shared_experts.fc1" in n:
+            sp = hp + "mlp.shared_experts."
+            out[n["mlp.shared_experts.fc1"]] = _fc1(fetch(sp + "gate_proj.weight"), fetch(sp + "up_proj.weight"), layout)
+            put(n["mlp.shared_experts.down_proj.weight"], _cols(fetch(sp + "down_proj.weight"), layout))
         if arch.is_moe_layer(i):
             put(n["mlp.gate.weight"], fetch(hp + "mlp.gate.weight"))
             for j in range(E_local):
@@ -226,6 +262,7 @@ def hf_to_megatron(
 
 # --- Megatron -> HF -------------------------------------------------------------------------
 Gather = Callable[[str, torch.Tensor, int], torch.Tensor]
+_QKV_SUFFIXES = {f"self_attn.{x}_proj.{kind}" for x in "qkv" for kind in ("weight", "bias")}
 
 
 def megatron_to_hf(
@@ -275,23 +312,24 @@ def megatron_to_hf(
             i = int(hf_name.split(".")[2])
             suffix = hf_name.split(".", 3)[3]
             n = _layer_names(arch, layout, i)
-            if suffix in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
-                key = n["self_attn.qkv"]
+            if suffix in _QKV_SUFFIXES:
+                key = n["self_attn.qkv" if suffix.endswith(".weight") else "self_attn.qkv_bias"]
                 if key not in cache:
                     cache[key] = split_qkv(full(key, 0), arch)
                 q, k, v = cache[key]
                 yield hf_name, {"q": q, "k": k, "v": v}[suffix[len("self_attn.")]]
                 if suffix.startswith("self_attn.v"):
                     del cache[key]
-            elif suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-                key = n["mlp.fc1"]
+            elif suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight",
+                            "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"):
+                key = n["mlp.shared_experts.fc1" if suffix.startswith("mlp.shared_experts.") else "mlp.fc1"]
                 if key not in cache:
                     cache[key] = _unfc1(full(key, 0), tp)
                 gate, up = cache[key]
-                yield hf_name, gate if suffix.startswith("mlp.gate") else up
-                if suffix.startswith("mlp.up"):
+                yield hf_name, gate if ".gate_proj." in suffix else up
+                if ".up_proj." in suffix:
                     del cache[key]
-            elif suffix in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            elif suffix in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.shared_experts.down_proj.weight"):
                 yield hf_name, full(n[suffix], 1)
             else:
                 yield hf_name, fetch(n[suffix])

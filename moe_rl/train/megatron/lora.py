@@ -61,8 +61,13 @@ class MegatronLora:
         if layout.tp_size > 1:
             raise LoraError("lora.enabled with train.backend=megatron: train.tp_size > 1 is not supported "
                             "(adapters on TP-sharded fused QKV / fc1 are not implemented)")
+        shared = sorted({s.target for s in adapters.sites if s.target.startswith("shared_experts.")})
+        if shared:
+            raise LoraError(f"lora.targets {shared} with train.backend=megatron: adapters on megatron's "
+                            "SharedExpertMLP are not implemented (use train.backend=native)")
         self.model, self.adapters, self.arch, self.layout = model, adapters, arch, layout
         self.params = dict(model.named_parameters())
+        self.params.update((n, b) for n, b in model.named_buffers() if n.endswith(".router.expert_bias"))
         self.by_layer: dict[int, list] = {}
         for s in adapters.sites:
             self.by_layer.setdefault(s.layer, []).append(s)

@@ -143,13 +143,18 @@ def destroy_parallel_state() -> None:
 # --- model ----------------------------------------------------------------------------------
 def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.float32, tp_size=1, ep_size=1,
                        cpu_init: bool = True):
-    """Megatron's TransformerConfig for a Qwen3-MoE ``arch``.
+    """Megatron's TransformerConfig for an ``arch`` of either family.
 
-    Router: Qwen3-MoE takes softmax over all experts, keeps the top k and (norm_topk_prob)
-    renormalises them, which equals megatron's softmax score function with
+    Softmax router (Qwen3-MoE): softmax over all experts, the top k and (norm_topk_prob)
+    renormalised, which equals megatron's softmax score function with
     ``moe_router_pre_softmax=False`` (top-k of the logits, softmax over those k). Without
     norm_topk_prob it is ``pre_softmax=True`` (softmax over all, top-k, no renormalisation).
-    No scaling factor, no expert bias, no aux loss, no capacity (dropless).
+    Sigmoid router (GLM): megatron's sigmoid score function with the expert bias (selection
+    only), its group-limited top-k, the scaling factor, fp32 router logits (as HF); the
+    renormalisation is megatron's always (``check_arch`` refuses what it cannot express). The
+    bias is updated by the backend (``train.expert_bias_update_rate``), not by megatron's
+    finalize_model_grads, which moe-rl does not call. Shared experts: megatron's SharedExpertMLP
+    of n_shared_experts x moe_intermediate_size, no gate. No aux loss, no capacity (dropless).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -164,11 +169,11 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
         ffn_hidden_size=arch.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
-        qk_layernorm=True,
+        qk_layernorm=arch.use_qk_norm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=arch.attention_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # MoE
@@ -176,9 +181,7 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
         moe_ffn_hidden_size=arch.moe_intermediate_size,
         moe_layer_freq=[1 if arch.is_moe_layer(i) else 0 for i in range(arch.num_hidden_layers)],
         moe_router_topk=arch.num_experts_per_tok,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not arch.norm_topk_prob,
-        moe_router_topk_scaling_factor=None,
+        **_router_fields(arch),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_fusion=opts.router_fusion,
@@ -198,6 +201,17 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
         perform_initialization=False,  # weights always come from an HF state (checkpoint or seeded init)
         **recompute,
     )
+
+
+def _router_fields(arch: MoEArch) -> dict:
+    if arch.router == "softmax":
+        return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not arch.norm_topk_prob,
+                    moe_router_topk_scaling_factor=None)
+    groups = dict(moe_router_num_groups=arch.n_group, moe_router_group_topk=arch.topk_group) if arch.n_group > 1 else {}
+    shared = arch.moe_intermediate_size * arch.n_shared_experts
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=arch.routed_scaling_factor, moe_router_dtype="fp32",
+                moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_overlap=False, **groups)
 
 
 _TE_NAMES_OF_MOE_UTILS = (
@@ -247,7 +261,7 @@ def cpu_forward_shims():
 
 
 def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
-    """GPTModel with Qwen3-MoE layers: TE spec when ``opts.use_te``, the local spec otherwise."""
+    """GPTModel with the MoE layers of ``arch``: TE spec when ``opts.use_te``, the local spec otherwise."""
     from megatron.core.models.gpt import GPTModel
 
     _compat_megatron_without_te()
@@ -267,7 +281,7 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
         post_process=True,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=arch.partial_rotary_factor,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         parallel_output=True,
     )

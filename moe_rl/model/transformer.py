@@ -1,4 +1,8 @@
-"""A torch-native Qwen3-MoE decoder, numerically HF's ``Qwen3MoeForCausalLM``.
+"""A torch-native MoE decoder, numerically HF's ``Qwen3MoeForCausalLM`` / ``Glm4MoeForCausalLM``.
+
+The family's differences are read from the ``MoEArch`` fields in a few places: the router
+(``SoftmaxGate`` / ``SigmoidGate``), the shared-expert MLP of a MoE block, which layers are
+dense, and the attention options (q/k norm, q/k/v bias, partial rotary).
 
 Tokens travel flat ([N, H]) through the layers; attention is delegated to an ``Attention``
 backend (causal over [B, T], packed by ``cu_seqlens``, or the engine's KV cache), so one
@@ -43,15 +47,20 @@ def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [N, head_dim] for the given positions (HF's default RoPE)."""
-    freqs = positions.float()[:, None] * _inv_freq(head_dim, theta, positions.device)[None, :]
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [N, rotary_dim] for the given positions (HF's default RoPE over the
+    rotated part of a head: all of it, or its first ``head_dim * partial_rotary_factor`` dims)."""
+    freqs = positions.float()[:, None] * _inv_freq(rotary_dim, theta, positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim]; rotate-half convention, as HF."""
+    """x [N, heads, head_dim]; rotate-half convention, as HF. With partial rotary (cos narrower
+    than a head) the first cos.shape[-1] dims rotate and the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -145,12 +154,16 @@ class SelfAttention(nn.Module):
         self.layer = layer
         self.nq, self.nkv, self.hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         H = arch.hidden_size
-        self.q_proj = nn.Linear(H, self.nq * self.hd, bias=False)
-        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(H, self.nq * self.hd, bias=bias)
+        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.nq * self.hd, H, bias=False)
-        self.q_norm = RMSNorm(self.hd, arch.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, arch.rms_norm_eps)
+        if arch.use_qk_norm:
+            self.q_norm = RMSNorm(self.hd, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, arch.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(self, x, cos, sin, attend: Attention):
         N = x.shape[0]
@@ -214,42 +227,125 @@ class Experts(nn.Module):
         return out if self.lora is None else self.lora.add_down(out, h, offs)
 
 
+class SoftmaxGate(nn.Linear):
+    """Qwen3-MoE / Mixtral router: softmax over all experts (fp32), top-k, optionally
+    renormalised. HF name: ``mlp.gate.weight``."""
+
+    def __init__(self, arch: MoEArch):
+        super().__init__(arch.hidden_size, arch.num_experts, bias=False)
+        self.top_k, self.norm_topk_prob = arch.num_experts_per_tok, arch.norm_topk_prob
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor | None):
+        """(expert ids [N, k], weights [N, k] fp32); ``ids`` given (replay): the weights are the
+        probabilities at those ids, renormalised as the router would."""
+        probs = F.softmax(self(x), dim=-1, dtype=torch.float)
+        if ids is None:
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            weights = probs.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+
+class SigmoidGate(nn.Linear):
+    """GLM-4.5 / DeepSeek-V3 router: sigmoid scores; experts chosen by score + the expert-score
+    correction bias (DeepSeek-V3's auxiliary-loss-free balancing) within the ``topk_group``
+    best of ``n_group`` groups (a group scores the sum of its two best); weights are the
+    unbiased scores of the chosen experts, renormalised if ``norm_topk_prob``, times
+    ``routed_scaling_factor``. HF names: ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``.
+
+    Logits are computed in fp32 whatever the model's dtype (as HF), and the bias is a buffer (not
+    trained) kept in fp32 when the model is cast to a 16-bit dtype, as HF and SGLang keep it:
+    a rounded bias would choose other experts. ``load``, when set (``MoEForCausalLM.
+    track_expert_load``), sums the tokens routed to each expert in forwards that build a graph,
+    for ``MoEForCausalLM.update_expert_bias``."""
+
+    def __init__(self, arch: MoEArch):
+        super().__init__(arch.hidden_size, arch.num_experts, bias=False)
+        self.top_k, self.norm_topk_prob = arch.num_experts_per_tok, arch.norm_topk_prob
+        self.n_group, self.topk_group = arch.n_group, arch.topk_group
+        self.scaling = arch.routed_scaling_factor
+        self.register_buffer("e_score_correction_bias", torch.zeros(arch.num_experts))
+        self.load: torch.Tensor | None = None  # tokens per expert since the last bias update
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor | None):
+        scores = self(x).sigmoid()
+        if ids is None:
+            ids = self.select(scores)
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.scaling
+        if self.load is not None and torch.is_grad_enabled():
+            self.load.index_add_(0, ids.reshape(-1), torch.ones_like(ids, dtype=self.load.dtype).reshape(-1))
+        return ids, weights
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Group-limited top-k over score + bias, as batched tensor ops: [N, E] -> ids [N, k]."""
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            N, E = choice.shape
+            grouped = choice.view(N, self.n_group, E // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, n_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+                1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(N, E)
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def _apply(self, fn, recurse=True):
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        moved = self.e_score_correction_bias
+        if moved.dtype in (torch.float16, torch.bfloat16):
+            self.e_score_correction_bias = bias.to(device=moved.device, dtype=torch.float32)
+        if self.load is not None:
+            self.load = self.load.to(device=moved.device)
+        return self
+
+
+GATES = {"softmax": SoftmaxGate, "sigmoid": SigmoidGate}
+
+
 class SparseMoE(nn.Module):
-    """Softmax top-k router + experts, optionally sharded over an expert-parallel group.
+    """Router + experts (+ shared experts), the experts optionally sharded over an
+    expert-parallel group.
 
     The (token, slot) rows are sorted by expert once per layer, run through one grouped GEMM
     for gate+up and one for down, and brought back with one gather and a weighted sum over
     the k slots (a batched [1, k] x [k, H] product, deterministic unlike an atomic scatter-add).
+    Shared experts (GLM) are one dense MLP of ``n_shared_experts x moe_intermediate_size``
+    over every token, added to the routed output (HF: ``mlp.shared_experts``).
     """
 
     def __init__(self, arch: MoEArch, layer: int, ep_group=None):
         super().__init__()
         self.layer = layer
         self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
-        self.norm_topk_prob = arch.norm_topk_prob
         self.ep_group = ep_group
         self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         if self.num_experts % self.ep_size:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}")
         self.num_local = self.num_experts // self.ep_size
-        self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)  # HF: mlp.gate.weight
+        self.gate = GATES[arch.router](arch)  # HF: mlp.gate.weight
         self.experts = Experts(self.num_local, arch.hidden_size, arch.moe_intermediate_size)
+        self.shared_experts = (DenseMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts)
+                               if arch.n_shared_experts else None)
 
     def route(self, x: torch.Tensor, replay: torch.Tensor | None):
         """Returns (top-k expert ids [N, k], gate weights [N, k] in x's dtype).
 
-        Under replay the ids are given; the weights are this router's softmax probabilities at
-        those ids, renormalised as the router would, so the router still gets gradients (R3).
+        Under replay the ids are given; the weights are this router's weights at those ids,
+        computed from its current scores as it computes them for its own choice (softmax
+        probabilities renormalised; sigmoid scores without the bias, renormalised, scaled), so
+        the router still gets gradients (R3; Megatron-core's RouterReplay does the same).
         """
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
-        if replay is None:
-            weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        else:
-            ids = self._check_replay(replay, x.shape[0], x.device)
-            weights = probs.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        ids = None if replay is None else self._check_replay(replay, x.shape[0], x.device)
+        ids, weights = self.gate.route(x, ids)
         return ids, weights.to(x.dtype)
 
     def _check_replay(self, ids: torch.Tensor, n_tokens: int, device) -> torch.Tensor:
@@ -286,6 +382,8 @@ class SparseMoE(nn.Module):
         else:
             expert_out = self._ep_compute(x, ids)
         out = torch.bmm(weights.unsqueeze(1), expert_out.view(N, k, x.shape[1])).squeeze(1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out, ids
 
     def _ep_compute(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -332,7 +430,7 @@ class Backbone(nn.Module):
 
 
 class MoEForCausalLM(nn.Module):
-    """Qwen3-MoE causal LM. ``model(input_ids)`` -> logits [B, T, V].
+    """MoE causal LM of any family in ``moe_rl.model.arch.FAMILIES``. ``model(input_ids)`` -> logits [B, T, V].
 
     Routing: ``replay`` is a list with one integer tensor [tokens, top_k] per MoE layer, in
     layer order (Megatron-core's ``RouterReplay.set_replay_data`` format), tokens ordered as
@@ -367,6 +465,34 @@ class MoEForCausalLM(nn.Module):
                     p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
         return self
 
+    # --- the expert-score correction bias (sigmoid routers) --------------------------------
+    def _sigmoid_gates(self) -> list[SigmoidGate]:
+        return [l.mlp.gate for l in self.model.layers if l.is_moe and isinstance(l.mlp.gate, SigmoidGate)]
+
+    def track_expert_load(self, on: bool = True) -> None:
+        """Count the tokens each expert receives in forwards that build a graph (training;
+        replayed routings count as routed), for ``update_expert_bias``."""
+        for g in self._sigmoid_gates():
+            g.load = torch.zeros(g.out_features, dtype=torch.float64, device=g.weight.device) if on else None
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float, group=None) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing (as Megatron-core's
+        ``get_updated_expert_bias``): per MoE layer, ``bias += rate * sign(mean_load - load)``
+        over the loads counted since the last call, summed over ``group`` (the ranks that
+        forwarded different tokens); the counts restart. Identical on every rank of ``group``.
+        One all-reduce, one batched update: no host sync."""
+        gates = [g for g in self._sigmoid_gates() if g.load is not None]
+        if not gates:
+            return
+        load = torch.stack([g.load for g in gates])  # [layers, E]
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(load, group=group)
+        delta = (load.mean(dim=-1, keepdim=True) - load).sign().mul_(rate)
+        torch._foreach_add_([g.e_score_correction_bias for g in gates],
+                            list(delta.to(gates[0].e_score_correction_bias.dtype).unbind(0)))
+        torch._foreach_zero_([g.load for g in gates])
+
     def _moe_of(self, param_name: str) -> SparseMoE:
         return self.model.layers[int(param_name.split(".")[2])].mlp
 
@@ -384,7 +510,7 @@ class MoEForCausalLM(nn.Module):
                 f"replay record has {len(replay)} layers, the model has {len(self.moe_layers)} MoE layers"
             )
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(positions, self.arch.rotary_dim, self.arch.rope_theta, h.dtype)
         moe_i = 0
         for layer in self.model.layers:
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, attend)

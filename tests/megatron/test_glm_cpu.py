@@ -1,0 +1,134 @@
+"""megatron-core with a GLM-4.5-style model on CPU, against the native model (fp32): sigmoid
+routing with the expert bias and router groups, shared experts, the first layer dense, partial
+rotary and q/k/v bias (the CPU shims of test_forward_cpu.py's ``cpu_megatron`` fixture)."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+pytest.importorskip("megatron.core")
+
+from .common import build, make_mb, native_hidden, native_record, pg_step, random_routes, replayed_batch  # noqa: E402
+from .test_forward_cpu import cpu_megatron  # noqa: E402,F401  (the module-scoped 1-rank world with shims)
+
+GLM_ARCH = dict(model_type="glm4_moe", vocab_size=96, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8,
+                num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
+                routed_scaling_factor=2.5, attention_bias=True, rope_theta=10_000.0, max_position_embeddings=256)
+LENGTHS = (11, 20, 9)
+
+
+def build_glm(**train):
+    """(megatron, native) with identical weights, the correction bias random (the same in both)."""
+    meg, native = build(GLM_ARCH, "cpu", **train)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in meg.arch.moe_layers:
+            bias = torch.randn(GLM_ARCH["num_experts"], generator=g) * 0.1
+            native.model.model.layers[layer].mlp.gate.e_score_correction_bias.copy_(bias)
+            meg.model.decoder.layers[layer].mlp.router.expert_bias.copy_(bias)
+    return meg, native
+
+
+def test_glm_transformer_config_and_names(cpu_megatron):
+    from moe_rl.train.megatron.convert import megatron_param_specs
+
+    meg, _ = build_glm()
+    tc = meg.tconfig
+    assert (tc.moe_router_score_function, tc.moe_router_enable_expert_bias, tc.moe_router_num_groups,
+            tc.moe_router_group_topk, tc.moe_router_topk_scaling_factor) == ("sigmoid", True, 2, 1, 2.5)
+    assert tc.moe_shared_expert_intermediate_size == 24 and tc.add_qkv_bias and not tc.qk_layernorm
+    assert tc.moe_layer_freq == [0, 1, 1]
+    built = {n: tuple(p.shape) for n, p in meg.model.named_parameters()}
+    built.update((n, tuple(b.shape)) for n, b in meg.model.named_buffers() if n.endswith("router.expert_bias"))
+    assert built == dict(megatron_param_specs(meg.arch, meg.layout))
+
+
+def test_glm_hidden_routing_and_logprobs_equal_native(cpu_megatron):
+    """megatron's own routing (sigmoid + bias, group-limited) picks the native model's experts;
+    hidden states and log-probs agree, routed and replayed."""
+    meg, native = build_glm()
+    mb = make_mb(GLM_ARCH["vocab_size"], LENGTHS)
+    rec_native = native_record(native, mb)
+    rec_meg = []
+    with torch.no_grad():
+        got = meg.hidden_states(mb, record=rec_meg)
+        ref = native_hidden(native, mb)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert len(rec_meg) == len(rec_native) == 2
+    for a, b in zip(rec_meg, rec_native):
+        assert torch.equal(a.sort(1).values, b.sort(1).values)
+    # the bias and the groups decide: plain top-2 of the scores would route elsewhere
+    scores = torch.sigmoid(native.model.model.layers[1].mlp.gate(_mlp_input(native, mb, 1)))
+    assert not torch.equal(rec_native[0].sort(1).values, scores.topk(2).indices.sort(1).values)
+    mb.replay = random_routes(mb.num_tokens, GLM_ARCH["num_experts"], 2, 2)
+    with torch.no_grad():
+        lp, ent = meg.logprobs(mb, 0.7, with_entropy=True)
+        lp_ref, ent_ref = native.logprobs(mb, 0.7, with_entropy=True)
+    torch.testing.assert_close(lp, lp_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent, ent_ref, atol=1e-4, rtol=1e-4)
+
+
+def _mlp_input(native, mb, layer):
+    """The post-attention-norm hidden states entering MoE layer ``layer`` (a forward hook)."""
+    seen = []
+    h = native.model.model.layers[layer].mlp.register_forward_hook(lambda m, a, o: seen.append(a[0].detach()))
+    try:
+        with torch.no_grad():
+            native.model.hidden_states(mb.input_ids, cu_seqlens=mb.cu_seqlens)
+    finally:
+        h.remove()
+    return seen[0]
+
+
+def test_glm_every_gradient_equals_native_under_replay(cpu_megatron):
+    """Replayed routes the routers would not pick: log-probs and every parameter's gradient
+    (router, shared experts, q/k/v bias, experts), mapped to HF names, equal the native model's."""
+    from moe_rl.model import iter_local_hf_tensors
+    from moe_rl.train.megatron.convert import megatron_to_hf
+
+    meg, native = build_glm()
+    mb = make_mb(GLM_ARCH["vocab_size"], LENGTHS)
+    mb.replay = random_routes(mb.num_tokens, GLM_ARCH["num_experts"], 2, 2, seed=4)
+    adv = torch.linspace(-1, 1, mb.num_tokens)
+    lp, _ = meg.logprobs(mb, 1.0)
+    lp_ref, _ = native.logprobs(mb, 1.0)
+    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
+    (adv * lp).sum().backward()
+    (adv * lp_ref).sum().backward()
+    tensors = meg._tensors()
+    got = dict(megatron_to_hf(lambda n: tensors[n].grad if tensors[n].requires_grad else torch.zeros_like(tensors[n]),
+                              meg.arch, meg.layout))
+    with torch.no_grad():
+        saved = [(p, p.data) for p in native.model.parameters()]
+        for p, _ in saved:
+            p.data = p.grad
+        want = {n: t.clone() for n, t in iter_local_hf_tensors(native.model)}
+        for p, data in saved:
+            p.data = data
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        if name.endswith("e_score_correction_bias"):
+            continue  # a buffer in both: no gradient
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.01])
+def test_glm_expert_bias_update_equals_native(cpu_megatron, rate):
+    """train.expert_bias_update_rate: megatron-core's update after a step equals the native
+    backend's (DeepSeek-V3's rule); at 0 the bias stays; either way the counts restart."""
+    meg, native = build_glm(expert_bias_update_rate=rate)
+    mbs, adv, n_tokens = replayed_batch(native, GLM_ARCH["vocab_size"], LENGTHS)
+    before = {l: native.model.model.layers[l].mlp.gate.e_score_correction_bias.clone() for l in meg.arch.moe_layers}
+    for _ in range(2):
+        pg_step(meg, mbs, adv, n_tokens)
+        pg_step(native, mbs, adv, n_tokens)
+    for l in meg.arch.moe_layers:
+        router = meg.model.decoder.layers[l].mlp.router
+        nb = native.model.model.layers[l].mlp.gate.e_score_correction_bias
+        assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, nb)
+        assert torch.equal(nb, before[l]) == (rate == 0)
+        assert router.local_tokens_per_expert.sum() == 0
+    got = dict(meg.hf_tensors())
+    assert torch.equal(got["model.layers.1.mlp.gate.e_score_correction_bias"],
+                       native.model.model.layers[1].mlp.gate.e_score_correction_bias)
