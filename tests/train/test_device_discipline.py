@@ -305,7 +305,7 @@ def _static_engine():
     from moe_rl.config import load_config
     from moe_rl.engine import decode_routed_experts, output_logprobs
     from moe_rl.engine.engine import Engine
-    from moe_rl.model.qwen3_moe import MoEForCausalLM
+    from moe_rl.model.transformer import MoEForCausalLM
     from tests.engine.test_static_decode import StandInGraphs
 
     arch = load_config(None, TINY).model.arch()
