@@ -420,13 +420,13 @@ def tp_merge(m, s, u, zy, tp_group):
 
 def check_labels(labels: torch.Tensor, v_total: int, where: str) -> torch.Tensor:
     """``labels == IGNORE_INDEX`` after checking every label is in ``[0, v_total)`` or ignored.
-    On CUDA the check is asynchronous (``torch._assert_async``: no host sync in the training
-    step; a bad label fails the next kernel launch with a device-side assert); elsewhere it
-    raises ValueError at once."""
+    On a device (CUDA) the check is asynchronous (``torch._assert_async``: no host sync in the
+    training step; a bad label fails the next kernel launch with a device-side assert); on the
+    CPU it raises ValueError at once."""
     ignored = labels == IGNORE_INDEX
     bad = ((labels < 0) & ~ignored) | (labels >= v_total)
     msg = f"{where}: labels must be in [0, {v_total}) or {IGNORE_INDEX} (ignored)"
-    if labels.is_cuda:
+    if labels.device.type != "cpu":
         torch._assert_async(~bad.any(), msg)
     elif labels.numel() and bool(bad.any()):
         raise ValueError(f"{msg}; got e.g. {int(labels[bad][0])}")
@@ -568,9 +568,12 @@ def _dlogits_torch(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t):
         dz = torch.zeros_like(logp)
     if gl is not None:  # + g (onehot - p)
         dz.sub_(p.mul_(gl[:, None]))
-        hit = (lab >= v_off) & (lab < v_off + w_chunk.shape[0])
-        rows = torch.nonzero(hit)[:, 0]
-        dz[rows, lab[rows] - v_off] += gl[rows]
+        # the label's column (a row whose label lies outside the chunk adds 0): no nonzero, whose
+        # size the host would have to read
+        c = w_chunk.shape[0]
+        hit = (lab >= v_off) & (lab < v_off + c)
+        col = (lab - v_off).clamp(0, c - 1)
+        dz.scatter_add_(1, col[:, None], torch.where(hit, gl, torch.zeros_like(gl))[:, None])
     return dz.mul_(inv_t)
 
 

@@ -67,7 +67,7 @@ def compare(trainer, prompts, outs):
         used.append([o[:-1].cpu() for o in own])
         eng.append([torch.from_numpy(rows[:-1, layer].astype(np.int64)) for layer in trainer.moe_layers])
     p, b = torch.cat(p_all).double(), torch.cat(b_all).double()
-    out = mismatch_metrics(p, b, torch.ones_like(p))
+    out = {k: v.item() for k, v in mismatch_metrics(p, b, torch.ones_like(p)).items()}
     match, total = routing_match([torch.cat(x) for x in zip(*used)], [torch.cat(x) for x in zip(*eng)],
                                  torch.ones(sum(len(u[0]) for u in used), dtype=torch.bool))
     out.update(mean_abs_logp_diff=float((p - b).abs().mean()), routing_match=match / total)

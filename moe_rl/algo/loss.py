@@ -50,10 +50,14 @@ sequence) every sequence must lie entirely inside one call (the loop splits by s
 With the normalisers left ``None`` the given tensors are the whole batch. Either way, the sum of the returned losses over all calls is the step's
 loss, and so are the summed gradients.
 
-Metrics are plain floats over the given (local) tokens; ``num_tokens`` lets the caller
-weight them when averaging over micro-batches.
+Metrics are 0-dim tensors on the inputs' device over the given (local) tokens; ``num_tokens``
+lets the caller weight them when averaging over micro-batches. Nothing here reads a device
+value on the host (no ``.item()``, no data-dependent shape): the trainer sums the metrics on
+the device and reads them once per step.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -69,30 +73,45 @@ def k3(log_ratio: Tensor) -> Tensor:
 
 def loss_normalisers(mask: Tensor, seq_ids: Tensor) -> tuple[int, int]:
     """(tokens with mask==1, sequences with at least one such token) of one micro-batch;
-    sum them over micro-batches and ranks for ``num_tokens_global`` / ``num_seqs_global``."""
+    sum them over micro-batches and ranks for ``num_tokens_global`` / ``num_seqs_global``
+    (host integers: the loop counts them from the host's copy of the batch)."""
     keep = mask > 0
     return int(keep.sum()), int(torch.unique(seq_ids[keep]).numel())
 
 
+def sequence_index(seq_ids: Tensor) -> Tensor:
+    """[T] -> the dense index 0..S-1 of each token's sequence, in order of value (what
+    ``torch.unique(seq_ids, return_inverse=True)`` gives) without reading S on the host: a
+    sort and a cumsum. Per-sequence sums go into T bins (a static bound on S); the unused
+    bins stay zero."""
+    srt, order = torch.sort(seq_ids, stable=True)
+    first = torch.ones_like(srt, dtype=torch.long)
+    first[1:] = (srt[1:] != srt[:-1]).long()
+    rank = first.cumsum(0) - 1
+    return torch.empty_like(rank).scatter_(0, order, rank)
+
+
 @torch.no_grad()
-def mismatch_metrics(proximal_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> dict[str, float]:
-    """Train/infer mismatch over the tokens with mask==1.
+def mismatch_metrics(proximal_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Train/infer mismatch over the tokens with mask==1, as 0-dim tensors (no host read).
 
     ``mismatch_k3``: mean of exp(b - p) - (b - p) - 1 (p = trainer, b = engine log-prob);
     ``mismatch_max_ratio`` / ``mismatch_min_ratio``: extreme of exp(p - b);
-    ``num_tokens``: how many tokens were measured.
+    ``num_tokens``: how many tokens were measured. With none: 0, 1, 1, 0.
     """
     keep = mask > 0
-    n = int(keep.sum())
-    if n == 0:
-        return {"mismatch_k3": 0.0, "mismatch_max_ratio": 1.0, "mismatch_min_ratio": 1.0, "num_tokens": 0}
-    p = proximal_logp.detach()[keep].double()
-    b = behaviour_logp.detach()[keep].double()
-    log_r = p - b
+    dev = proximal_logp.device
+    if keep.numel() == 0:
+        zero, one = torch.zeros((), dtype=torch.float64, device=dev), torch.ones((), dtype=torch.float64, device=dev)
+        return {"mismatch_k3": zero, "mismatch_max_ratio": one, "mismatch_min_ratio": one,
+                "num_tokens": torch.zeros((), dtype=torch.long, device=dev)}
+    n = keep.sum()
+    log_r = torch.where(keep, proximal_logp.detach().double() - behaviour_logp.detach().double(), 0.0)
+    any_kept = n > 0
     return {
-        "mismatch_k3": float(k3(-log_r).mean()),
-        "mismatch_max_ratio": float(log_r.max().exp()),
-        "mismatch_min_ratio": float(log_r.min().exp()),
+        "mismatch_k3": k3(-log_r).sum() / n.clamp(min=1),  # k3(0) = 0 at the tokens not kept
+        "mismatch_max_ratio": torch.where(any_kept, torch.where(keep, log_r, -math.inf).max().exp(), 1.0),
+        "mismatch_min_ratio": torch.where(any_kept, torch.where(keep, log_r, math.inf).min().exp(), 1.0),
         "num_tokens": n,
     }
 
@@ -139,14 +158,14 @@ def policy_loss(
     prox = behav if cfg.ratio_anchor == "behaviour" else proximal_logp.detach().to(dtype)
     adv = advantages.detach().to(dtype)
     keep = mask > 0
-    n_local = int(keep.sum())
+    n_local = keep.sum()
     zero = torch.zeros((), dtype=dtype, device=logp.device)
 
-    # per-sequence bookkeeping (GSPO's ratio, sequence aggregation)
+    # per-sequence bookkeeping (GSPO's ratio, sequence aggregation): S <= T bins, no host read
     need_seqs = cfg.policy_loss == "gspo" or cfg.loss_agg == "sequence" or cfg.tis_level == "sequence"
     if need_seqs:
-        _, inv = torch.unique(seq_ids, return_inverse=True)
-        S = int(inv.max()) + 1 if T else 0
+        inv = sequence_index(seq_ids)
+        S = T
         tok_count = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, keep.to(dtype))
 
     # behaviour weight w = pi_prox / pi_behav: IcePop mask, then TIS truncation
@@ -208,20 +227,20 @@ def policy_loss(
         ent = torch.where(live, entropy.to(dtype), zero)
         per_token = per_token - cfg.entropy_coef * ent
 
+    # the normaliser: a host number when given (the step's global count), else this call's count
     if cfg.loss_agg == "sequence":
         per_tok_scale = 1.0 / tok_count.clamp(min=1.0)[inv]
-        n_seqs = int((tok_count > 0).sum())
-        denom = float(num_seqs_global) if num_seqs_global is not None else float(n_seqs)
-        denom = max(denom, 1.0)
+        denom = (max(float(num_seqs_global), 1.0) if num_seqs_global is not None
+                 else (tok_count > 0).sum().to(dtype).clamp(min=1.0))
 
         def agg(x: Tensor) -> Tensor:
             return (torch.where(live, x, zero) * per_tok_scale).sum() / denom
     else:
         if cfg.loss_agg == "token":
-            denom = float(num_tokens_global) if num_tokens_global is not None else float(n_local)
+            denom = (max(float(num_tokens_global), 1.0) if num_tokens_global is not None
+                     else n_local.to(dtype).clamp(min=1.0))
         else:  # token_sum_norm (Dr. GRPO): a constant, not the token count
-            denom = float(cfg.loss_norm_tokens)
-        denom = max(denom, 1.0)
+            denom = max(float(cfg.loss_norm_tokens), 1.0)
 
         def agg(x: Tensor) -> Tensor:
             return torch.where(live, x, zero).sum() / denom
@@ -229,24 +248,24 @@ def policy_loss(
     loss = agg(per_token)
 
     with torch.no_grad():
-        nk, nl = max(n_local, 1), max(int(live.sum()), 1)
-        metrics: dict[str, float] = {
-            "pg_loss": float(agg(pg.detach())),
-            "clip_frac": float(clip_active.sum()) / nl,  # of the live tokens (GSPO: token-weighted sequences)
-            "tis_frac": float(tis.sum()) / nk,
-            "icepop_frac": float(ice.sum()) / nk,
-            "ratio_mean": float(torch.where(live, ratio.detach(), zero).sum()) / nl,
-            "kl": float(torch.where(live, kl.detach(), zero).sum()) / nl if kl is not None else 0.0,
+        nk, nl = n_local.clamp(min=1).to(dtype), live.sum().clamp(min=1).to(dtype)
+        metrics: dict[str, Tensor] = {
+            "pg_loss": agg(pg.detach()),
+            "clip_frac": clip_active.sum() / nl,  # of the live tokens (GSPO: token-weighted sequences)
+            "tis_frac": tis.sum() / nk,
+            "icepop_frac": ice.sum() / nk,
+            "ratio_mean": torch.where(live, ratio.detach(), zero).sum() / nl,
+            "kl": torch.where(live, kl.detach(), zero).sum() / nl if kl is not None else zero,
             "num_tokens": n_local,
         }
         if entropy is not None:
-            metrics["entropy"] = float(torch.where(keep, entropy.detach().to(dtype), zero).sum()) / nk
+            metrics["entropy"] = torch.where(keep, entropy.detach().to(dtype), zero).sum() / nk
         mm = mismatch_metrics(prox, behav, keep)
         metrics["mismatch_k3"] = mm["mismatch_k3"]
         metrics["mismatch_max_ratio"] = mm["mismatch_max_ratio"]
         if cfg.policy_loss == "gspo":
             live_seq = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, live.to(dtype)) > 0
             clipped_seq = torch.zeros(S, dtype=dtype, device=logp.device).index_add_(0, inv, clip_active.to(dtype)) > 0
-            metrics["clip_frac_seq"] = float(clipped_seq.sum()) / max(int(live_seq.sum()), 1)
-        metrics["loss"] = float(loss.detach())
+            metrics["clip_frac_seq"] = clipped_seq.sum() / live_seq.sum().clamp(min=1)
+        metrics["loss"] = loss.detach()
     return loss, metrics

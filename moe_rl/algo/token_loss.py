@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..config import AlgoConfig
-from .loss import k3
+from .loss import k3, sequence_index
 
 
 def fused_loss_unsupported(cfg: AlgoConfig) -> str | None:
@@ -84,8 +84,8 @@ class TokenLoss:
 
         # the aggregation as a per-token factor (known before the forward: it counts mask tokens)
         if cfg.loss_agg == "sequence":
-            _, inv = torch.unique(seq_ids, return_inverse=True)
-            S = int(inv.max()) + 1 if T else 0
+            inv = sequence_index(seq_ids)  # S <= T bins: no host read
+            S = T
             tok_count = torch.zeros(S, dtype=dtype, device=dev).index_add_(0, inv, self.keep.to(dtype))
             denom = (torch.tensor(float(num_seqs_global), dtype=dtype, device=dev) if num_seqs_global is not None
                      else (tok_count > 0).sum().to(dtype))
@@ -103,9 +103,9 @@ class TokenLoss:
         if self.prox is not None:
             self.w, self.live = self._weights(self.prox, self.behav, self.keep)
             if cfg.tis_level == "sequence":  # W_i = prod of the live tokens' w, on each of them
-                _, inv = torch.unique(seq_ids, return_inverse=True)
+                inv = sequence_index(seq_ids)
                 log_w = torch.where(self.live, self.prox - self.behav, torch.zeros((), dtype=dtype, device=dev))
-                S = int(inv.max()) + 1 if T else 0
+                S = T
                 log_W = torch.zeros(S, dtype=dtype, device=dev).index_add_(0, inv, log_w)
                 w = log_W.exp()[inv]
                 self.w = w.clamp(max=cfg.tis_cap) if cfg.tis_cap is not None else w

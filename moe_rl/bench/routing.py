@@ -89,8 +89,8 @@ def measure(cfg, n_samples: int, prompt_len: int, max_new: int, seed: int) -> di
         t, e = torch.cat(logp_t), torch.cat(logp_e)
         mm = mismatch_metrics(t, e, torch.ones_like(t))
         rows["replay" if replay else "no_replay"] = {
-            "k3_kl": mm["mismatch_k3"], "max_ratio": mm["mismatch_max_ratio"],
-            "routing_match": matched / max(total, 1), "tokens": mm["num_tokens"],
+            "k3_kl": float(mm["mismatch_k3"]), "max_ratio": float(mm["mismatch_max_ratio"]),
+            "routing_match": matched / max(total, 1), "tokens": int(mm["num_tokens"]),
         }
     shape = {k: getattr(arch, k) for k in ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok")}
     return {"rows": rows, "generate_s": gen_s, "engine_dtype": cfg.engine.dtype, "trainer_dtype": cfg.model.dtype,

@@ -226,8 +226,8 @@ class Engine:
         reads = dec.host_reads()
         if reads:
             why = (f"the decode step reads device values on the host ({', '.join(reads)}), which a CUDA graph "
-                   f"cannot capture (e.g. float32/float16 experts on a GPU run padded_grouped_mm, which reads the "
-                   f"largest group's size; bf16 experts on sm_90+ read nothing: engine.dtype=bfloat16)")
+                   f"cannot capture (e.g. float64 experts run padded_grouped_mm, which reads the largest group's "
+                   f"size; float32/bfloat16/float16 experts read nothing)")
             if self._asked["cuda_graph"]:
                 raise ValueError(f"engine.cuda_graph=true: {why}")
             log.warning("engine.cuda_graph: off (unset, and %s)", why)

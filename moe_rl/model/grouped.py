@@ -3,15 +3,20 @@
 ``dispatch`` turns a flat list of expert ids into the permutation the grouped GEMM needs
 (one stable sort, group end offsets by a searchsorted, optional per-group padding), all on
 the device with no host sync and nothing that loops over experts in Python.
-``grouped_mm`` runs ``torch._grouped_mm`` (CUTLASS on sm90+ bf16; torch's own per-group
-C++ loop on CPU), or elsewhere a padded batched matmul. Both have autograd formulas, so the
-backward is grouped/batched GEMMs too, not one full-size weight gradient per expert.
+``grouped_mm`` runs ``torch._grouped_mm`` (CUTLASS) for bf16 on sm_90+, and otherwise, for
+float32/bfloat16/float16, ``moe_rl.kernels.grouped_gemm``: a Triton grouped GEMM on a static
+tile grid on other GPUs and dtypes, torch's CPU kernel on a CPU, both behind one custom op that
+``torch.compile`` traces. None of them reads device values on the host. Float64 (tests) takes a
+padded batched matmul, which reads the largest group's size (one host sync). All have autograd
+formulas, so the backward is grouped GEMMs too, not one full-size weight gradient per expert.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from moe_rl.kernels.grouped_gemm import DTYPES, grouped_gemm
 
 
 _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
@@ -65,27 +70,35 @@ def dispatch(ids: torch.Tensor, num_experts: int, align: int = 1) -> Dispatch:
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [rows, K] grouped by ``offs`` (int32 group ends, the last = rows), w [E, N, K]
     (nn.Linear layout per group) -> [rows, N], row r of group e being x[r] @ w[e].T."""
-    if native_grouped_mm(x):
+    kernel = grouped_kernel(x)
+    if kernel == "cutlass":
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    return padded_grouped_mm(x, w, offs)
+    if kernel == "padded":
+        return padded_grouped_mm(x, w, offs)
+    return grouped_gemm(x, w, offs, impl=kernel)
 
 
-def native_grouped_mm(x: torch.Tensor) -> bool:
-    """Where ``torch._grouped_mm`` is known to run: CPU (torch's per-group C++ loop; fp32, bf16,
-    fp16) and CUDA bf16 on sm_90+ (CUTLASS). Elsewhere (float64, CUDA fp32/fp16, older GPUs):
-    ``padded_grouped_mm``."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.device.type == "cpu":
-        # the CPU kernel, with autograd, checked on 2.13 (older: not known); it refuses float64
-        return _TORCH >= (2, 13) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+def grouped_kernel(x: torch.Tensor) -> str:
+    """Which grouped GEMM ``grouped_mm`` runs for ``x``'s device and dtype:
+
+    * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90+ (its meta kernel is bf16-only);
+    * "triton": the Triton kernel of ``moe_rl.kernels.grouped_gemm`` (CUDA otherwise);
+    * "torch": ``torch._grouped_mm`` (float32, bf16, fp16) behind that module's custom op, which
+      ``torch.compile`` traces: the CPU kernel (checked on torch 2.13); on a device that stands
+      for a GPU in the tests (``fakedev``, meta) the op runs as one device op, as on CUDA;
+    * "padded": ``padded_grouped_mm`` (float64; CPU torch < 2.13): one host sync per call."""
+    if x.dtype not in DTYPES or (x.device.type == "cpu" and _TORCH < (2, 13)):
+        return "padded"
+    if x.device.type != "cuda":
+        return "torch"
+    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0):
+        return "cutlass"
+    return "triton"
 
 
 def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The same as one batched matmul over groups padded to the largest one. Reading that size
-    is a host sync, the price of this fallback."""
+    is a host sync, the price of this fallback (float64 only: the tests' reference dtype)."""
     E, rows = w.shape[0], x.shape[0]
     ends = offs.long()
     starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))

@@ -100,30 +100,25 @@ class PackedCausal:
     The sequences are laid out as a right-padded [S, L_max] batch and attended with
     ``is_causal`` (S x L_max^2 work instead of total^2, and the fast causal kernels); when
     padding would exceed the packed length (very uneven lengths) a [total, total] block mask
-    is used instead. Reading L_max is one host read per micro-batch, not per layer."""
+    is used instead. ``max_seqlen`` (L_max, a host integer, as flash-attn's varlen API takes
+    it) comes with the batch, which is packed on the host; without it L_max is read from
+    ``cu_seqlens``, one host read per micro-batch where they are on a device. Everything a
+    layer uses is made here, once per micro-batch, as device tensors and host integers, so a
+    compiled decoder block takes it without a graph break."""
 
-    def __init__(self, cu_seqlens: torch.Tensor, total: int):
+    def __init__(self, cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None = None):
         self.cu_seqlens, self.total = cu_seqlens, total
-        pos = packed_positions(cu_seqlens, total)
         num_seqs = max(cu_seqlens.shape[0] - 1, 1)
-        longest = int(pos.max()) + 1 if total else 0
+        longest = (max_seqlen if max_seqlen is not None else longest_sequence(cu_seqlens, total)) if total else 0
         self.padded = total > 0 and num_seqs * longest <= 2 * total
+        dev = cu_seqlens.device
+        pos = torch.arange(total, device=dev)
+        seq_id = torch.searchsorted(cu_seqlens[1:-1], pos, right=True)  # the sequence of each token
         if self.padded:
-            seq_id = torch.searchsorted(cu_seqlens[1:-1], torch.arange(total, device=cu_seqlens.device), right=True)
             self.shape = (num_seqs, longest)
-            self.slot = seq_id * longest + pos  # row of each token in the padded [S * L_max]
-
-    @functools.cached_property
-    def mask(self) -> torch.Tensor:
-        """[total, total] bool, True where attention is allowed (same sequence, not ahead)."""
-        total, cu_seqlens = self.total, self.cu_seqlens
-        seq_id = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
-        bounds = cu_seqlens[1:-1]
-        if bounds.numel():
-            seq_id[bounds[bounds < total]] = 1
-        seq_id = seq_id.cumsum(0)
-        pos = torch.arange(total, device=cu_seqlens.device)
-        return (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
+            self.slot = seq_id * longest + packed_positions(cu_seqlens, total)  # its row in [S * L_max]
+        else:  # [total, total] bool, True where attention is allowed (same sequence, not ahead)
+            self.mask = (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
 
     def __call__(self, layer, q, k, v):
         if not self.padded:
@@ -138,6 +133,15 @@ class PackedCausal:
 
         out = _sdpa(pad(q), pad(k), pad(v), is_causal=True)
         return out.transpose(1, 2).reshape(S * L, out.shape[1], out.shape[3]).index_select(0, self.slot)
+
+
+def longest_sequence(cu_seqlens: torch.Tensor, total: int) -> int:
+    """L_max of a packed batch (tokens past ``cu_seqlens[-1]`` count to the last sequence, as in
+    ``packed_positions``): a host read where ``cu_seqlens`` is on a device."""
+    starts = cu_seqlens[:-1]
+    if not starts.numel():
+        return total
+    return int(torch.diff(starts, append=starts.new_full((1,), total)).max())
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -343,9 +347,10 @@ class SparseMoE(nn.Module):
         computed from its current scores as it computes them for its own choice (softmax
         probabilities renormalised; sigmoid scores without the bias, renormalised, scaled), so
         the router still gets gradients (R3; Megatron-core's RouterReplay does the same).
+        ``replay`` as ``_check_replay`` returns it (the model checks each record once per
+        forward, outside the decoder blocks, which may be compiled).
         """
-        ids = None if replay is None else self._check_replay(replay, x.shape[0], x.device)
-        ids, weights = self.gate.route(x, ids)
+        ids, weights = self.gate.route(x, replay)
         return ids, weights.to(x.dtype)
 
     def _check_replay(self, ids: torch.Tensor, n_tokens: int, device) -> torch.Tensor:
@@ -419,6 +424,19 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention,
+                replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [N, H] -> (h after this block, the block's top-k expert ids [N, k] or None for a
+        dense block). ``replay``: checked expert ids to use (``SparseMoE._check_replay``). The
+        unit that ``MoEForCausalLM.compile_blocks`` compiles: no host read, no data-dependent
+        branch (with one expert-parallel rank)."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
+        x = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            return h + self.mlp(x), None
+        out, ids = self.mlp(x, replay)
+        return h + out, ids
 
 
 class Backbone(nn.Module):
@@ -496,6 +514,19 @@ class MoEForCausalLM(nn.Module):
     def _moe_of(self, param_name: str) -> SparseMoE:
         return self.model.layers[int(param_name.split(".")[2])].mlp
 
+    def compile_blocks(self, **options) -> None:
+        """``torch.compile`` each decoder block in place (torchtitan's per-block compile:
+        ``nn.Module.compile``, so parameter names and the state dict stay HF's), with
+        ``fullgraph=True`` (a graph break is an error) and dynamic shapes, so packed batches of
+        any length share one graph; ``options`` go to ``torch.compile``. Blocks with
+        expert parallelism are refused: their all-to-all splits are host integers."""
+        if any(getattr(l.mlp, "ep_size", 1) > 1 for l in self.model.layers):
+            raise ValueError("compile_blocks: expert parallelism (ep_size > 1) reads the all-to-all split sizes "
+                             "on the host, which a compiled block cannot; compile with ep_size=1 only")
+        options = {"fullgraph": True, "dynamic": True, **options}
+        for layer in self.model.layers:
+            layer.compile(**options)
+
     def forward_tokens(
         self,
         input_ids: torch.Tensor,
@@ -505,24 +536,26 @@ class MoEForCausalLM(nn.Module):
         record: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Flat forward: input_ids/positions [N] -> final normed hidden states [N, H]."""
-        if replay is not None and len(replay) != len(self.moe_layers):
-            raise RoutingError(
-                f"replay record has {len(replay)} layers, the model has {len(self.moe_layers)} MoE layers"
-            )
+        N = input_ids.shape[0]
+        if replay is not None:
+            if len(replay) != len(self.moe_layers):
+                raise RoutingError(
+                    f"replay record has {len(replay)} layers, the model has {len(self.moe_layers)} MoE layers"
+                )
+            replay = [self.model.layers[i].mlp._check_replay(r, N, input_ids.device)
+                      for i, r in zip(self.moe_layers, replay)]
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.arch.rotary_dim, self.arch.rope_theta, h.dtype)
         moe_i = 0
         for layer in self.model.layers:
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, attend)
-            x = layer.post_attention_layernorm(h)
+            ids = None
+            if layer.is_moe and replay is not None:
+                ids = replay[moe_i]
+            h, ids = layer(h, cos, sin, attend, ids)
             if layer.is_moe:
-                out, ids = layer.mlp(x, None if replay is None else replay[moe_i])
                 moe_i += 1
                 if record is not None:
                     record.append(ids.detach())
-            else:
-                out = layer.mlp(x)
-            h = h + out
         return self.model.norm(h)
 
     def hidden_states(
@@ -530,11 +563,13 @@ class MoEForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         *,
         cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
         replay: list[torch.Tensor] | None = None,
         record: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """[B, T] ids -> final normed hidden [B, T, H]. With ``cu_seqlens`` the batch is one
-        packed row [1, total] of several sequences (positions restart in each)."""
+        packed row [1, total] of several sequences (positions restart in each); ``max_seqlen``,
+        its longest sequence, spares a host read of ``cu_seqlens`` (``PackedCausal``)."""
         B, T = input_ids.shape
         if cu_seqlens is None:
             positions = torch.arange(T, device=input_ids.device).repeat(B)
@@ -543,7 +578,7 @@ class MoEForCausalLM(nn.Module):
             if B != 1:
                 raise ValueError("packed input (cu_seqlens) must have batch size 1")
             positions = packed_positions(cu_seqlens, T)
-            attend = PackedCausal(cu_seqlens, T)
+            attend = PackedCausal(cu_seqlens, T, max_seqlen)
         h = self.forward_tokens(input_ids.reshape(-1), positions, attend, replay, record)
         return h.view(B, T, -1)
 

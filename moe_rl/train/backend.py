@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from moe_rl.kernels import fused_logprobs, fused_token_loss
 from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors, load_hf_weights
+from moe_rl.model.transformer import longest_sequence
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +32,21 @@ class MicroBatch:
 
     input_ids [1, T]; cu_seqlens [S + 1]; labels [T] holds the next token where a loss is
     taken (response tokens) and -100 elsewhere; replay is one [T, top_k] tensor per MoE layer
-    (Megatron's RouterReplay format) or None to let the router choose.
+    (Megatron's RouterReplay format) or None to let the router choose. ``max_seqlen``: the
+    longest sequence, a host integer (flash-attn's varlen convention), taken from
+    ``cu_seqlens`` when the batch is made on the host and carried to the device with it, so
+    the forward never reads it back.
     """
 
     input_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     labels: torch.Tensor
     replay: list[torch.Tensor] | None = None
+    max_seqlen: int | None = None
+
+    def __post_init__(self):
+        if self.max_seqlen is None and self.cu_seqlens.device.type == "cpu":
+            self.max_seqlen = longest_sequence(self.cu_seqlens, self.input_ids.shape[-1])
 
     @property
     def num_tokens(self) -> int:
@@ -65,8 +74,10 @@ class TrainBackend(Protocol):
         the forward; call backward once): (loss, fp32 log-probs [R], entropies [R] or None),
         the last two detached."""
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Reduces gradients over the data-parallel groups, clips, steps, zeroes grads."""
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
+        """Reduces gradients over the data-parallel groups, clips, steps, zeroes grads. Its
+        statistics (``grad_norm``) stay on the device: the loop reads them with the step's
+        metrics, once."""
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every tensor this rank holds: all dense tensors, and the
@@ -100,14 +111,14 @@ class DataParallelStep:
             weight_decay=cfg.train.weight_decay,
         )
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
         for p in self.dense_params + self.expert_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._reduce_grads()
         stats = {}
         if self.cfg.train.grad_clip:
-            stats["grad_norm"] = float(self._clip(self.cfg.train.grad_clip))
+            stats["grad_norm"] = self._clip(self.cfg.train.grad_clip)  # 0-dim, on the device
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
@@ -161,7 +172,7 @@ class NativeBackend(DataParallelStep):
                                  "expert-score correction bias (a sigmoid router's)")
             self.model.track_expert_load()
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
         stats = super().optimizer_step()
         if self.bias_rate:  # the tokens of every trainer rank count (each forwarded its own)
             trainer = self.groups.trainer if self.groups is not None and len(self.groups.layout.trainer_ranks) > 1 else None
@@ -197,6 +208,7 @@ class NativeBackend(DataParallelStep):
         dev = self.device  # no-ops for the loop's micro-batches; others are copied without a stream sync
         hidden = self.model.hidden_states(
             mb.input_ids.to(dev, non_blocking=True), cu_seqlens=mb.cu_seqlens.to(dev, non_blocking=True),
+            max_seqlen=mb.max_seqlen,
             replay=None if mb.replay is None else [r.to(dev, non_blocking=True) for r in mb.replay], record=record,
         )
         return hidden.reshape(-1, hidden.shape[-1])

@@ -140,7 +140,7 @@ class Micro:
         moved = {f.name: _to_device(v, device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
                  for f in fields(self)}
         moved["mb"] = MicroBatch(_to_device(mb.input_ids, device), _to_device(mb.cu_seqlens, device),
-                                 _to_device(mb.labels, device), replay)
+                                 _to_device(mb.labels, device), replay, mb.max_seqlen)
         return Micro(**moved)
 
 
@@ -337,7 +337,11 @@ class Trainer:
         if T > 1:
             dist.all_reduce(sums, group=self.groups.trainer)
             dist.all_reduce(max_ratio, op=dist.ReduceOp.MAX, group=self.groups.trainer)
-        *tot, max_ratio = torch.cat([sums, max_ratio]).tolist()  # the step's one read of its metrics
+        # the optimizer's statistics (grad_norm per update) join them: the step's one read
+        keys = list(steps[0])
+        stats = [torch.as_tensor(s[k], dtype=torch.float64, device=dev).reshape(1) for s in steps for k in keys]
+        values = torch.cat([sums, max_ratio, *stats]).tolist()
+        tot, max_ratio, stats = values[:10], values[10], values[11:]
         n = max(tot[2], 1.0)
         out = {
             "loss": tot[0] / n_mini,  # each minibatch's loss is normalised on its own
@@ -347,7 +351,7 @@ class Trainer:
             "icepop_frac": tot[7] / n,
             "train_tokens": int(tot[2]),
             **({"entropy": tot[5] / n} if cfg.algo.entropy_coef > 0 else {}),
-            **{k: float(np.mean([s[k] for s in steps])) for k in steps[0]},
+            **{k: float(np.mean(stats[i :: len(keys)])) for i, k in enumerate(keys)},
         }
         if tot[4] > 0:  # R3: where the engine's routing was replayed
             out["routing_match"] = tot[3] / tot[4]

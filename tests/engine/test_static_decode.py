@@ -206,10 +206,13 @@ def test_cuda_graph_config_on_a_cpu():
 
 def test_a_step_that_reads_the_host_is_not_captured(caplog):
     """The check made before capture, on the model's real decode step: on the meta device
-    (tensors without values, like a GPU's to the host) the experts take padded_grouped_mm,
-    which reads the largest group's size, as float32 experts do on a GPU. Unset,
-    engine.cuda_graph turns off (logged) and the static step with it; set, start fails."""
-    meta = build_model(CFG).to("meta")
+    (tensors without values, like a GPU's to the host) float64 experts take padded_grouped_mm,
+    which reads the largest group's size (float32/bf16/fp16 experts read nothing: the
+    grouped-GEMM op). Unset, engine.cuda_graph turns off (logged) and the static step with it;
+    set, start fails."""
+    fp32 = Engine(build_model(CFG).to("meta"), max_running_requests=4, max_context=64, static_decode=True)
+    assert fp32.static_decoder.host_reads() == []  # the float32 step reads nothing
+    meta = build_model(CFG).to("meta", torch.float64)
     graphs = StandInGraphs()
     engine = Engine(meta, max_running_requests=4, max_context=64, cuda_graph=None, graphs=graphs)
     assert engine.cuda_graph and engine.static_decode

@@ -63,8 +63,8 @@ def test_grouped_equals_per_expert_reference(monkeypatch, kernel, align, dtype, 
     """fp32: within 1e-5. bf16: the bf16 model against the fp32 reference on the same (bf16-valued)
     weights, within 2^-6 of each tensor's largest magnitude (the bf16 reference itself is ~0.6% off)."""
     monkeypatch.setattr(transformer, "group_align", lambda x: align)  # the CUDA padding path, on CPU
-    if kernel == "padded":  # the fallback used where torch._grouped_mm does not run
-        monkeypatch.setattr(grouped_ops, "native_grouped_mm", lambda x: False)
+    if kernel == "padded":  # the float64 fallback
+        monkeypatch.setattr(grouped_ops, "grouped_kernel", lambda x: "padded")
     moe = make_moe(dtype=dtype)
     ref_moe = make_moe(dtype=dtype).float()
     x = torch.randn(37, 32, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -88,12 +88,12 @@ def test_grouped_equals_per_expert_reference(monkeypatch, kernel, align, dtype, 
 
 def test_float64_takes_the_padded_path():
     """torch._grouped_mm's CPU kernel refuses float64; grouped_mm then pads, with the same result
-    as a per-group matmul."""
+    as a per-group matmul. float32 takes torch's CPU kernel behind moe_rl's custom op."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 4, generator=g, dtype=torch.float64)
     w = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
     offs = torch.tensor([2, 2, 7], dtype=torch.int32)  # group 1 empty
-    assert not grouped_ops.native_grouped_mm(x)
+    assert grouped_ops.grouped_kernel(x) == "padded" and grouped_ops.grouped_kernel(x.float()) == "torch"
     want = torch.cat([x[0:2] @ w[0].T, x[2:7] @ w[2].T])
     torch.testing.assert_close(grouped_ops.grouped_mm(x, w, offs), want, rtol=1e-12, atol=1e-12)
 

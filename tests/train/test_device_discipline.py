@@ -299,9 +299,9 @@ def _static_engine_on_both():
 def _static_engine():
     """The engine's static decode step (issue 30) on fakedev gives the dynamic step's tokens,
     log-probs and routing on the CPU. The host syncs of the run: one read per step (d2h), no
-    blocking copy, no data-dependent shape; the only other ones (item) are the padded grouped
-    GEMM's, which fakedev takes as fp32 on a GPU does, so the check before capture finds them
-    and an unset engine.cuda_graph turns off there."""
+    blocking copy, no data-dependent shape, no scalar read (the fp32 experts' grouped GEMM is
+    the sync-free op, as on a GPU), so the check before capture finds nothing and an unset
+    engine.cuda_graph captures every shape."""
     from moe_rl.config import load_config
     from moe_rl.engine import decode_routed_experts, output_logprobs
     from moe_rl.engine.engine import Engine
@@ -329,12 +329,11 @@ def _static_engine():
         L, K = arch.num_hidden_layers, arch.num_experts_per_tok
         assert np.array_equal(decode_routed_experts(a, L, K), decode_routed_experts(b, L, K))
     k = rec.counts()
-    assert k["d2h"] == engine.stats["steps"] and k["h2d_blocking"] == 0 and k["shape"] == 0, k
-    assert k["item"] > 0 and all(any("grouped.py" in f for f in e.stack) for e in rec.events if e.kind == "item")
+    assert k["d2h"] == engine.stats["steps"] and k["h2d_blocking"] == 0 and k["shape"] == 0 and k["item"] == 0, k
     graphs = StandInGraphs()
     auto = Engine(model, max_running_requests=3, max_context=64, cuda_graph=None, graphs=graphs).start()
     auto.stop()
-    assert not auto.cuda_graph and auto.static_decoder is None and graphs.captures == 0
+    assert auto.cuda_graph and auto.static_decoder is not None and graphs.captures > 0
 
 
 class _Handoff:

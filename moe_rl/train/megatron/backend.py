@@ -148,7 +148,7 @@ class MegatronBackend(DataParallelStep):
             from .experts import grouped_kernel_name
 
             kernel = grouped_kernel_name(self.device, self.dtype)
-            if kernel != "torch._grouped_mm":
+            if kernel.startswith("padded"):
                 log.warning("megatron backend: TorchGroupedMLP experts on %s %s fall back to a %s", self.device,
                             self.dtype, kernel)
             return f"{name} ({kernel}; megatron-core's GroupedMLP needs the grouped_gemm package, "\
@@ -263,7 +263,7 @@ class MegatronBackend(DataParallelStep):
         if ps.get_expert_data_parallel_world_size() > 1:
             all_reduce_sum([p.grad for p in self.expert_params], ps.get_expert_data_parallel_group())
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
         stats = super().optimizer_step()
         if self.arch.router == "sigmoid":
             self._update_expert_bias()

@@ -7,7 +7,8 @@ experts with a ``tolist()`` host sync.
 ``TorchGroupedMLP`` is a drop-in expert module (MoELayer builds it as ``cls(num_local_experts,
 config, pg_collection=..., name=...)`` and calls ``experts(tokens, tokens_per_expert, probs)``)
 that runs the native model's grouped GEMMs (``moe_rl.model.grouped.grouped_mm``:
-``torch._grouped_mm`` where it runs, a padded ``bmm`` elsewhere). Its parameters carry
+``torch._grouped_mm`` for bf16 on sm_90+ and on a CPU, a Triton grouped GEMM on other GPUs and
+dtypes). Its parameters carry
 ``TEGroupedMLP``'s names and shapes (``linear_fc1.weight{j}`` = ``[gate; up]`` [2I, H],
 ``linear_fc2.weight{j}`` [H, I]), so conversion and checkpoints are shared with the TE layout.
 The per-expert weights are stacked once per forward (one copy of the layer's expert weights,
@@ -19,14 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_rl.model.grouped import dispatch, group_align, grouped_mm, native_grouped_mm, permute, unpermute
+from moe_rl.model.grouped import dispatch, group_align, grouped_kernel, grouped_mm, permute, unpermute
+
+
+KERNEL_NAMES = {"cutlass": "torch._grouped_mm", "torch": "torch._grouped_mm (CPU kernel)",
+                "triton": "Triton grouped GEMM (moe_rl.kernels.grouped_gemm)",
+                "padded": "padded bmm fallback (one host sync per layer)"}
 
 
 def grouped_kernel_name(device: torch.device | str, dtype: torch.dtype) -> str:
     """Which grouped GEMM ``grouped_mm`` takes for this device and dtype (for the log line)."""
-    if native_grouped_mm(torch.empty(0, device=device, dtype=dtype)):
-        return "torch._grouped_mm"
-    return "padded bmm fallback (torch._grouped_mm does not run for this device/dtype; one host sync per layer)"
+    return KERNEL_NAMES[grouped_kernel(torch.empty(0, device=device, dtype=dtype))]
 
 
 class TorchGroupedMLP(nn.Module):
