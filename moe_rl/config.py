@@ -181,6 +181,11 @@ class TrainConfig(Strict):
         "d_hidden and d_weight made in the forward, 3 GEMMs instead of 4): auto = when algo's loss is per-token "
         "(not gspo, not tis_level=sequence with ratio_anchor=proximal), else the general path; true = refuse a "
         "loss that is not; false = always the general path (docs/algorithms.md)")
+    compile: Literal["auto"] | bool = Field(
+        "auto", description="torch.compile each decoder block of the native model (fullgraph, dynamic shapes; "
+        "docs/gpu.md 'Compiled training step'): auto = on with train.device=cuda and train.ep_size=1 (the "
+        "all-to-all's split sizes are host integers), off on the CPU (measured slower there, docs/benchmarks.md); "
+        "true = refuse what cannot be compiled; false = eager. train.backend=megatron: no effect (docs/megatron.md)")
     # sigmoid routers (GLM): the expert-score correction bias is frozen (0) or moved after each
     # optimizer step by DeepSeek-V3's rule, bias += rate * sign(mean load - load) (docs/architecture.md)
     expert_bias_update_rate: float = Field(0.0, ge=0)
@@ -356,6 +361,10 @@ class ExperimentConfig(Strict):
         if self.train.expert_bias_update_rate and not self.model.path and self.model.router != "sigmoid":
             raise ValueError(f"train.expert_bias_update_rate is set but model.model_type={self.model.model_type!r} has "
                              "no expert-score correction bias (a sigmoid router's)")
+        if self.train.compile is True and self.train.ep_size > 1 and self.train.backend == "native":
+            raise ValueError("train.compile=true with train.ep_size > 1: expert parallelism reads the all-to-all "
+                             "split sizes on the host, which a compiled block cannot; set train.compile to auto "
+                             "(off with EP) or false")
         if self.pools.trainer % self.train.ep_size:
             raise ValueError(f"pools.trainer={self.pools.trainer} must be a multiple of train.ep_size={self.train.ep_size}")
         if not self.model.path and self.model.num_experts % self.train.ep_size:

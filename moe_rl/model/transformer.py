@@ -27,6 +27,9 @@ from .arch import MoEArch
 from .grouped import dispatch, group_align, grouped_mm, permute, unpermute
 
 
+BLOCK_GRAPHS = 32  # compiled graphs a DecoderLayer.forward may need (compile_blocks)
+
+
 class RoutingError(ValueError):
     """A replay record that cannot be applied to this model."""
 
@@ -524,6 +527,10 @@ class MoEForCausalLM(nn.Module):
             raise ValueError("compile_blocks: expert parallelism (ep_size > 1) reads the all-to-all split sizes "
                              "on the host, which a compiled block cannot; compile with ep_size=1 only")
         options = {"fullgraph": True, "dynamic": True, **options}
+        # one graph per kind of call, not per batch: dense or MoE block x grad or no_grad x
+        # replay or not x packed attention (several sequences, one, the block mask): up to 24
+        # for one code object, above dynamo's default limit of 8 (a process-wide setting)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_GRAPHS)
         for layer in self.model.layers:
             layer.compile(**options)
 

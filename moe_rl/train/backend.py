@@ -9,7 +9,6 @@ checkpoint writer consume.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -17,6 +16,7 @@ from typing import Iterator, Protocol
 import torch
 import torch.distributed as dist
 
+from moe_rl.config import ConfigError
 from moe_rl.kernels import fused_logprobs, fused_token_loss
 from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors, load_hf_weights
 from moe_rl.model.transformer import longest_sequence
@@ -164,6 +164,12 @@ class NativeBackend(DataParallelStep):
             from moe_rl.model.lora import build_lora
 
             self.lora = build_lora(self.model, cfg.lora)
+            # the forward adds the adapters' rows, unmerged (the engine's form; docs/lora.md "Form"):
+            # attached once, so a compiled block sees the same hooks on every call
+            self.lora.attach()
+        self.compiled = use_compile(cfg, log)
+        if self.compiled:
+            self.model.compile_blocks()
         self._setup_optimizer()
         self.bias_rate = cfg.train.expert_bias_update_rate
         if self.bias_rate:
@@ -179,16 +185,7 @@ class NativeBackend(DataParallelStep):
             self.model.update_expert_bias(self.bias_rate, group=trainer)
         return stats
 
-    def _adapted(self):
-        """With LoRA the forward adds the adapters' rows (unmerged, the engine's form; docs/lora.md
-        "Form" has the measurement), else runs on the parameters as they are."""
-        return self.lora.in_forward() if self.lora is not None else contextlib.nullcontext()
-
     def logprobs(self, mb, temperature, with_entropy=False, record=None):
-        with self._adapted():
-            return self._logprobs(mb, temperature, with_entropy, record)
-
-    def _logprobs(self, mb, temperature, with_entropy, record):
         out = fused_logprobs(
             self._hidden(mb, record), self.model.lm_head.weight, mb.labels.to(self.device, non_blocking=True),
             temperature=temperature, return_entropy=with_entropy,
@@ -197,11 +194,10 @@ class NativeBackend(DataParallelStep):
 
     def token_loss(self, mb, rows, temperature, token_loss, with_entropy=False, record=None):
         dev = self.device
-        with self._adapted():
-            hidden = self._hidden(mb, record)
-            rows = rows.to(dev, non_blocking=True)
-            return fused_token_loss(hidden[rows], self.model.lm_head.weight, mb.labels.to(dev, non_blocking=True)[rows],
-                                    token_loss, temperature=temperature, return_entropy=with_entropy)
+        hidden = self._hidden(mb, record)
+        rows = rows.to(dev, non_blocking=True)
+        return fused_token_loss(hidden[rows], self.model.lm_head.weight, mb.labels.to(dev, non_blocking=True)[rows],
+                                token_loss, temperature=temperature, return_entropy=with_entropy)
 
     def _hidden(self, mb, record):
         """The final hidden states [T, H] of a packed micro-batch."""
@@ -263,6 +259,29 @@ class NativeBackend(DataParallelStep):
                 raise KeyError("checkpoint has no LoRA adapters but lora.enabled=true")
             self.lora.load_state_dict(state["lora"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def use_compile(cfg, logger=None) -> bool:
+    """Whether the native model's decoder blocks are compiled (``train.compile``; the choice is
+    logged once through ``logger``): ``auto`` on CUDA with one expert-parallel rank, ``true``
+    refuses what cannot be compiled, ``false`` never."""
+    mode, t = cfg.train.compile, cfg.train
+    why = None
+    if t.ep_size > 1:
+        why = "train.ep_size > 1 (the all-to-all's split sizes are host integers)"
+    elif mode == "auto" and t.device != "cuda":
+        why = "train.compile=auto is off on the CPU (slower there: docs/benchmarks.md)"
+    elif mode is False:
+        why = "train.compile=false"
+    if mode is True and why:
+        raise ConfigError(f"train.compile=true: {why}; set train.compile to auto or false")
+    if logger is not None:
+        if why:
+            logger.info("decoder blocks run eagerly: %s", why)
+        else:
+            logger.info("decoder blocks compiled (train.compile=%s): torch.compile per block, fullgraph, dynamic "
+                        "shapes; the first steps include the compile", str(mode).lower())
+    return why is None
 
 
 def all_reduce_sum(tensors: list[torch.Tensor], group) -> None:

@@ -1,16 +1,24 @@
 """Tokens/s and MFU of one training step, native backend vs megatron backend.
 
     python -m moe_rl.train.megatron.bench [--preset tiny|small|medium|large]
-        [--backends native,megatron,megatron_recompute] [--device cuda|cpu] [--json] [--out FILE]
-        [--profile] [--profile-dir DIR]
+        [--backends native,native_eager,native_fused,megatron,megatron_recompute] [--device cuda|cpu]
+        [--compile auto|true|false] [--json] [--out FILE] [--profile] [--profile-dir DIR]
     python -m moe_rl.train.megatron.bench --device cpu --baseline /tmp/base --rounds 3   # A/B on CPU
 
-One step = forward (routing replayed from a fixed record), a policy-gradient surrogate loss,
-backward over every micro-batch, then ``optimizer_step``. Both backends start from the same
-weights (the native seeded init) and see the same batch; each is built, warmed up, timed and
-freed in turn. On CPU (fp32, native only by default) it prints tokens/s; ``--baseline DIR``
-runs the native step of another checkout (DIR on PYTHONPATH, this file as the driver) and of
-this one alternately in fresh processes and reports medians and their ratio.
+One step = forward (routing replayed from a fixed record), the trainer's policy loss
+(``policy_loss``, decoupled PPO with the proximal policy = this forward), backward over every
+micro-batch, then ``optimizer_step``. All backends start from the same weights (the native
+seeded init) and see the same batch; each is built, warmed up, timed and freed in turn, and
+the JSON (``--out``) is rewritten after each, so a run stopped midway keeps the rows it has.
+Native rows: ``native`` (``train.compile`` as ``--compile`` says, default auto: compiled on
+CUDA, eager on a CPU; the general loss path: log-probs, then the loss, then backward),
+``native_eager`` (``train.compile=false``) and ``native_fused`` (``--compile``'s blocks and
+the loss fused into the LM head, ``train.fused_loss``: ``backend.token_loss``). Each native row
+says ``compiled``, ``loss_path`` and ``first_step_s`` (the first warm-up step: with compile,
+most of the compile time is in it; ``compile_s`` = it minus a timed step). On CPU (fp32,
+native only by default) it prints tokens/s; ``--baseline DIR`` runs the native step of another
+checkout (DIR on PYTHONPATH, this file as the driver) and of this one alternately in fresh
+processes and reports medians and their ratio.
 
 MFU = model FLOPs / (step time x the device's dense bf16 peak). Model FLOPs per step =
 6 x (active matmul parameters per token) x tokens + causal attention: 6 x L^2 x heads x head_dim
@@ -85,15 +93,24 @@ def model_flops(preset: dict) -> dict:
     return dict(active_params=active, tokens=tokens, flops=6 * active * tokens + attention, attention_flops=attention)
 
 
-def _cfg(preset: dict, backend: str, dtype: str, recompute: bool, device: str = "cuda"):
+def _cfg(preset: dict, backend: str, dtype: str, recompute: bool, device: str = "cuda", compile="auto"):
     from moe_rl.config import ExperimentConfig
 
     return ExperimentConfig.model_validate(dict(
         model=dict(preset["arch"], dtype=dtype, max_position_embeddings=4096, rope_theta=1_000_000.0),
         pools=dict(trainer=1, rollout=0), engine=dict(kind="sglang", urls=["http://127.0.0.1:1"]),
         train=dict(backend=backend, device=device, lr=1e-5, megatron_recompute=recompute,
-                   megatron_dispatcher="alltoall" if device == "cuda" else "allgather"),
+                   megatron_dispatcher="alltoall" if device == "cuda" else "allgather",
+                   **({} if compile == "auto" else {"compile": compile})),  # (--baseline: an older schema)
+        # decoupled PPO with the proximal policy taken from this forward, no TIS/IcePop: every
+        # token trains (a loss both paths compute, train.fused_loss's per-token form)
+        algo=dict(ratio_anchor="proximal", tis_cap=None, icepop_low=None, icepop_high=None),
     ))
+
+
+# native rows: train.compile (None: --compile) and the loss path
+NATIVE_ROWS = {"native": (None, "general"), "native_eager": (False, "general"), "native_fused": (None, "fused")}
+BACKENDS = (*NATIVE_ROWS, "megatron", "megatron_recompute")
 
 
 def _batch(preset: dict):
@@ -117,22 +134,45 @@ def _batch(preset: dict):
 
 
 def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | None, profile: bool = False,
-             table: Path | None = None) -> dict:
+             table: Path | None = None, loss_path: str = "general", algo=None) -> dict:
+    from moe_rl.algo import policy_loss
+    from moe_rl.algo.token_loss import TokenLoss
+
     n_loss = sum(int((mb.labels != -100).sum()) for mb in mbs)
     tokens = sum(mb.num_tokens for mb in mbs)
     cuda = backend.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    adv = [torch.ones(mb.num_tokens, device=backend.device) for mb in mbs]
+    dev = backend.device
+    # per micro-batch: the label rows, and per loss token a behaviour log-prob, an advantage,
+    # a mask and its sequence (as the trainer's Micro holds them), on the device
+    data = []
+    for i, mb in enumerate(mbs):
+        rows = (mb.labels != -100).nonzero()[:, 0]
+        g = torch.Generator().manual_seed(i)
+        seq = torch.searchsorted(mb.cu_seqlens[1:], rows, right=True)
+        data.append(dict(rows=rows.to(dev), behav=(-4.0 - torch.rand(len(rows), generator=g)).to(dev),
+                         adv=torch.randn(len(rows), generator=g).to(dev), mask=torch.ones(len(rows), device=dev),
+                         seq=seq.to(dev)))
 
     def step():
-        for mb, a in zip(mbs, adv):
-            lp, _ = backend.logprobs(mb, 1.0)
-            (-(a * lp).sum() / n_loss).backward()
+        for mb, d in zip(mbs, data):
+            if loss_path == "fused":
+                tl = TokenLoss(algo, d["behav"], d["adv"], d["mask"], d["seq"], num_tokens_global=n_loss)
+                loss = backend.token_loss(mb, d["rows"], 1.0, tl)[0]
+            else:
+                logp = backend.logprobs(mb, 1.0)[0][d["rows"]]
+                loss = policy_loss(logp, logp.detach(), d["behav"], d["adv"], d["mask"], d["seq"], algo,
+                                   num_tokens_global=n_loss)[0]
+            loss.backward()
         backend.optimizer_step()
 
-    for _ in range(warmup):
+    first = None
+    for i in range(warmup):
+        t0 = time.perf_counter()
         step()
-    sync()
+        sync()
+        if i == 0:
+            first = time.perf_counter() - t0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, cpu_times = [], []
@@ -151,6 +191,7 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
                 cpu_s=cpu_mean, tokens_per_cpu_s=tokens / cpu_mean,
                 model_tflops_per_s=flops / mean / 1e12, mfu=flops / mean / (peak * 1e12) if peak else None,
                 peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                first_step_s=first, loss_path=loss_path,
                 **({"profile_top_ops": top} if top is not None else {}))
 
 
@@ -224,8 +265,10 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: medium (cuda), small (cpu)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 (cuda), fp32 (cpu)")
-    ap.add_argument("--backends", default=None, help="comma list of native, megatron, megatron_recompute; "
-                    "default all three (cuda), native (cpu)")
+    ap.add_argument("--backends", default=None, help=f"comma list of {', '.join(BACKENDS)}; default all (cuda), "
+                    "native (cpu)")
+    ap.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
+                    help="train.compile of the native and native_fused rows (auto: on with --device cuda)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--recompute", action="store_true", help="also measure megatron_recompute (full activation recompute)")
@@ -251,13 +294,14 @@ def main(argv=None) -> int:
         return 2
     if args.baseline:
         return _compare(args)
-    backends = (args.backends or ("native,megatron,megatron_recompute" if cuda else "native")).split(",")
+    backends = (args.backends or (",".join(BACKENDS) if cuda else "native")).split(",")
     if args.recompute and "megatron_recompute" not in backends:
         backends.append("megatron_recompute")
-    unknown = set(backends) - {"native", "megatron", "megatron_recompute"}
+    unknown = set(backends) - set(BACKENDS)
     if unknown:
-        print(f"bench: unknown --backends {sorted(unknown)} (native, megatron, megatron_recompute)", file=sys.stderr)
+        print(f"bench: unknown --backends {sorted(unknown)} ({', '.join(BACKENDS)})", file=sys.stderr)
         return 2
+    compile_mode = {"auto": "auto", "true": True, "false": False}[args.compile]
 
     import torch.distributed as dist
 
@@ -296,22 +340,27 @@ def main(argv=None) -> int:
         """Builds, measures and frees one backend; a failure is recorded in its row (and the exit
         code) and the other backends are still measured."""
         try:
-            if name == "native":
-                backend = NativeBackend(_cfg(preset, "native", args.dtype, False, args.device))
+            if name in NATIVE_ROWS:
+                comp, loss_path = NATIVE_ROWS[name]
+                cfg = _cfg(preset, "native", args.dtype, False, args.device, compile_mode if comp is None else comp)
+                backend = NativeBackend(cfg)
                 if hf is not None:
                     with torch.no_grad():
                         for n, t in iter_local_hf_tensors(backend.model):
                             t.copy_(hf[n])
-                result[name] = _measure(backend, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile,
-                                        table(name))
+                result[name] = dict(_measure(backend, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile,
+                                             table(name), loss_path, cfg.algo),
+                                    compiled=getattr(backend, "compiled", False))  # (--baseline: older backends)
+                first = result[name]["first_step_s"]
+                result[name]["compile_s"] = first - result[name]["step_s"] if result[name]["compiled"] and first else None
             else:
                 with (cpu_forward_shims() if not cuda else contextlib.nullcontext()):
-                    backend = MegatronBackend(_cfg(preset, "megatron", args.dtype, name == "megatron_recompute",
-                                                   args.device), None, hf_state=hf)
+                    cfg = _cfg(preset, "megatron", args.dtype, name == "megatron_recompute", args.device)
+                    backend = MegatronBackend(cfg, None, hf_state=hf)
                     result["megatron_spec"] = "te" if backend.opts.use_te else "local"
                     result["megatron_experts"] = backend.experts_desc()
                     result[name] = _measure(backend, mbs, args.steps, args.warmup, flops["flops"], peak,
-                                            args.profile, table(name))
+                                            args.profile, table(name), "general", cfg.algo)
         except Exception as exc:
             traceback.print_exc()
             result[name] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
@@ -320,15 +369,26 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
 
-    for name in ("native", "megatron", "megatron_recompute"):
+    def ratios() -> set:
+        ok = {k for k in backends if k in result and "error" not in result[k]}
+        if {"native", "megatron"} <= ok:
+            result["speedup"] = result["megatron"]["tokens_per_s"] / result["native"]["tokens_per_s"]
+        if {"megatron", "megatron_recompute"} <= ok:  # the issue's target: <= 1.4 on a GPU
+            result["recompute_step_ratio"] = result["megatron_recompute"]["step_s"] / result["megatron"]["step_s"]
+            result["recompute_cpu_ratio"] = result["megatron_recompute"]["cpu_s"] / result["megatron"]["cpu_s"]
+        if {"native", "native_eager"} <= ok:  # train.compile's effect (> 1: compiled is faster)
+            result["compile_speedup"] = result["native_eager"]["step_s"] / result["native"]["step_s"]
+        if {"native", "native_fused"} <= ok:  # train.fused_loss's effect, same blocks
+            result["fused_loss_speedup"] = result["native"]["step_s"] / result["native_fused"]["step_s"]
+        return ok
+
+    for name in BACKENDS:
         if name in backends:
             run_backend(name)
-    ok = {k for k in backends if "error" not in result[k]}
-    if {"native", "megatron"} <= ok:
-        result["speedup"] = result["megatron"]["tokens_per_s"] / result["native"]["tokens_per_s"]
-    if {"megatron", "megatron_recompute"} <= ok:  # the issue's target: <= 1.4 on a GPU
-        result["recompute_step_ratio"] = result["megatron_recompute"]["step_s"] / result["megatron"]["step_s"]
-        result["recompute_cpu_ratio"] = result["megatron_recompute"]["cpu_s"] / result["megatron"]["cpu_s"]
+            ratios()
+            if args.out:  # what is measured so far survives a run stopped by a time cap
+                Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    ok = ratios()
 
     text = json.dumps(result, indent=2)
     if args.out:
@@ -343,16 +403,20 @@ def main(argv=None) -> int:
         for k in backends:
             r = result[k]
             if "error" in r:
-                print(f"  {k:9s} failed: {r['error']}")
+                print(f"  {k:12s} failed: {r['error']}")
                 continue
             mfu = f"MFU {100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "MFU n/a (no --peak-tflops)"
             mem = f"peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else ""
-            print(f"  {k:9s} {r['tokens_per_s']:>10.0f} tok/s  step {r['step_s'] * 1e3:8.1f} ms  "
+            print(f"  {k:12s} {r['tokens_per_s']:>10.0f} tok/s  step {r['step_s'] * 1e3:8.1f} ms  "
                   f"{r['model_tflops_per_s']:7.2f} TFLOP/s  {mfu}  {mem}")
         if "speedup" in result:
             print(f"  megatron/native: {result['speedup']:.2f}x  (megatron spec: {result['megatron_spec']})")
         if "megatron_experts" in result:
             print(f"  megatron experts: {result['megatron_experts']}")
+        if "compile_speedup" in result:
+            print(f"  native eager/compiled step time: {result['compile_speedup']:.2f}x")
+        if "fused_loss_speedup" in result:
+            print(f"  native general/fused loss step time: {result['fused_loss_speedup']:.2f}x")
         if "recompute_step_ratio" in result:
             print(f"  megatron step with / without full recompute: {result['recompute_step_ratio']:.2f}x "
                   f"(CPU-seconds {result['recompute_cpu_ratio']:.2f}x)")
