@@ -87,12 +87,16 @@ def _get(d, *keys):
     return d
 
 
+TRAIN_ROWS = ("native", "native_eager", "native_fused", "megatron", "megatron_recompute")
+
+
 def read_train(path: Path) -> dict:
     r = _load_json(path)
     out = {"preset": r.get("preset"), "dtype": r.get("dtype"), "megatron_core": r.get("megatron_core"),
            "megatron_experts": r.get("megatron_experts"), "megatron_vs_native": r.get("speedup"),
-           "recompute_step_ratio": r.get("recompute_step_ratio")}
-    for b in ("native", "megatron", "megatron_recompute"):
+           "recompute_step_ratio": r.get("recompute_step_ratio"), "compile_speedup": r.get("compile_speedup"),
+           "fused_loss_speedup": r.get("fused_loss_speedup")}
+    for b in TRAIN_ROWS:
         row = r.get(b)
         if row is None:
             continue
@@ -100,7 +104,8 @@ def read_train(path: Path) -> dict:
             out[b] = {"error": row["error"]}
             continue
         out[b] = {k: row.get(k) for k in ("tokens_per_s", "step_s", "cpu_s", "mfu", "model_tflops_per_s",
-                                          "peak_mem_gib")}
+                                          "peak_mem_gib", "compiled", "loss_path", "first_step_s", "compile_s")
+                  if k in row}
     return out
 
 
@@ -130,9 +135,13 @@ def read_logprobs(path: Path) -> dict:
 def read_engine(path: Path) -> dict:
     r = _load_json(path)
     s = r["summary"]
+    variants = {name: ({"skipped": v["skipped"]} if "skipped" in v else
+                       {k: v.get(k) for k in ("tokens_per_s_1", "tokens_per_s_concurrent", "capture_s")})
+                for name, v in (s.get("variants") or {}).items()}
     return {"tokens_per_s_1": s.get("tokens_per_s_1"), "tokens_per_s_concurrent": s.get("tokens_per_s_concurrent"),
             "concurrency": s.get("concurrency"), "ttft_ms": s.get("ttft_ms"), "dtype": _get(r, "params", "dtype"),
-            "engine_device": s.get("device")}
+            "engine_device": s.get("device"), "cuda_graph": s.get("cuda_graph"), "decode_graphs": s.get("decode_graphs"),
+            "variants": variants}
 
 
 def read_train_run(run_dir: Path, first_last: int = 10) -> dict:
@@ -228,7 +237,7 @@ def summarize(work: Path, device: str = "cuda") -> dict:
 
     env = figures.get("install") or {}
     tm, tl = figures.get("train_medium") or {}, figures.get("train_large") or {}
-    lp, en = figures.get("logprobs") or {}, figures.get("engine") or {}
+    lp, en, eb = figures.get("logprobs") or {}, figures.get("engine") or {}, figures.get("engine_bf16") or {}
     run, pt = figures.get("gpu_1x") or {}, figures.get("pytest_gpu") or {}
     ms = lp.get("ms", {})
     out = {
@@ -238,6 +247,19 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "software": {k: env.get(k) for k in ("python", "torch", "cuda", "triton", "megatron_core", "liger_kernel")},
         "train_medium_native_mfu": _get(tm, "native", "mfu"),
         "train_large_native_mfu": _get(tl, "native", "mfu"),
+        # train.compile: the native row as configured (compiled on CUDA) vs eager, and the fused loss
+        "train_medium_native_compiled": _get(tm, "native", "compiled"),
+        "train_large_native_compiled": _get(tl, "native", "compiled"),
+        "train_medium_native_eager_mfu": _get(tm, "native_eager", "mfu"),
+        "train_large_native_eager_mfu": _get(tl, "native_eager", "mfu"),
+        "train_medium_native_fused_mfu": _get(tm, "native_fused", "mfu"),
+        "train_large_native_fused_mfu": _get(tl, "native_fused", "mfu"),
+        "train_medium_compile_speedup": tm.get("compile_speedup"),
+        "train_large_compile_speedup": tl.get("compile_speedup"),
+        "train_medium_compile_s": _get(tm, "native", "compile_s"),
+        "train_large_compile_s": _get(tl, "native", "compile_s"),
+        "train_medium_fused_loss_speedup": tm.get("fused_loss_speedup"),
+        "train_large_fused_loss_speedup": tl.get("fused_loss_speedup"),
         "megatron_vs_native_medium": tm.get("megatron_vs_native"),
         "megatron_vs_native_large": tl.get("megatron_vs_native"),
         "recompute_step_ratio_medium": tm.get("recompute_step_ratio"),
@@ -251,6 +273,10 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "engine_tokens_per_s_1": en.get("tokens_per_s_1"),
         "engine_tokens_per_s_concurrent": en.get("tokens_per_s_concurrent"),
         "engine_concurrency": en.get("concurrency"),
+        "engine_cuda_graph": en.get("cuda_graph"),
+        "engine_bf16_tokens_per_s_1": eb.get("tokens_per_s_1"),
+        "engine_bf16_tokens_per_s_concurrent": eb.get("tokens_per_s_concurrent"),
+        "engine_bf16_cuda_graph": eb.get("cuda_graph"),
         "gpu_1x_steps_done": run.get("steps_done"),
         "gpu_1x_reward_first10": run.get("reward_first10"),
         "gpu_1x_reward_last10": run.get("reward_last10"),

@@ -114,14 +114,19 @@ class PackedCausal:
         num_seqs = max(cu_seqlens.shape[0] - 1, 1)
         longest = (max_seqlen if max_seqlen is not None else longest_sequence(cu_seqlens, total)) if total else 0
         self.padded = total > 0 and num_seqs * longest <= 2 * total
-        dev = cu_seqlens.device
-        pos = torch.arange(total, device=dev)
-        seq_id = torch.searchsorted(cu_seqlens[1:-1], pos, right=True)  # the sequence of each token
+        self._seq_id = torch.searchsorted(cu_seqlens[1:-1], torch.arange(total, device=cu_seqlens.device),
+                                          right=True)  # the sequence of each token
         if self.padded:
             self.shape = (num_seqs, longest)
-            self.slot = seq_id * longest + packed_positions(cu_seqlens, total)  # its row in [S * L_max]
-        else:  # [total, total] bool, True where attention is allowed (same sequence, not ahead)
-            self.mask = (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
+            self.slot = self._seq_id * longest + packed_positions(cu_seqlens, total)  # its row in [S * L_max]
+        else:
+            self.mask = self.mask  # made now: a compiled block reads it as a plain attribute
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[total, total] bool, True where attention is allowed (same sequence, not ahead)."""
+        seq_id, pos = self._seq_id, torch.arange(self.total, device=self._seq_id.device)
+        return (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
 
     def __call__(self, layer, q, k, v):
         if not self.padded:

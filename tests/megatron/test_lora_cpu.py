@@ -38,8 +38,7 @@ def _adv(mb, seed=3):
 def test_lora_logprobs_and_adapter_grads_equal_native(cpu_megatron, shared):
     meg, native = build_lora(shared=shared)
     mb = make_mb(CPU_ARCH["vocab_size"], LENGTHS)
-    with native.lora.applied():
-        rec_native = native_record(native, mb)  # the adapted router's choice
+    rec_native = native_record(native, mb)  # the adapted router's choice (the backend's adapters are attached)
     rec_meg = []
     with torch.no_grad():
         lp0, _ = meg.logprobs(mb, 1.0, record=rec_meg)  # megatron's adapted router chooses
