@@ -42,7 +42,8 @@ def work(tmp_path):
 def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     rc, s = summarize(work, tmp_path / "out")
     assert rc == 0 and s["missing"] == {}
-    assert set(s["stage_rc"]) == {"install", "train_medium", "train_large", "logprobs", "engine", "pytest_gpu", "gpu_1x"}
+    assert set(s["stage_rc"]) == {"install", "train_medium", "train_large", "logprobs", "engine", "engine_bf16",
+                                  "pytest_gpu", "gpu_1x"}
     assert set(s["stage_rc"].values()) == {0}
     assert s["commit"] and s["device"] == json.loads((work / "install.json").read_text())["device"]
 
@@ -53,9 +54,18 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
             t["megatron"]["tokens_per_s"] / t["native"]["tokens_per_s"])
         assert s[f"recompute_step_ratio_{preset}"] == pytest.approx(
             t["megatron_recompute"]["step_s"] / t["megatron"]["step_s"])
+        # train.compile and train.fused_loss: the bench's own rows (eager on a CPU: auto is off there)
+        assert s[f"train_{preset}_native_compiled"] is False and t["native_fused"]["loss_path"] == "fused"
+        assert s[f"train_{preset}_native_eager_mfu"] == t["native_eager"]["mfu"] > 0
+        assert s[f"train_{preset}_native_fused_mfu"] == t["native_fused"]["mfu"] > 0
+        assert s[f"train_{preset}_compile_speedup"] == pytest.approx(
+            t["native_eager"]["step_s"] / t["native"]["step_s"])
+        assert s[f"train_{preset}_fused_loss_speedup"] == pytest.approx(
+            t["native"]["step_s"] / t["native_fused"]["step_s"])
+        assert s[f"train_{preset}_compile_s"] is None  # not compiled
 
     rows = json.loads((work / "logprobs.json").read_text())["rows"]
-    ms = {(r["provider"], r["pass"]): r["ms"] for r in rows if r["shape"] == s["logprobs_shape"]}
+    ms = {(r["provider"], r["pass"]): r["ms"] for r in rows if r["shape"] == s["logprobs_shape"] and "ms" in r}
     assert s["logprobs_fwd_vs_gemm"] == pytest.approx(ms["fused", "fwd"] / ms["gemm", "fwd"], abs=1e-4)
     assert s["logprobs_fwd_bwd_vs_gemm"] == pytest.approx(ms["fused", "fwd_bwd"] / ms["gemm", "fwd_bwd"], abs=1e-4)
     assert s["logprobs_ms"]["eager"] == {"fwd": ms["eager", "fwd"], "fwd_bwd": ms["eager", "fwd_bwd"]}
@@ -66,6 +76,10 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     eng = json.loads((work / "engine.json").read_text())["summary"]
     assert (s["engine_tokens_per_s_1"], s["engine_tokens_per_s_concurrent"], s["engine_concurrency"]) == \
         (eng["tokens_per_s_1"], eng["tokens_per_s_concurrent"], eng["concurrency"])
+    bf16 = json.loads((work / "engine_bf16.json").read_text())
+    assert bf16["params"]["dtype"] == "bfloat16" and s["stages"]["engine_bf16"]["figures"]["dtype"] == "bfloat16"
+    assert (s["engine_bf16_tokens_per_s_1"], s["engine_bf16_tokens_per_s_concurrent"], s["engine_bf16_cuda_graph"]) == \
+        (bf16["summary"]["tokens_per_s_1"], bf16["summary"]["tokens_per_s_concurrent"], False)  # no graphs on a CPU
 
     m = [json.loads(line) for line in (work / "gpu_1x" / "metrics.jsonl").read_text().splitlines()]
     assert s["gpu_1x_steps_done"] == m[-1]["step"] == len(m)
@@ -96,9 +110,10 @@ def test_failed_skipped_and_missing_stages_give_null_and_keep_their_exit_code(wo
 
     assert rc == 1
     assert s["stage_rc"] == {"install": 0, "train_medium": 0, "train_large": 124, "logprobs": 137, "engine": 2,
-                             "pytest_gpu": None, "gpu_1x": 124}
+                             "engine_bf16": 0, "pytest_gpu": None, "gpu_1x": 124}
     assert s["stages"]["pytest_gpu"]["status"] == "skipped" and s["stages"]["engine"]["status"] == "failed"
     for key in ("train_large_native_mfu", "megatron_vs_native_large", "recompute_step_ratio_large",
+                "train_large_native_eager_mfu", "train_large_compile_speedup", "train_large_fused_loss_speedup",
                 "logprobs_fwd_vs_gemm", "logprobs_fwd_bwd_vs_gemm", "logprobs_extra_mem_fraction",
                 "engine_tokens_per_s_1", "engine_tokens_per_s_concurrent", "pytest_gpu_passed", "pytest_gpu_failed"):
         assert s[key] is None, key
