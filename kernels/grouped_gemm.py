@@ -211,6 +211,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     x, w, offs = ctx.saved_tensors
+    dy = dy.contiguous()  # e.g. the expanded gradient of a sum: torch._grouped_mm refuses 0 strides
     dx = dw = None
     if ctx.needs_input_grad[0]:
         dx = _grouped_mm_op(dy, w.transpose(1, 2), offs, ctx.impl)

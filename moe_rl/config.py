@@ -184,7 +184,8 @@ class TrainConfig(Strict):
     compile: Literal["auto"] | bool = Field(
         "auto", description="torch.compile each decoder block of the native model (fullgraph, dynamic shapes; "
         "docs/gpu.md 'Compiled training step'): auto = on with train.device=cuda and train.ep_size=1 (the "
-        "all-to-all's split sizes are host integers), off on the CPU (measured slower there, docs/benchmarks.md); "
+        "all-to-all's split sizes are host integers), off on the CPU (the compile costs more than a CPU run saves: "
+        "docs/benchmarks.md); "
         "true = refuse what cannot be compiled; false = eager. train.backend=megatron: no effect (docs/megatron.md)")
     # sigmoid routers (GLM): the expert-score correction bias is frozen (0) or moved after each
     # optimizer step by DeepSeek-V3's rule, bias += rate * sign(mean load - load) (docs/architecture.md)

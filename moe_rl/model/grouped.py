@@ -6,7 +6,8 @@ the device with no host sync and nothing that loops over experts in Python.
 ``grouped_mm`` runs ``torch._grouped_mm`` (CUTLASS) for bf16 on sm_90+, and otherwise, for
 float32/bfloat16/float16, ``moe_rl.kernels.grouped_gemm``: a Triton grouped GEMM on a static
 tile grid on other GPUs and dtypes, torch's CPU kernel on a CPU, both behind one custom op that
-``torch.compile`` traces. None of them reads device values on the host. Float64 (tests) takes a
+``torch.compile`` traces (eager on a CPU, ``torch._grouped_mm`` is called directly). None of them
+reads device values on the host. Float64 (tests) takes a
 padded batched matmul, which reads the largest group's size (one host sync). All have autograd
 formulas, so the backward is grouped GEMMs too, not one full-size weight gradient per expert.
 """
@@ -71,7 +72,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """x [rows, K] grouped by ``offs`` (int32 group ends, the last = rows), w [E, N, K]
     (nn.Linear layout per group) -> [rows, N], row r of group e being x[r] @ w[e].T."""
     kernel = grouped_kernel(x)
-    if kernel == "cutlass":
+    if kernel == "cutlass" or (kernel == "torch" and not torch.compiler.is_compiling()):
+        # eager: torch's own op and autograd (the custom op's Python dispatch costs ~0.15 ms per
+        # forward+backward, ~3% of a tiny CPU step); traced: the custom op, whose fake torch lacks
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     if kernel == "padded":
         return padded_grouped_mm(x, w, offs)
@@ -83,9 +86,10 @@ def grouped_kernel(x: torch.Tensor) -> str:
 
     * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90+ (its meta kernel is bf16-only);
     * "triton": the Triton kernel of ``moe_rl.kernels.grouped_gemm`` (CUDA otherwise);
-    * "torch": ``torch._grouped_mm`` (float32, bf16, fp16) behind that module's custom op, which
-      ``torch.compile`` traces: the CPU kernel (checked on torch 2.13); on a device that stands
-      for a GPU in the tests (``fakedev``, meta) the op runs as one device op, as on CUDA;
+    * "torch": ``torch._grouped_mm`` (float32, bf16, fp16; the CPU kernel, checked on torch
+      2.13), called directly when eager and through that module's custom op when traced by
+      ``torch.compile`` (its fake, which torch's own meta kernel lacks for float32); on a device
+      that stands for a GPU in the tests (``fakedev``, meta) it runs as one device op, as on CUDA;
     * "padded": ``padded_grouped_mm`` (float64; CPU torch < 2.13): one host sync per call."""
     if x.dtype not in DTYPES or (x.device.type == "cpu" and _TORCH < (2, 13)):
         return "padded"

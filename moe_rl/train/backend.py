@@ -270,7 +270,7 @@ def use_compile(cfg, logger=None) -> bool:
     if t.ep_size > 1:
         why = "train.ep_size > 1 (the all-to-all's split sizes are host integers)"
     elif mode == "auto" and t.device != "cuda":
-        why = "train.compile=auto is off on the CPU (slower there: docs/benchmarks.md)"
+        why = "train.compile=auto is off on the CPU (the compile costs more than a CPU run saves: docs/benchmarks.md)"
     elif mode is False:
         why = "train.compile=false"
     if mode is True and why:

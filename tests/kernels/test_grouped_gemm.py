@@ -61,6 +61,18 @@ def test_matches_a_per_group_reference(impl, dtype, transposed):
     assert got[2][1].abs().max() == 0  # the empty group's weight gets no gradient
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_expanded_output_gradient(impl):
+    """The gradient of y.sum() arrives expanded (strides 0), which torch._grouped_mm refuses."""
+    x, w, offs, _ = _case(torch.float32)
+    x.requires_grad_(), w.requires_grad_()
+    gg.grouped_gemm(x, w, offs, impl=impl).sum().backward()
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    gg.grouped_gemm_reference(xr, wr, offs).sum().backward()
+    torch.testing.assert_close(x.grad.double(), xr.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad.double(), wr.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_tile_plan_covers_every_row_once():
     for offs, bm in (([0, 5, 5, 40, 41], 16), ([64, 64, 128], 64), ([3, 3, 3], 4), ([0, 0, 0], 8)):
         o = torch.tensor(offs, dtype=torch.int32)
