@@ -72,9 +72,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """x [rows, K] grouped by ``offs`` (int32 group ends, the last = rows), w [E, N, K]
     (nn.Linear layout per group) -> [rows, N], row r of group e being x[r] @ w[e].T."""
     kernel = grouped_kernel(x)
-    if kernel == "cutlass" or (kernel == "torch" and not torch.compiler.is_compiling()):
-        # eager: torch's own op and autograd (the custom op's Python dispatch costs ~0.15 ms per
-        # forward+backward, ~3% of a tiny CPU step); traced: the custom op, whose fake torch lacks
+    if kernel == "cutlass" or (kernel == "torch" and x.device.type == "cpu" and not torch.compiler.is_compiling()):
+        # eager on a CPU: torch's own op and autograd (the custom op's Python dispatch costs ~0.15
+        # ms per forward+backward, ~3% of a tiny CPU step); traced, or on a device standing for a
+        # GPU (meta, fakedev): the custom op, with the fake that torch's meta kernel lacks for fp32
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     if kernel == "padded":
         return padded_grouped_mm(x, w, offs)
@@ -87,9 +88,9 @@ def grouped_kernel(x: torch.Tensor) -> str:
     * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90+ (its meta kernel is bf16-only);
     * "triton": the Triton kernel of ``moe_rl.kernels.grouped_gemm`` (CUDA otherwise);
     * "torch": ``torch._grouped_mm`` (float32, bf16, fp16; the CPU kernel, checked on torch
-      2.13), called directly when eager and through that module's custom op when traced by
-      ``torch.compile`` (its fake, which torch's own meta kernel lacks for float32); on a device
-      that stands for a GPU in the tests (``fakedev``, meta) it runs as one device op, as on CUDA;
+      2.13), called directly when eager on a CPU and through that module's custom op when traced
+      by ``torch.compile`` (its fake, which torch's own meta kernel lacks for float32) or on a
+      device that stands for a GPU in the tests (``fakedev``, meta: one device op, as on CUDA);
     * "padded": ``padded_grouped_mm`` (float64; CPU torch < 2.13): one host sync per call."""
     if x.dtype not in DTYPES or (x.device.type == "cpu" and _TORCH < (2, 13)):
         return "padded"

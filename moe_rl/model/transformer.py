@@ -27,7 +27,11 @@ from .arch import MoEArch
 from .grouped import dispatch, group_align, grouped_mm, permute, unpermute
 
 
-BLOCK_GRAPHS = 32  # compiled graphs a DecoderLayer.forward may need (compile_blocks)
+# graphs compile_blocks lets DecoderLayer.forward have (dynamo's recompile limit, default 8):
+# dense or MoE x grad or no_grad x replay or not x input requiring grad or not (LoRA freezes the
+# embedding) x attention layout (several sequences, one, the block mask) is at most 48; the
+# trainer's test with all of them made 16
+BLOCK_GRAPHS = 64
 
 
 class RoutingError(ValueError):
@@ -532,10 +536,10 @@ class MoEForCausalLM(nn.Module):
             raise ValueError("compile_blocks: expert parallelism (ep_size > 1) reads the all-to-all split sizes "
                              "on the host, which a compiled block cannot; compile with ep_size=1 only")
         options = {"fullgraph": True, "dynamic": True, **options}
-        # one graph per kind of call, not per batch: dense or MoE block x grad or no_grad x
-        # replay or not x packed attention (several sequences, one, the block mask): up to 24
-        # for one code object, above dynamo's default limit of 8 (a process-wide setting)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_GRAPHS)
+        # one graph per kind of call, not per batch (BLOCK_GRAPHS); the limit is process-wide
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+        setattr(cfg, name, max(getattr(cfg, name), BLOCK_GRAPHS))
         for layer in self.model.layers:
             layer.compile(**options)
 
