@@ -18,9 +18,10 @@ from tests.train.test_device_discipline import TINY, _batch, _trainer
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("overrides", [["train.compile=true"], ["train.compile=false"],
-                                       ["train.compile=true", "train.fused_loss=false", "model.dtype=bfloat16"]],
-                         ids=["compiled", "eager", "compiled-general-bf16"])
+@pytest.mark.parametrize("overrides", [
+    ["train.compile=true"],  # fp32: the Triton grouped GEMM, compiled blocks, the fused loss
+    ["train.compile=false", "train.fused_loss=false", "model.dtype=bfloat16"],  # CUTLASS, eager, general loss
+], ids=["compiled-fp32", "eager-bf16-general"])
 def test_one_step_syncs_once(overrides):
     cfg = load_config(None, [*TINY, *overrides])
     with tempfile.TemporaryDirectory() as tmp:
