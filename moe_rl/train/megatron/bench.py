@@ -414,7 +414,8 @@ def main(argv=None) -> int:
         if "megatron_experts" in result:
             print(f"  megatron experts: {result['megatron_experts']}")
         if "compile_speedup" in result:
-            print(f"  native eager/compiled step time: {result['compile_speedup']:.2f}x")
+            both = "" if result["native"]["compiled"] else " (native is eager too: --compile auto is off on a CPU)"
+            print(f"  native eager/compiled step time: {result['compile_speedup']:.2f}x{both}")
         if "fused_loss_speedup" in result:
             print(f"  native general/fused loss step time: {result['fused_loss_speedup']:.2f}x")
         if "recompute_step_ratio" in result:
