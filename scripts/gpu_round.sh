@@ -20,8 +20,9 @@
 # when the rest ran to plan); its time cap ending the run is its normal end (rc 124), its figures
 # read from metrics.jsonl. The train stages' compile (train.compile, on by default on CUDA) counts
 # against their caps; the bench rewrites its JSON after each backend row, so a stage stopped by
-# its cap keeps the rows it finished. logprobs (cap 240 s) no longer fits in `all`'s 8 minutes:
-# run it by name in a second call (`bash scripts/gpu_round.sh logprobs`).
+# its cap keeps the rows it finished. Stages run in order of what a short lease must not miss
+# (correctness, then the figures of issues 28, 30, 29, then the main job), so a tight budget
+# shortens gpu_1x first. train_fused (the fused-loss train rows) runs by name only.
 #
 # The commit: a device copy of the tree has no .git. `fetch` writes .whl/COMMIT (git describe of
 # HEAD, marked when the tree had local changes) and .whl/tree.sha256 (a hash of every tracked
@@ -103,40 +104,42 @@ st() {
 stages() {
   # the GPU stages; GPU_ROUND_DEVICE=cpu runs their CPU form at tiny sizes (a dry run of the round)
   local medium large train logprobs engine gpu_1x
-  # the native step as configured (compiled on CUDA), eager, with the fused loss; then megatron's
-  local TRAIN_ROWS=native,native_eager,native_fused,megatron,megatron_recompute
+  # the native step as configured (compiled on CUDA) and eager, then megatron's (train_fused: the
+  # fused loss's rows, by name)
+  local TRAIN_ROWS=native,native_eager,megatron,megatron_recompute
   if [ "$DEVICE" = cuda ]; then
     medium=medium large=large
-    train="--device cuda --profile-dir \$P --out \$J --backends $TRAIN_ROWS"
+    train="--device cuda --profile-dir \$P --out \$J"
     logprobs="--device cuda --shapes 8192,4096,151936"
     engine="--device cuda --config configs/gpu_1x.yaml"
     gpu_1x="configs/gpu_1x.yaml"
   else
     medium=tiny large=small
-    train="--device cpu --steps 1 --warmup 0 --peak-tflops 1 --profile-dir \$P --out \$J --backends $TRAIN_ROWS"
+    train="--device cpu --steps 1 --warmup 0 --peak-tflops 1 --profile-dir \$P --out \$J"
     logprobs="--device cpu --shapes 256,256,8192 --reps 2 --no-compile"
     engine="--device cpu --concurrency 8 --max-new-tokens 16 --repeats 1 --ttft-samples 3"
     gpu_1x="configs/tiny.yaml train.steps=30"
   fi
-  # caps: the seven stages of `all` add up to 525 s + gpu_1x's rest; their expected times (H200,
-  # 2026-11-26, plus compile) ~25 + 100 + 100 + 25 + 35 + 90 s leave gpu_1x ~90 s of the 480
+  # caps: the stages before gpu_1x add up to 550 s; their expected times (H200, 2026-11-26, plus
+  # compile: nothing measured since) ~25 + 100 + 70 + 80 + 90 + 20 + 20 s leave gpu_1x ~75 s of 480
   #  name             cap_s  command
   st install           60    'install'
-  st train_medium     120    "$PY -m moe_rl.train.megatron.bench --preset $medium $train"
-  st train_large      120    "$PY -m moe_rl.train.megatron.bench --preset $large $train"
-  st engine            45    "$PY -m moe_rl.cli bench engine --json $engine > \$J"
-  # the engine in bf16 (the dtype whose graphs were first known to capture; gpu_1x's is fp32)
-  st engine_bf16       60    "$PY -m moe_rl.cli bench engine --json $engine engine.dtype=bfloat16 > \$J"
   st pytest_gpu       120    "$PY -m pytest -q -m gpu tests -p no:cacheprovider $XDIST --junitxml=\$J.xml"
+  st train_medium     100    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $TRAIN_ROWS"
+  st train_large      100    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends $TRAIN_ROWS"
+  st logprobs         130    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P > \$J"
+  st engine            40    "$PY -m moe_rl.cli bench engine --json $engine > \$J"
+  # the engine in bf16 (its CUDA graphs, beside gpu_1x's fp32 engine)
+  st engine_bf16       40    "$PY -m moe_rl.cli bench engine --json $engine engine.dtype=bfloat16 > \$J"
   st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x logging.progress=false"
   # not in `all`; by name only
-  st logprobs         240    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P > \$J"
+  st train_fused      120    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends native,native_fused"
   st pytest_suite     540    "$PY -m pytest -q tests -p no:cacheprovider ${XDIST/6/8} --junitxml=\$J.xml"
   st sync_gpu         200    "$PY -m moe_rl.cli bench sync --gpu only --json > \$J"
   st fp32_error       120    "$PY scripts/fp32_logprob_error.py --device $DEVICE > \$J"
 }
-ALL_STAGES=(install train_medium train_large engine engine_bf16 pytest_gpu gpu_1x)
-EXTRA_STAGES=(logprobs pytest_suite sync_gpu fp32_error)
+ALL_STAGES=(install pytest_gpu train_medium train_large logprobs engine engine_bf16 gpu_1x)
+EXTRA_STAGES=(train_fused pytest_suite sync_gpu fp32_error)
 
 fetch() {  # .whl/ is in .gitignore
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -237,6 +237,7 @@ def summarize(work: Path, device: str = "cuda") -> dict:
 
     env = figures.get("install") or {}
     tm, tl = figures.get("train_medium") or {}, figures.get("train_large") or {}
+    tf = figures.get("train_fused") or {}  # by name only: the medium preset's native vs native_fused
     lp, en, eb = figures.get("logprobs") or {}, figures.get("engine") or {}, figures.get("engine_bf16") or {}
     run, pt = figures.get("gpu_1x") or {}, figures.get("pytest_gpu") or {}
     ms = lp.get("ms", {})
@@ -252,14 +253,12 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "train_large_native_compiled": _get(tl, "native", "compiled"),
         "train_medium_native_eager_mfu": _get(tm, "native_eager", "mfu"),
         "train_large_native_eager_mfu": _get(tl, "native_eager", "mfu"),
-        "train_medium_native_fused_mfu": _get(tm, "native_fused", "mfu"),
-        "train_large_native_fused_mfu": _get(tl, "native_fused", "mfu"),
+        "train_fused_native_fused_mfu": _get(tf, "native_fused", "mfu"),
         "train_medium_compile_speedup": tm.get("compile_speedup"),
         "train_large_compile_speedup": tl.get("compile_speedup"),
         "train_medium_compile_s": _get(tm, "native", "compile_s"),
         "train_large_compile_s": _get(tl, "native", "compile_s"),
-        "train_medium_fused_loss_speedup": tm.get("fused_loss_speedup"),
-        "train_large_fused_loss_speedup": tl.get("fused_loss_speedup"),
+        "train_fused_fused_loss_speedup": tf.get("fused_loss_speedup"),
         "megatron_vs_native_medium": tm.get("megatron_vs_native"),
         "megatron_vs_native_large": tl.get("megatron_vs_native"),
         "recompute_step_ratio_medium": tm.get("recompute_step_ratio"),

@@ -43,7 +43,7 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     rc, s = summarize(work, tmp_path / "out")
     assert rc == 0 and s["missing"] == {}
     assert set(s["stage_rc"]) == {"install", "train_medium", "train_large", "logprobs", "engine", "engine_bf16",
-                                  "pytest_gpu", "gpu_1x"}
+                                  "pytest_gpu", "gpu_1x", "train_fused"}
     assert set(s["stage_rc"].values()) == {0}
     assert s["commit"] and s["device"] == json.loads((work / "install.json").read_text())["device"]
 
@@ -54,15 +54,17 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
             t["megatron"]["tokens_per_s"] / t["native"]["tokens_per_s"])
         assert s[f"recompute_step_ratio_{preset}"] == pytest.approx(
             t["megatron_recompute"]["step_s"] / t["megatron"]["step_s"])
-        # train.compile and train.fused_loss: the bench's own rows (eager on a CPU: auto is off there)
-        assert s[f"train_{preset}_native_compiled"] is False and t["native_fused"]["loss_path"] == "fused"
+        # train.compile: the bench's own rows (eager on a CPU: auto is off there)
+        assert s[f"train_{preset}_native_compiled"] is False
         assert s[f"train_{preset}_native_eager_mfu"] == t["native_eager"]["mfu"] > 0
-        assert s[f"train_{preset}_native_fused_mfu"] == t["native_fused"]["mfu"] > 0
         assert s[f"train_{preset}_compile_speedup"] == pytest.approx(
             t["native_eager"]["step_s"] / t["native"]["step_s"])
-        assert s[f"train_{preset}_fused_loss_speedup"] == pytest.approx(
-            t["native"]["step_s"] / t["native_fused"]["step_s"])
         assert s[f"train_{preset}_compile_s"] is None  # not compiled
+    # train.fused_loss: the by-name stage train_fused (the medium preset's native and native_fused rows)
+    t = json.loads((work / "train_fused.json").read_text())
+    assert t["native_fused"]["loss_path"] == "fused"
+    assert s["train_fused_native_fused_mfu"] == t["native_fused"]["mfu"] > 0
+    assert s["train_fused_fused_loss_speedup"] == pytest.approx(t["native"]["step_s"] / t["native_fused"]["step_s"])
 
     rows = json.loads((work / "logprobs.json").read_text())["rows"]
     ms = {(r["provider"], r["pass"]): r["ms"] for r in rows if r["shape"] == s["logprobs_shape"] and "ms" in r}
@@ -110,10 +112,10 @@ def test_failed_skipped_and_missing_stages_give_null_and_keep_their_exit_code(wo
 
     assert rc == 1
     assert s["stage_rc"] == {"install": 0, "train_medium": 0, "train_large": 124, "logprobs": 137, "engine": 2,
-                             "engine_bf16": 0, "pytest_gpu": None, "gpu_1x": 124}
+                             "engine_bf16": 0, "pytest_gpu": None, "gpu_1x": 124, "train_fused": 0}
     assert s["stages"]["pytest_gpu"]["status"] == "skipped" and s["stages"]["engine"]["status"] == "failed"
     for key in ("train_large_native_mfu", "megatron_vs_native_large", "recompute_step_ratio_large",
-                "train_large_native_eager_mfu", "train_large_compile_speedup", "train_large_fused_loss_speedup",
+                "train_large_native_eager_mfu", "train_large_compile_speedup",
                 "logprobs_fwd_vs_gemm", "logprobs_fwd_bwd_vs_gemm", "logprobs_extra_mem_fraction",
                 "engine_tokens_per_s_1", "engine_tokens_per_s_concurrent", "pytest_gpu_passed", "pytest_gpu_failed"):
         assert s[key] is None, key
