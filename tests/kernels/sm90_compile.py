@@ -1,0 +1,158 @@
+"""Compile every Triton kernel of moe_rl for an H100/H200 (sm_90) on a machine without a GPU.
+
+The CPU suite runs the kernels under ``TRITON_INTERPRET=1``, which executes their Python with
+numpy and accepts code that the real compiler rejects, and never sees the GPU configurations
+(the Hopper autotune configs, the 128x128x64 grouped-GEMM tiles, ``DOT_FP32=False``). Triton's
+wheel carries its LLVM and ``ptxas``, so the GPU build can be made here: each kernel's launcher is
+called on CPU tensors with the kernel replaced by a recorder; the recorder specialises the call
+exactly as ``JITFunction.run`` would on a GPU (Triton's own binder: dtypes, 16-byte alignment,
+integers divisible by 16 or equal to 1) and compiles it for ``GPUTarget("cuda", 90, 32)`` with
+every config the GPU path would try, down to a cubin. Nothing is launched, so the launchers' CPU
+outputs are garbage and are not looked at.
+
+Run it without ``TRITON_INTERPRET`` (the GPU branch of each module must be the one imported):
+``python tests/kernels/sm90_compile.py [--json OUT]``; tests/kernels/test_sm90_compile.py runs it
+in a subprocess. Per compile: kernel, config, shared memory (bytes), whether the K loop was
+software-pipelined (multi-buffered shared memory), seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+
+# The largest dynamic shared memory one block may use on sm_90 (227 KiB): a config above it
+# fails at launch with OutOfResources (an autotuner drops it; a plain launch crashes).
+SM90_MAX_SHARED = 232448
+
+
+def _target():
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("cuda", 90, 32)
+
+
+class Recorder:
+    """Stands in for a module's kernel (a JITFunction or an Autotuner): ``kernel[grid](...)``
+    compiles the call for sm_90 with each config the GPU path would run, and launches nothing."""
+
+    def __init__(self, name: str, kernel, results: list):
+        self.name, self.kernel, self.results = name, kernel, results
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.compile_call(args, kwargs)
+
+    def compile_call(self, args, kwargs):
+        import triton
+        from triton.compiler import ASTSource, make_backend
+        from triton.runtime.jit import create_function_from_signature
+        target = _target()
+        backend = make_backend(target)
+        tuned = isinstance(self.kernel, triton.runtime.Autotuner)
+        fn = self.kernel.fn if tuned else self.kernel  # (a JITFunction's own .fn is the Python function)
+        configs = self.kernel.configs if tuned else [None]
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        for cfg in configs:
+            kw = dict(kwargs, debug=False)
+            if cfg is not None:
+                kw.update(cfg.all_kwargs())
+            label = ", ".join(f"{k}={v}" for k, v in sorted(kw.items())
+                              if k.startswith(("BLOCK", "num_warps", "num_stages")))
+            row = {"kernel": self.name, "config": label, "ok": False}
+            t0 = time.perf_counter()
+            try:
+                bound, spec, options = binder(*args, **kw)
+                options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, options)
+                compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                          options=options.__dict__)
+                ttgir = compiled.asm["ttgir"]
+                row.update(ok=True, shared=int(compiled.metadata.shared),
+                           pipelined=bool(re.search(r"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<\d+x", ttgir)),
+                           signature={k: v for k, v in signature.items() if v != "constexpr"})
+            except Exception as e:  # reported per config, the caller decides
+                row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            row["seconds"] = round(time.perf_counter() - t0, 2)
+            self.results.append(row)
+            print(f"  {self.name} [{row['config']}]: " + (
+                f"shared {row['shared']} B, pipelined {row['pipelined']}, {row['seconds']} s" if row["ok"]
+                else row["error"].splitlines()[0][:300]), file=sys.stderr, flush=True)
+
+
+def _patch(module, names: list[str], results: list):
+    for n in names:
+        setattr(module, n, Recorder(n, getattr(module, n), results))
+
+
+def run_all() -> list[dict]:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("sm90_compile: unset TRITON_INTERPRET (the GPU branch of each kernel module must be imported)")
+    results: list[dict] = []
+    fl = importlib.import_module("moe_rl.kernels.fused_logprobs")
+    ftl = importlib.import_module("moe_rl.kernels.fused_token_loss")
+    gg = importlib.import_module("moe_rl.kernels.grouped_gemm")
+    bp = importlib.import_module("moe_rl.kernels.bucket_pack")
+    _patch(fl, ["_fwd_launch", "_dlogits_launch"], results)
+    _patch(ftl, ["_probs_launch", "_dz_kernel"], results)
+    _patch(gg, ["_gmm_kernel", "_gmm_wgrad_kernel"], results)
+    _patch(bp, ["_bucket_copy_kernel"], results)
+    torch.manual_seed(0)
+
+    # The LM head: bf16 (the GPU configs), shapes divisible by 16 as in training.
+    n, h, v = 256, 128, 1024
+    hidden = torch.randn(n, h, dtype=torch.bfloat16)
+    weight = torch.randn(v, h, dtype=torch.bfloat16)
+    labels = torch.randint(0, v, (n,))
+    inv_t = 1.0
+    # forward partials (with entropy), then the backward's d_logits with both upstream gradients
+    fl._partials_triton(hidden, weight, labels, inv_t, True)
+    mx = torch.zeros(n); log_s = torch.zeros(n); ent = torch.zeros(n)
+    out = torch.empty(n, v, dtype=torch.bfloat16)
+    err = torch.zeros(v // fl._ERR_GROUP, n)
+    fl._dlogits_triton(hidden, weight, labels, mx, log_s, ent, torch.ones(n), torch.ones(n), 0, inv_t, out, err)
+    fl._dlogits_triton(hidden, weight, labels, mx, log_s, None, torch.ones(n), None, 0, inv_t, out, None)
+
+    # the fused policy loss: the whole Triton path (probabilities, d_logits), loss and gradients
+    ftl_plan = ftl._plan_fused(n, h, v, 2)
+
+    def token_loss(logp, ent_, rows):
+        return logp + (ent_ if ent_ is not None else 0.0)
+    ftl._fused_triton(hidden, weight, labels, labels < 0, token_loss, inv_t, True, ftl_plan, None, True, True)
+
+    # grouped GEMM (the MoE experts): every dtype the Triton path serves, forward and weight grad
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(64, 128, dtype=dt)
+        w = torch.randn(4, 256, 128, dtype=dt)
+        offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+        gg._gmm_triton(x, w, offs)
+        gg._gmm_wgrad_triton(torch.randn(64, 256, dtype=dt), x, offs)
+
+    # the weight-sync bucket copy
+    tensors = [torch.randn(300, dtype=torch.bfloat16), torch.randn(64, 32, dtype=torch.bfloat16)]
+    plan = bp.BucketCopy(tensors, [0, 320], torch.bfloat16)
+    flat = torch.empty(320 + 64 * 32, dtype=torch.bfloat16)
+    plan.pack(flat)
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the per-compile rows here")
+    a = ap.parse_args(argv)
+    import triton
+    print(f"triton {triton.__version__}, torch {torch.__version__}: compiling for sm_90", file=sys.stderr)
+    rows = run_all()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"triton": triton.__version__, "max_shared": SM90_MAX_SHARED, "rows": rows}, f, indent=1)
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows)} compiles, {len(bad)} failed", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
