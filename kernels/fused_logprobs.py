@@ -133,6 +133,23 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _grid_logits_tile(h_ptr, w_ptr, R, C, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
+        """The tile of logits / T that this program owns in an [R, C] grid of BLOCK_M x BLOCK_N
+        tiles (swizzled): (its column-tile index, row and column offsets and masks, the tile)."""
+        pid_m, pid_n = _tile_swizzle(tl.program_id(0), tl.cdiv(R, BLOCK_M), tl.cdiv(C, BLOCK_N),
+                                     GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = offs_m < R
+        col_mask = offs_n < C
+        z = _logits_tile(h_ptr, w_ptr, offs_m, offs_n, row_mask, col_mask, H,
+                         stride_hn, stride_hk, stride_wv, stride_wk,
+                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32) * inv_t
+        return pid_n, offs_m, offs_n, row_mask, col_mask, z
+
+    @triton.jit
     def _fwd_kernel(h_ptr, w_ptr, labels_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
                     N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
                     SPLIT_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
@@ -190,15 +207,9 @@ if triton is not None:
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
         """d_logits (w.r.t. the raw logits x) of an [R, C] slab x chunk, recomputing the tile."""
-        pid_m, pid_n = _tile_swizzle(tl.program_id(0), tl.cdiv(R, BLOCK_M), tl.cdiv(C, BLOCK_N),
-                                     GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = offs_m < R
-        col_mask = offs_n < C
-        z = _logits_tile(h_ptr, w_ptr, offs_m, offs_n, row_mask, col_mask, H,
-                         stride_hn, stride_hk, stride_wv, stride_wk,
-                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32) * inv_t
+        pid_n, offs_m, offs_n, row_mask, col_mask, z = _grid_logits_tile(
+            h_ptr, w_ptr, R, C, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_FP32)
         mx = tl.load(mx_ptr + offs_m, mask=row_mask, other=0.0)
         log_s = tl.load(logs_ptr + offs_m, mask=row_mask, other=0.0)
         # (z - max) - log S, not z - lse: lse rounded to fp32 would bias every p by ulp(lse).

@@ -70,7 +70,7 @@ _FUSED_MAX_BYTES = 2**30
 _DZ_BLOCK_M = 32
 
 if triton is not None:
-    from .fused_logprobs import _DOT_FP32, _INTERPRET_META, _gpu_configs, _logits_tile, _tile_swizzle
+    from .fused_logprobs import _DOT_FP32, _INTERPRET_META, _gpu_configs, _grid_logits_tile
 
     @triton.jit
     def _probs_kernel(h_ptr, w_ptr, labels_ptr, e_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
@@ -82,15 +82,9 @@ if triton is not None:
         """One logits tile: exp(z - tile max) stored in the input dtype; (max, sum-exp, U) in
         fp32 for the tile's first 128-column group and (max, 0, 0) for its others, so the
         [groups, rows] layout does not depend on BLOCK_N; the target logit."""
-        pid_m, pid_n = _tile_swizzle(tl.program_id(0), tl.cdiv(R, BLOCK_M), tl.cdiv(V, BLOCK_N),
-                                     GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = offs_m < R
-        col_mask = offs_n < V
-        z = _logits_tile(h_ptr, w_ptr, offs_m, offs_n, row_mask, col_mask, H,
-                         stride_hn, stride_hk, stride_wv, stride_wk,
-                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32) * inv_t
+        pid_n, offs_m, offs_n, row_mask, col_mask, z = _grid_logits_tile(
+            h_ptr, w_ptr, R, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_FP32)
         z = tl.where(col_mask[None, :], z, float("-inf"))
         m = tl.max(z, axis=1)  # finite: every tile has a valid column
         zc = tl.where(col_mask[None, :], z - m[:, None], 0.0)
