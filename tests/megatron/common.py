@@ -69,6 +69,20 @@ def native_hidden(native, mb):
                                       replay=replay)[0]
 
 
+def native_grads_by_hf_name(native) -> dict:
+    """The native model's gradients under HF names (each parameter pointed at its grad while
+    the HF view is read, then restored)."""
+    with torch.no_grad():
+        saved = [(p, p.data) for p in native.model.parameters()]
+        for p, _ in saved:
+            p.data = p.grad
+        try:
+            return {n: t.clone() for n, t in iter_local_hf_tensors(native.model)}
+        finally:
+            for p, data in saved:
+                p.data = data
+
+
 def random_routes(T, num_experts, top_k, layers, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.rand(T, num_experts, generator=g).argsort(1)[:, :top_k] for _ in range(layers)]

@@ -26,6 +26,7 @@ from .common import (
     CPU_ARCH,
     build,
     make_mb,
+    native_grads_by_hf_name,
     native_hidden,
     native_record,
     pg_step,
@@ -265,7 +266,6 @@ def test_experts_forward_and_every_gradient_equal_native(cpu_megatron, monkeypat
     way megatron's log-probs and every parameter's gradient (mapped to HF names by the converter)
     equal the native model's on the same weights and replayed routes (fp32). ``align=8`` runs the
     CUDA layout (groups padded to aligned starts) on CPU."""
-    from moe_rl.model import iter_local_hf_tensors
     from moe_rl.train.megatron import experts as experts_mod
     from moe_rl.train.megatron.convert import megatron_to_hf
 
@@ -284,13 +284,7 @@ def test_experts_forward_and_every_gradient_equal_native(cpu_megatron, monkeypat
     (adv * lp_ref).sum().backward()
     params = dict(meg.model.named_parameters())
     got = dict(megatron_to_hf(lambda n: params[n].grad, meg.arch, meg.layout))
-    with torch.no_grad():  # read the native grads under HF names: point each parameter at its grad
-        saved = [(p, p.data) for p in native.model.parameters()]
-        for p, _ in saved:
-            p.data = p.grad
-        want = {n: t.clone() for n, t in iter_local_hf_tensors(native.model)}
-        for p, data in saved:
-            p.data = data
+    want = native_grads_by_hf_name(native)
     assert got.keys() == want.keys()
     for name, g in want.items():
         assert g.abs().sum() > 0, name

@@ -7,7 +7,7 @@ import torch
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 pytest.importorskip("megatron.core")
 
-from .common import build, make_mb, native_hidden, native_record, pg_step, random_routes, replayed_batch  # noqa: E402
+from .common import build, make_mb, native_grads_by_hf_name, native_hidden, native_record, pg_step, random_routes, replayed_batch  # noqa: E402
 from .test_forward_cpu import cpu_megatron  # noqa: E402,F401  (the module-scoped 1-rank world with shims)
 
 GLM_ARCH = dict(model_type="glm4_moe", vocab_size=96, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
@@ -83,7 +83,6 @@ def _mlp_input(native, mb, layer):
 def test_glm_every_gradient_equals_native_under_replay(cpu_megatron):
     """Replayed routes the routers would not pick: log-probs and every parameter's gradient
     (router, shared experts, q/k/v bias, experts), mapped to HF names, equal the native model's."""
-    from moe_rl.model import iter_local_hf_tensors
     from moe_rl.train.megatron.convert import megatron_to_hf
 
     meg, native = build_glm()
@@ -98,13 +97,7 @@ def test_glm_every_gradient_equals_native_under_replay(cpu_megatron):
     tensors = meg._tensors()
     got = dict(megatron_to_hf(lambda n: tensors[n].grad if tensors[n].requires_grad else torch.zeros_like(tensors[n]),
                               meg.arch, meg.layout))
-    with torch.no_grad():
-        saved = [(p, p.data) for p in native.model.parameters()]
-        for p, _ in saved:
-            p.data = p.grad
-        want = {n: t.clone() for n, t in iter_local_hf_tensors(native.model)}
-        for p, data in saved:
-            p.data = data
+    want = native_grads_by_hf_name(native)
     assert got.keys() == want.keys()
     for name, g in want.items():
         if name.endswith("e_score_correction_bias"):
