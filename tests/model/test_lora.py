@@ -269,6 +269,23 @@ peft = pytest.importorskip("peft", minversion="0.19")
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 
+def _peft_on_hf_base(tmp_path, model, ad, hf_class):
+    """Saves our model as an HF checkpoint and our adapter in PEFT's format, loads both with
+    transformers' ``hf_class`` and ``peft.PeftModel``: (the PEFT model, our merged logits,
+    PEFT's logits, our base logits) on one batch."""
+    save_hf(model, tmp_path / "base")
+    save_peft(ad, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    hf = hf_class.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), ad.applied():
+        ours = model(ids)
+    with torch.no_grad():
+        theirs = pm(input_ids=ids).logits
+        base = model(ids)
+    return pm, ours, theirs, base
+
+
 @pytest.mark.parametrize("targets,layers,shared", [(ALL, None, False), (["experts.down_proj", "router", "v_proj"], [2], False),
                                                    (ALL, None, True)])
 def test_peft_loads_adapter_on_hf_base(tmp_path, targets, layers, shared):
@@ -276,15 +293,7 @@ def test_peft_loads_adapter_on_hf_base(tmp_path, targets, layers, shared):
     transformers' Qwen3MoeForCausalLM gives moe-rl's merged logits (fp32, 1e-5); shared outer
     factors are written once per expert."""
     model, ad = make(targets, layers, shared=shared)
-    save_hf(model, tmp_path / "base")
-    save_peft(ad, tmp_path / "adapter", base_model=str(tmp_path / "base"))
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
-    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
-    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad(), ad.applied():
-        ours = model(ids)
-    with torch.no_grad():
-        theirs = pm(input_ids=ids).logits
+    pm, ours, theirs, _ = _peft_on_hf_base(tmp_path, model, ad, transformers.Qwen3MoeForCausalLM)
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
     # and PEFT's own state dict is ours key for key
     sd = peft.get_peft_model_state_dict(pm)
@@ -330,16 +339,7 @@ def test_glm_peft_loads_adapter_on_hf_base(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers_weight_conversion, "_convert_peft_config_moe", lambda cfg, model: None)
     model, ad = make(GLM_ALL, None, arch=GLM)
-    save_hf(model, tmp_path / "base")
-    save_peft(ad, tmp_path / "adapter", base_model=str(tmp_path / "base"))
-    hf = transformers.Glm4MoeForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
-    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
-    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad(), ad.applied():
-        ours = model(ids)
-    with torch.no_grad():
-        theirs = pm(input_ids=ids).logits
-        base = model(ids)
+    pm, ours, theirs, base = _peft_on_hf_base(tmp_path, model, ad, transformers.Glm4MoeForCausalLM)
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
     assert (ours - base).abs().max() > 1e-3
     assert sorted(peft.get_peft_model_state_dict(pm)) == sorted(ad.peft_state_dict())
