@@ -102,22 +102,36 @@ def check_against_native(model, prompt, out, temperature):
     np.testing.assert_array_equal(rows, ref_rows)
 
 
-def generate_queued(engine, bodies: list[dict], timeout: float = 120) -> list[dict]:
-    """Queues every /generate body, then starts the engine and waits for all: two engines given
-    the same bodies run the same sequence of batches. Stops the engine."""
+def _submit(engine, bodies: list[dict]):
+    """Submits every /generate body; returns wait(timeout) -> the outputs in body order."""
     from moe_rl.engine.protocol import GenerateRequest
 
     outs, done = {}, threading.Semaphore(0)
     for i, body in enumerate(bodies):
         req = GenerateRequest.parse(body, vocab_size=engine.arch.vocab_size, max_context=engine.max_context)
         engine.submit(req, lambda r, i=i: (outs.__setitem__(i, r), done.release()))
-    engine.start()
-    try:
+
+    def wait(timeout: float) -> list[dict]:
         for _ in bodies:
             assert done.acquire(timeout=timeout)
+        return [outs[i] for i in range(len(bodies))]
+    return wait
+
+
+def generate(engine, bodies: list[dict], timeout: float = 120) -> list[dict]:
+    """Every /generate body through a running engine; the outputs in body order."""
+    return _submit(engine, bodies)(timeout)
+
+
+def generate_queued(engine, bodies: list[dict], timeout: float = 120) -> list[dict]:
+    """Queues every /generate body, then starts the engine and waits for all: two engines given
+    the same bodies run the same sequence of batches. Stops the engine."""
+    wait = _submit(engine, bodies)
+    engine.start()
+    try:
+        return wait(timeout)
     finally:
         engine.stop()
-    return [outs[i] for i in range(len(bodies))]
 
 
 def run(coro):

@@ -1,6 +1,5 @@
 """The embedded engine on a GPU: model and KV cache on the device, sampling on the device; its
 outputs checked against the native model's recomputation on the CPU (fp32)."""
-import threading
 
 import numpy as np
 import pytest
@@ -8,32 +7,20 @@ import torch
 
 from moe_rl.config import load_config
 from moe_rl.engine import decode_routed_experts, output_logprobs
-from moe_rl.engine.protocol import GenerateRequest
 from moe_rl.engine.server import build_engine, build_model
 from moe_rl.placement import engine_weight_bytes, kv_bytes_per_request
 
-from .helpers import ARCH, CFG, CONFIG, OVERRIDES, K, L, generate_queued, recompute
+from .helpers import ARCH, CFG, CONFIG, OVERRIDES, K, L, generate, generate_queued, recompute
 
 pytestmark = pytest.mark.gpu
 
 
 def _generate(engine, n, max_new, temperature=1.0):
-    done, outs = threading.Semaphore(0), {}
-    for i in range(n):
-        prompt = [(7 * i + 3 * j + 1) % ARCH.vocab_size for j in range(5 + i % 4)]
-        req = GenerateRequest.parse({"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
-                                     "sampling_params": {"temperature": temperature, "max_new_tokens": max_new,
-                                                         "sampling_seed": 100 + i}},
-                                    vocab_size=ARCH.vocab_size, max_context=engine.max_context)
-
-        def deliver(r, i=i, prompt=prompt):
-            outs[i] = (prompt, r)
-            done.release()
-
-        engine.submit(req, deliver)
-    for _ in range(n):
-        assert done.acquire(timeout=120)
-    return [outs[i] for i in range(n)]
+    prompts = [[(7 * i + 3 * j + 1) % ARCH.vocab_size for j in range(5 + i % 4)] for i in range(n)]
+    outs = generate(engine, [{"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+                              "sampling_params": {"temperature": temperature, "max_new_tokens": max_new,
+                                                  "sampling_seed": 100 + i}} for i, prompt in enumerate(prompts)])
+    return list(zip(prompts, outs))
 
 
 def test_engine_on_cuda_matches_the_native_model_on_cpu():

@@ -1,7 +1,6 @@
 """SGLang's penalties and min_p in the embedded engine: the processed logits against SGLang's
 own penaltylib, and the engine's tokens and returned log-probs against a plain-torch
 recomputation (full forward, penalties applied token by token)."""
-import threading
 import types
 
 import pytest
@@ -12,7 +11,7 @@ from moe_rl.engine.engine import Engine, apply_penalties
 from moe_rl.engine.protocol import GenerateRequest, RequestError, SamplingParams
 from moe_rl.engine.server import build_engine, build_model
 
-from .helpers import ARCH, CFG
+from .helpers import ARCH, CFG, generate
 
 V = ARCH.vocab_size
 EOS = 5
@@ -156,18 +155,7 @@ def model():
 
 
 def _generate(engine, bodies):
-    done, outs = threading.Semaphore(0), {}
-    for i, body in enumerate(bodies):
-        req = GenerateRequest.parse({"return_logprob": True, **body}, vocab_size=V, max_context=engine.max_context)
-
-        def deliver(r, i=i):
-            outs[i] = r
-            done.release()
-
-        engine.submit(req, deliver)
-    for _ in bodies:
-        assert done.acquire(timeout=120)
-    return [outs[i] for i in range(len(bodies))]
+    return generate(engine, [{"return_logprob": True, **body} for body in bodies])
 
 
 def _check(model, prompt, sp, out):

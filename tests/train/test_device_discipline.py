@@ -29,7 +29,6 @@ the label check and backward of the log-prob op's torch path, the grad-norm clip
 from __future__ import annotations
 
 import tempfile
-import threading
 
 import numpy as np
 import pytest
@@ -236,23 +235,23 @@ def test_replay_records_on_the_device_are_checked_without_a_host_read(fakedev):
 
 # --- the embedded engine -----------------------------------------------------------------------
 def _generate(engine, prompts, max_new):
-    from moe_rl.engine.protocol import GenerateRequest
+    from tests.engine.helpers import generate
 
-    done, outs = threading.Semaphore(0), {}
-    for i, prompt in enumerate(prompts):
-        req = GenerateRequest.parse({"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
-                                     "sampling_params": {"temperature": 1.0 if i % 2 else 0.0, "max_new_tokens": max_new,
-                                                         "sampling_seed": 7 + i, **({"top_k": 5} if i == 2 else {})}},
-                                    vocab_size=engine.arch.vocab_size, max_context=engine.max_context)
+    return generate(engine, [{"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+                              "sampling_params": {"temperature": 1.0 if i % 2 else 0.0, "max_new_tokens": max_new,
+                                                  "sampling_seed": 7 + i, **({"top_k": 5} if i == 2 else {})}}
+                             for i, prompt in enumerate(prompts)])
 
-        def deliver(r, i=i):
-            outs[i] = r
-            done.release()
 
-        engine.submit(req, deliver)
-    for _ in prompts:
-        assert done.acquire(timeout=120)
-    return [outs[i] for i in range(len(prompts))]
+def _assert_same_outputs(want, got, arch):
+    """Token for token, log-probs to 1e-5 and routed experts exactly."""
+    from moe_rl.engine import decode_routed_experts, output_logprobs
+
+    L, K = arch.num_hidden_layers, arch.num_experts_per_tok
+    for a, b in zip(want, got, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), rtol=1e-5, atol=1e-6)
+        assert np.array_equal(decode_routed_experts(a, L, K), decode_routed_experts(b, L, K))
 
 
 def _engine_on_both():
@@ -276,7 +275,6 @@ def _sync_on_device():
 
 
 def _engine(cfg):
-    from moe_rl.engine import decode_routed_experts, output_logprobs
     from moe_rl.engine.engine import Engine
     from moe_rl.model.transformer import MoEForCausalLM
 
@@ -291,11 +289,7 @@ def _engine(cfg):
             outs[name] = _generate(engine, prompts, 6)
         finally:
             engine.stop()
-    for a, b in zip(outs["cpu"], outs["fakedev"]):
-        assert a["output_ids"] == b["output_ids"]
-        np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), rtol=1e-5, atol=1e-6)
-        L, K = arch.num_hidden_layers, arch.num_experts_per_tok
-        assert np.array_equal(decode_routed_experts(a, L, K), decode_routed_experts(b, L, K))
+    _assert_same_outputs(outs["cpu"], outs["fakedev"], arch)
 
 
 def _static_engine_on_both():
@@ -313,7 +307,6 @@ def _static_engine():
     the sync-free op, as on a GPU), so the check before capture finds nothing and an unset
     engine.cuda_graph captures every shape."""
     from moe_rl.config import load_config
-    from moe_rl.engine import decode_routed_experts, output_logprobs
     from moe_rl.engine.engine import Engine
     from moe_rl.model.transformer import MoEForCausalLM
     from tests.engine.test_static_decode import StandInGraphs
@@ -333,11 +326,7 @@ def _static_engine():
     finally:
         engine.stop()
     assert engine.stats["decode_static_steps"] > 10
-    for a, b in zip(want, got):
-        assert a["output_ids"] == b["output_ids"]
-        np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), rtol=1e-5, atol=1e-6)
-        L, K = arch.num_hidden_layers, arch.num_experts_per_tok
-        assert np.array_equal(decode_routed_experts(a, L, K), decode_routed_experts(b, L, K))
+    _assert_same_outputs(want, got, arch)
     k = rec.counts()
     assert k["d2h"] == engine.stats["steps"] and k["h2d_blocking"] == 0 and k["shape"] == 0 and k["item"] == 0, k
     graphs = StandInGraphs()
