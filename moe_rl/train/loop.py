@@ -426,10 +426,7 @@ class Trainer:
                     continue
                 logp = logp_all[d.resp_pos]
                 prox = logp.detach() if proximal is None else proximal[m_i]
-                ref_logp = None
-                if self.ref is not None:
-                    with torch.no_grad():
-                        ref_logp = self.ref.logprobs(d.mb, temp)[0][d.resp_pos]
+                ref_logp = self._ref_logp(d)
                 loss, m = policy_loss(
                     logp, prox, d.behav, d.adv, d.mask, d.seq_ids, prep["algo"], ref_logp=ref_logp,
                     entropy=None if ent_all is None else ent_all[d.resp_pos],
@@ -457,16 +454,18 @@ class Trainer:
             sums[6] += m["clip_frac"] * n
             sums[7] += m["icepop_frac"] * n
 
+    @torch.no_grad()
+    def _ref_logp(self, d: Micro) -> torch.Tensor | None:
+        """The frozen initial policy's log-probs of ``d``'s response tokens (the KL term); None without one."""
+        return None if self.ref is None else self.ref.logprobs(d.mb, self.cfg.rollout.temperature)[0][d.resp_pos]
+
     def _fused_step(self, prep: dict, d: Micro, proximal: torch.Tensor | None, used: list | None):
         """One micro-batch's policy loss fused into the LM head (``train.fused_loss``): its
         d_hidden and d_weight come out of the forward (moe_rl.kernels.fused_token_loss), then
         backward runs the rest of the model. The metrics are policy_loss's (no grad) on the
         log-probs the op returns, as on the general path. Returns (loss, metrics, proximal)."""
         temp, algo = self.cfg.rollout.temperature, prep["algo"]
-        ref_logp = None
-        if self.ref is not None:  # the KL term's per-token constant: before the policy's forward
-            with torch.no_grad():
-                ref_logp = self.ref.logprobs(d.mb, temp)[0][d.resp_pos]
+        ref_logp = self._ref_logp(d)  # the KL term's per-token constant: before the policy's forward
         token_loss = TokenLoss(algo, d.behav, d.adv, d.mask, d.seq_ids, proximal_logp=proximal, ref_logp=ref_logp,
                                num_tokens_global=prep["n_tok"], num_seqs_global=prep["n_seq"])
         loss, logp, ent = self.backend.token_loss(d.mb, d.resp_pos, temp, token_loss,
