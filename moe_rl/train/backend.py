@@ -92,9 +92,25 @@ class TrainBackend(Protocol):
 
 
 class DataParallelStep:
-    """The optimizer step both backends share: gradients summed over the data-parallel groups
-    (``_reduce_grads``), clipped by their global norm, AdamW step. Subclasses set ``model``,
-    ``optimizer``, ``dense_params``, ``expert_params``, ``cfg``, ``ep_size`` and ``_ep_group()``."""
+    """What both backends share: the LM head on the final hidden states (``logprobs``,
+    ``token_loss``) and the optimizer step (gradients summed over the data-parallel groups by
+    ``_reduce_grads``, clipped by their global norm, AdamW step). Subclasses set ``model``,
+    ``device``, ``optimizer``, ``dense_params``, ``expert_params``, ``cfg``, ``ep_size``,
+    ``_ep_group()``, ``hidden_states(mb, record)`` ([T, H]) and ``lm_head_weight``."""
+
+    def logprobs(self, mb, temperature, with_entropy=False, record=None):
+        out = fused_logprobs(
+            self.hidden_states(mb, record), self.lm_head_weight, mb.labels.to(self.device, non_blocking=True),
+            temperature=temperature, return_entropy=with_entropy,
+        )
+        return out if with_entropy else (out, None)
+
+    def token_loss(self, mb, rows, temperature, token_loss, with_entropy=False, record=None):
+        dev = self.device
+        hidden = self.hidden_states(mb, record)
+        rows = rows.to(dev, non_blocking=True)
+        return fused_token_loss(hidden[rows], self.lm_head_weight, mb.labels.to(dev, non_blocking=True)[rows],
+                                token_loss, temperature=temperature, return_entropy=with_entropy)
 
     def _setup_optimizer(self) -> None:
         """Splits expert from dense parameters (they reduce over different groups); AdamW.
@@ -185,21 +201,11 @@ class NativeBackend(DataParallelStep):
             self.model.update_expert_bias(self.bias_rate, group=trainer)
         return stats
 
-    def logprobs(self, mb, temperature, with_entropy=False, record=None):
-        out = fused_logprobs(
-            self._hidden(mb, record), self.model.lm_head.weight, mb.labels.to(self.device, non_blocking=True),
-            temperature=temperature, return_entropy=with_entropy,
-        )
-        return out if with_entropy else (out, None)
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.lm_head.weight
 
-    def token_loss(self, mb, rows, temperature, token_loss, with_entropy=False, record=None):
-        dev = self.device
-        hidden = self._hidden(mb, record)
-        rows = rows.to(dev, non_blocking=True)
-        return fused_token_loss(hidden[rows], self.model.lm_head.weight, mb.labels.to(dev, non_blocking=True)[rows],
-                                token_loss, temperature=temperature, return_entropy=with_entropy)
-
-    def _hidden(self, mb, record):
+    def hidden_states(self, mb, record=None):
         """The final hidden states [T, H] of a packed micro-batch."""
         dev = self.device  # no-ops for the loop's micro-batches; others are copied without a stream sync
         hidden = self.model.hidden_states(

@@ -18,7 +18,6 @@ from typing import Iterator
 
 import torch
 
-from moe_rl.kernels import fused_logprobs, fused_token_loss
 from moe_rl.model import MoEForCausalLM, PackedCausal, hf_state_dict, packed_positions, parse_expert_name
 from moe_rl.model.hf_io import _checkpoint_files
 from moe_rl.train.backend import DataParallelStep, all_reduce_sum
@@ -238,20 +237,9 @@ class MegatronBackend(DataParallelStep):
             self.model.post_process = True
         return hidden.reshape(T, -1)  # [s, b=1, h] -> [T, H]
 
-    def logprobs(self, mb, temperature, with_entropy=False, record=None):
-        hidden = self.hidden_states(mb, record)
-        out = fused_logprobs(
-            hidden, self.model.output_layer.weight, mb.labels.to(self.device, non_blocking=True),
-            temperature=temperature, return_entropy=with_entropy,
-        )
-        return out if with_entropy else (out, None)
-
-    def token_loss(self, mb, rows, temperature, token_loss, with_entropy=False, record=None):
-        hidden = self.hidden_states(mb, record)
-        rows = rows.to(self.device, non_blocking=True)
-        return fused_token_loss(hidden[rows], self.model.output_layer.weight,
-                                mb.labels.to(self.device, non_blocking=True)[rows], token_loss,
-                                temperature=temperature, return_entropy=with_entropy)
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.output_layer.weight
 
     # --- step ---------------------------------------------------------------------------
     def _reduce_grads(self) -> None:
