@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl import faults
+from moe_rl.rundir import latest_step
 from moe_rl.model import hf_param_specs, save_hf
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def save_checkpoint(run_dir: Path, step: int, backend, groups, trainer_state: di
     state = gather_hf_state(backend, groups)
     try:
         if rank == 0:
-            if ckpt.exists() and ckpt.name != _read_latest(root):
+            if ckpt.exists() and ckpt.name != latest_step(run_dir):
                 shutil.rmtree(ckpt)  # a partial one, left by a run that crashed while writing it
             ckpt.mkdir(parents=True, exist_ok=True)
             save_hf(state, ckpt / "hf", arch=backend.arch)  # with LoRA: the merged model
@@ -96,7 +97,7 @@ def save_checkpoint(run_dir: Path, step: int, backend, groups, trainer_state: di
         if rank == 0:
             _atomic_save(lambda tmp: tmp.write_text(ckpt.name), root / "latest")
     except OSError as e:
-        previous = _read_latest(root)
+        previous = latest_step(run_dir)
         if rank == 0 and previous != ckpt.name:
             shutil.rmtree(ckpt, ignore_errors=True)
         where = (f"{root / previous} is intact (`latest` names it) and resume=true continues from it" if previous
@@ -112,23 +113,18 @@ def save_checkpoint(run_dir: Path, step: int, backend, groups, trainer_state: di
     return ckpt
 
 
-def _read_latest(root: Path) -> str | None:
-    pointer = root / "latest"
-    return pointer.read_text().strip() if pointer.exists() else None
-
-
 def _step_of(path: Path) -> int | None:
     m = re.fullmatch(r"step_(\d+)", path.name)
     return int(m.group(1)) if m else None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.exists():
+    name = latest_step(run_dir)
+    if name is None:
         return None
-    ckpt = pointer.parent / pointer.read_text().strip()
+    ckpt = Path(run_dir) / "checkpoints" / name
     if not ckpt.exists():
-        raise FileNotFoundError(f"{pointer} names {ckpt.name}, which is missing")
+        raise FileNotFoundError(f"{ckpt.parent / 'latest'} names {name}, which is missing")
     return ckpt
 
 
