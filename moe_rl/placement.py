@@ -122,8 +122,11 @@ def resolve_placement(cfg, num_gpus: int) -> Placement:
 
 # --- the embedded engine's KV cache --------------------------------------------------------
 def kv_bytes_per_request(arch, max_context: int, element_size: int) -> int:
-    """K and V of every layer for one request slot of ``max_context`` tokens."""
-    return 2 * arch.num_hidden_layers * arch.num_key_value_heads * max_context * arch.head_dim * element_size
+    """The decode state of every layer (K/V for softmax attention; what each layer's kind
+    declares) for one request slot of ``max_context`` tokens."""
+    from .model.attention import state_specs
+
+    return sum(spec.bytes_per_slot(max_context, element_size) for spec in state_specs(arch))
 
 
 def kv_cache_slots(arch, *, max_context: int, max_running_requests: int, element_size: int,

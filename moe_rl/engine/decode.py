@@ -24,8 +24,9 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_rl.model.attention import decode_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -106,23 +107,23 @@ def pad_to_bucket(n: int, buckets: list[int]) -> int:
 
 
 class DecodeAttention:
-    """Attention of a static decode batch: row i is the token at position ``pos[i]`` of the
-    request in KV slot ``slots[i]``; it writes its K/V there and attends to positions
-    <= pos[i] of that slot, over the first ``ctx`` positions (masked)."""
+    """Attention of a decode batch: row i is the token at position ``pos[i]`` of the request
+    in cache slot ``slots[i]``; it writes its K/V there and attends to positions <= pos[i]
+    of that slot, over the first ``ctx`` positions (masked). ``states``: each layer's decode
+    state (``moe_rl.model.attention.state``)."""
 
-    def __init__(self, k_cache, v_cache, slots: torch.Tensor, pos: torch.Tensor, ctx: int):
-        self.k_cache, self.v_cache, self.slots, self.pos, self.ctx = k_cache, v_cache, slots, pos, ctx
-        span = torch.arange(ctx, device=pos.device)
-        self.mask = (span[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, ctx]
+    def __init__(self, states: list, slots: torch.Tensor, pos: torch.Tensor, ctx: int):
+        self.states, self.slots, self.pos, self.ctx = states, slots, pos, ctx
+        self.mask = torch.arange(ctx, device=pos.device)[None, :] <= pos[:, None]  # [B, ctx]
 
-    def __call__(self, layer, q, k, v):
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        kc[self.slots, :, self.pos] = k
-        vc[self.slots, :, self.pos] = v
-        ks = kc[:, :, : self.ctx].index_select(0, self.slots)  # [B, Hkv, ctx, D]
-        vs = vc[:, :, : self.ctx].index_select(0, self.slots)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=self.mask, enable_gqa=True)
-        return o.squeeze(2)
+    def state(self, layer: int):
+        return self.states[layer]
+
+    def __call__(self, layer, q, k, v, *, scale=None):
+        cache = self.states[layer]
+        cache.write_rows(self.slots, self.pos, k, v)
+        ks, vs = cache.gather(self.slots, self.ctx)  # [B, Hkv, ctx, D]
+        return decode_sdpa(q, ks, vs, self.mask, scale)
 
 
 class CudaGraphs:
@@ -148,14 +149,14 @@ class CudaGraphs:
 
 
 class StaticDecoder:
-    """Decode steps of ``model`` with static shapes over the engine's KV cache (see the module
-    docstring). ``pad_slot``: a KV-cache slot that no request owns. ``graphs``: a capture
-    backend (``CudaGraphs``), or None for the eager static path."""
+    """Decode steps of ``model`` with static shapes over the engine's per-slot decode state
+    (``states``, one per layer; see the module docstring). ``pad_slot``: a cache slot that no
+    request owns. ``graphs``: a capture backend (``CudaGraphs``), or None for the eager static
+    path."""
 
-    def __init__(self, model, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], *, max_bs: int,
-                 max_context: int, pad_slot: int, graphs=None):
+    def __init__(self, model, states: list, *, max_bs: int, max_context: int, pad_slot: int, graphs=None):
         self.model = model
-        self.k_cache, self.v_cache = k_cache, v_cache
+        self.states = states
         self.batch_sizes = decode_batch_sizes(max_bs)
         self.context_sizes = context_sizes(max_context)
         self.max_bs = max_bs
@@ -181,7 +182,7 @@ class StaticDecoder:
         ``routing[:bs]`` (the body a graph captures: device work only, no host reads)."""
         ids, pos, slots = self.inputs[0, :bs], self.inputs[1, :bs], self.inputs[2, :bs]
         record: list[torch.Tensor] = []
-        hidden = self.model.forward_tokens(ids, pos, DecodeAttention(self.k_cache, self.v_cache, slots, pos, ctx),
+        hidden = self.model.forward_tokens(ids, pos, DecodeAttention(self.states, slots, pos, ctx),
                                            record=record)
         self.logits[:bs].copy_(self.model.lm_head(hidden))
         if record:

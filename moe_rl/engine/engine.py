@@ -3,9 +3,10 @@
 One background thread runs the model. Each step forwards, in ONE call of
 ``model.forward_tokens``, the whole prompt of every newly admitted request (prefill) and the
 last sampled token of every running request (decode); embeddings, projections, norms, routers
-and experts see all of those tokens at once. Attention reads a slot-based KV cache
-(``[slots, kv_heads, max_context, head_dim]`` per layer): decode rows of all requests go
-through one padded, masked SDPA call; each prefill segment gets its own causal call.
+and experts see all of those tokens at once. Each layer keeps a per-request decode state in
+cache slots, of the form its attention kind declares (``moe_rl.model.attention.state``; K/V
+``[slots, kv_heads, max_context, head_dim]`` for softmax attention): decode rows of all
+requests go through one padded, masked SDPA call; each prefill segment gets its own causal call.
 
 A decode-only step (no request prefilling) can instead go through ``decode.StaticDecoder``
 (engine.static_decode): the batch padded to a batch-size bucket, attention over a
@@ -40,7 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from . import protocol as P
-from .decode import CudaGraphs, StaticDecoder
+from moe_rl.model.attention import state_specs
+
+from .decode import CudaGraphs, DecodeAttention, StaticDecoder
 from .protocol import GenerateRequest, RequestError
 from .sampling import apply_penalties, sample_tokens
 
@@ -94,42 +97,37 @@ class _Forward:
 
 
 class _StepAttention:
-    """The ``attend`` backend of one engine step (see the module docstring)."""
+    """The ``attend`` layout of one engine step (see the module docstring)."""
 
-    def __init__(self, k_cache, v_cache, segments, dec_rows, dec_slots, dec_pos, lmax: int):
-        """``dec_*``: the decode rows' token rows, cache slots and positions, already on the
-        cache's device; ``lmax``: 1 + their largest position (known on the host: no sync)."""
-        self.k_cache, self.v_cache = k_cache, v_cache
+    def __init__(self, states, segments, dec_rows, dec_slots, dec_pos, lmax: int):
+        """``states``: each layer's decode state; ``dec_*``: the decode rows' token rows, cache
+        slots and positions, already on the cache's device; ``lmax``: 1 + their largest
+        position (known on the host: no sync)."""
+        self.states = states
         self.prefill = [s for s in segments if not (s[2] == 1 and s[1] > 0)]
-        self.dec_rows, self.dec_slots, self.dec_pos, self.lmax = dec_rows, dec_slots, dec_pos, lmax
-        if lmax:
-            ar = torch.arange(lmax, device=dec_pos.device)
-            self.dec_mask = (ar[None, :] <= dec_pos[:, None])[:, None, None, :]  # [B,1,1,L]
+        self.dec_rows = dec_rows
+        self.decode = DecodeAttention(states, dec_slots, dec_pos, lmax) if lmax else None
 
-    def __call__(self, layer, q, k, v):
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        out = torch.empty_like(q)
+    def state(self, layer: int):
+        return self.states[layer]
+
+    def __call__(self, layer, q, k, v, *, scale=None):
+        cache = self.states[layer]
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         for slot, start, n, off in self.prefill:
-            kc[slot, :, start : start + n] = k[off : off + n].transpose(0, 1)
-            vc[slot, :, start : start + n] = v[off : off + n].transpose(0, 1)
+            cache.write_span(slot, start, k[off : off + n], v[off : off + n])
             qs = q[off : off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            ks = kc[slot : slot + 1, :, : start + n]
-            vs = vc[slot : slot + 1, :, : start + n]
+            ks, vs = cache.prefix(slot, start + n)
             if start == 0:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
             else:
                 qpos = torch.arange(start, start + n, device=q.device)
                 mask = qpos[:, None] >= torch.arange(start + n, device=q.device)[None, :]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=scale)
             out[off : off + n] = o.squeeze(0).transpose(0, 1)
-        if self.dec_rows.numel():
-            rows, slots, pos = self.dec_rows, self.dec_slots, self.dec_pos
-            kc[slots, :, pos] = k[rows]
-            vc[slots, :, pos] = v[rows]
-            ks = kc[:, :, : self.lmax].index_select(0, slots)  # [B, Hkv, L, D]
-            vs = vc[:, :, : self.lmax].index_select(0, slots)
-            o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), ks, vs, attn_mask=self.dec_mask, enable_gqa=True)
-            out[rows] = o.squeeze(2)
+        if self.decode is not None:
+            rows = self.dec_rows
+            out[rows] = self.decode(layer, q[rows], k[rows], v[rows], scale=scale)
         return out
 
 
@@ -178,17 +176,17 @@ class Engine:
         can_capture = on_gpu or graphs is not None
         self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else (can_capture and static_decode is not False)
         self.static_decode = bool(static_decode) if static_decode is not None else self.cuda_graph
+        # each layer's decode state (its kind's spec: K/V for softmax attention), per cache slot;
         # a static decode batch pads with rows that write one spare slot, owned by no request
         slots = self.max_running + (1 if self.static_decode else 0)
-        shape = (slots, self.arch.num_key_value_heads, self.max_context, self.arch.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.states = [spec.allocate(slots, self.max_context, self.dtype, self.device)
+                       for spec in state_specs(self.arch)]
         self.static_decoder: StaticDecoder | None = None
         if self.static_decode:
             if self.cuda_graph and graphs is None:
                 graphs = CudaGraphs(self.device)
             self.static_decoder = StaticDecoder(
-                self.model, self.k_cache, self.v_cache, max_bs=min(cuda_graph_max_bs or self.max_running, self.max_running),
+                self.model, self.states, max_bs=min(cuda_graph_max_bs or self.max_running, self.max_running),
                 max_context=self.max_context, pad_slot=self.max_running, graphs=graphs if self.cuda_graph else None)
 
         self.cond = threading.Condition()  # guards all request state below
@@ -443,7 +441,7 @@ class Engine:
             [off, off, len(last), len(dec), len(dec), len(dec), len(in_rows), len(in_targets)])
         input_ids, positions, last_rows = idx[0], idx[1], idx[2]
         lmax = max(s[1] for s in dec) + 1 if dec else 0
-        attend = _StepAttention(self.k_cache, self.v_cache, segments, idx[3], idx[4], idx[5], lmax)
+        attend = _StepAttention(self.states, segments, idx[3], idx[4], idx[5], lmax)
         record: list[torch.Tensor] = []
         with self.model_lock:
             hidden = self.model.forward_tokens(input_ids, positions, attend, record=record)

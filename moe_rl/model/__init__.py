@@ -13,7 +13,8 @@ from .hf_io import (
     parse_expert_name,
     save_hf,
 )
-from .transformer import MoEForCausalLM, PackedCausal, PaddedCausal, RoutingError, packed_positions
+from .attention import PackedCausal, PaddedCausal, packed_positions
+from .transformer import MoEForCausalLM, RoutingError
 
 __all__ = [
     "MoEArch",

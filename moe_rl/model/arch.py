@@ -10,9 +10,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
+
+from .attention.rope import Rope
+
+
+def all_mha(arch: "MoEArch", layer: int) -> str:
+    """Every layer softmax attention with grouped K/V heads (``moe_rl.model.attention.mha``)."""
+    return "mha"
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,8 @@ class Family:
     group-limited top-k, weights from the unbiased scores times ``routed_scaling_factor``;
     GLM-4.5, DeepSeek-V3). ``experts_key``: the config.json key of the routed-expert count.
     ``fixed``: fields the family has no knob for, with the only value it supports.
+    ``attention``: the attention kind of a layer, a key of ``moe_rl.model.attention.MIXERS``
+    (families that mix kinds read them from the arch, e.g. HF's ``layer_types``).
     """
 
     architecture: str
@@ -31,6 +40,7 @@ class Family:
     experts_key: str
     defaults: dict
     fixed: dict
+    attention: Callable[["MoEArch", int], str] = all_mha
 
 
 FAMILIES: dict[str, Family] = {
@@ -82,6 +92,8 @@ class MoEArch(BaseModel):
     attention_bias: bool = False  # bias on q/k/v projections (GLM-4.5)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    # HF's rope_scaling: rope_type (yarn) and its parameters, HF's names; None: default RoPE
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
 
@@ -122,6 +134,7 @@ class MoEArch(BaseModel):
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} x head_dim={self.head_dim} "
                              "must give an even rotary width >= 2")
+        self.rope()  # rope_scaling is one we compute (raises naming it otherwise)
         return self
 
     # --- what the model code reads -------------------------------------------------------
@@ -133,6 +146,19 @@ class MoEArch(BaseModel):
     def rotary_dim(self) -> int:
         """Leading dims of each head that RoPE rotates (HF: ``int(head_dim * partial_rotary_factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def rope(self) -> Rope:
+        """The rotary embedding every layer that rotates shares."""
+        try:
+            return Rope.from_hf(self.rope_scaling, self.rotary_dim, self.rope_theta)
+        except ValueError as e:
+            raise ValueError(f"rope_scaling: {e}") from None
+
+    def layer_kinds(self) -> list[str]:
+        """The attention kind of each layer (``Family.attention``; keys of
+        ``moe_rl.model.attention.MIXERS``)."""
+        fam = FAMILIES[self.model_type]
+        return [fam.attention(self, i) for i in range(self.num_hidden_layers)]
 
     def is_moe_layer(self, i: int) -> bool:
         """HF's rules for which decoder layers have a sparse MoE block (Qwen3-MoE's
@@ -169,9 +195,10 @@ class MoEArch(BaseModel):
             d["rope_theta"] = rope["rope_theta"]
         if d.get("partial_rotary_factor") is None and "partial_rotary_factor" in rope:
             d["partial_rotary_factor"] = rope["partial_rotary_factor"]
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope_type {rope_type!r} (only default RoPE)")
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        d["rope_scaling"] = None if rope_type == "default" else {
+            "rope_type": rope_type, **{k: v for k, v in rope.items() if k not in ("type", "rope_type", "rope_theta",
+                                                                                   "partial_rotary_factor")}}
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
         experts = d.get(FAMILIES[model_type].experts_key)
@@ -198,7 +225,8 @@ class MoEArch(BaseModel):
         fam = FAMILIES[self.model_type]
         d = self.model_dump()
         d.pop("num_experts")
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        d.pop("rope_scaling")
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
         if self.model_type == "qwen3_moe":  # HF's Qwen3MoeConfig has none of GLM's keys
             for k in ("use_qk_norm", "partial_rotary_factor", "n_shared_experts", "n_group", "topk_group",
                       "routed_scaling_factor", "first_k_dense_replace"):

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .arch import MoEArch
+from .attention import mixer_class
 from .transformer import MoEForCausalLM
 
 _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -48,8 +49,7 @@ def parse_expert_name(name: str) -> tuple[int, int, str] | None:
 
 def hf_param_specs(arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
     """Every HF tensor name with its full (un-sharded) shape, in a fixed canonical order."""
-    H, hd = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
+    H = arch.hidden_size
     specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (arch.vocab_size, H))]
 
     def mlp(prefix: str, inter: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -58,15 +58,9 @@ def hf_param_specs(arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
 
     for i in range(arch.num_hidden_layers):
         p = f"model.layers.{i}."
-        a = p + "self_attn."
         specs.append((p + "input_layernorm.weight", (H,)))
-        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            specs.append((a + proj + ".weight", (out, H)))
-            if arch.attention_bias:
-                specs.append((a + proj + ".bias", (out,)))
-        specs.append((a + "o_proj.weight", (H, q)))
-        if arch.use_qk_norm:
-            specs += [(a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))]
+        mixer = mixer_class(arch, i)
+        specs += [(f"{p}{mixer.hf_name}.{name}", shape) for name, shape in mixer.hf_specs(arch, i)]
         specs.append((p + "post_attention_layernorm.weight", (H,)))
         if arch.is_moe_layer(i):
             I = arch.moe_intermediate_size

@@ -2,11 +2,12 @@
 
 The family's differences are read from the ``MoEArch`` fields in a few places: the router
 (``SoftmaxGate`` / ``SigmoidGate``), the shared-expert MLP of a MoE block, which layers are
-dense, and the attention options (q/k norm, q/k/v bias, partial rotary).
+dense, and each layer's attention kind (a ``moe_rl.model.attention`` mixer, chosen by
+``MoEArch.layer_kinds``).
 
 Tokens travel flat ([N, H]) through the layers; attention is delegated to an ``Attention``
-backend (causal over [B, T], packed by ``cu_seqlens``, or the engine's KV cache), so one
-model serves training and generation. Each MoE block can record its top-k expert ids or
+layout (causal over [B, T], packed by ``cu_seqlens``, or the engine's per-slot decode state),
+so one model serves training and generation. Each MoE block can record its top-k expert ids or
 replay given ones (R3), and can shard its experts over an expert-parallel group.
 
 Parameter names equal HF's for every dense tensor; experts are stored stacked per layer
@@ -15,16 +16,15 @@ per-expert names.
 """
 from __future__ import annotations
 
-import functools
-from typing import Protocol
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from .arch import MoEArch
+from .attention import Attention, PackedCausal, PaddedCausal, mixer_class, packed_positions
 from .grouped import dispatch, group_align, grouped_mm, permute, unpermute
+from .norm import RMSNorm
 
 
 # graphs compile_blocks lets DecoderLayer.forward have (dynamo's recompile limit, default 8):
@@ -36,157 +36,6 @@ BLOCK_GRAPHS = 64
 
 class RoutingError(ValueError):
     """A replay record that cannot be applied to this model."""
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's order: normalise in fp32, cast back, then scale (one fused op for the first part)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-@functools.lru_cache(maxsize=8)
-def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
-
-
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [N, rotary_dim] for the given positions (HF's default RoPE over the
-    rotated part of a head: all of it, or its first ``head_dim * partial_rotary_factor`` dims)."""
-    freqs = positions.float()[:, None] * _inv_freq(rotary_dim, theta, positions.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim]; rotate-half convention, as HF. With partial rotary (cos narrower
-    than a head) the first cos.shape[-1] dims rotate and the rest pass through."""
-    rot = cos.shape[-1]
-    if rot < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-class Attention(Protocol):
-    """Computes causal attention for one layer. q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
-
-
-def _sdpa(q, k, v, mask=None, is_causal=False):
-    # q [B, Hq, T, D], k/v [B, Hkv, T, D]; GQA by repeating kv heads.
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-
-
-class PaddedCausal:
-    """Causal attention over a [B, T] batch (right padding is harmless under a causal mask)."""
-
-    def __init__(self, batch: int, seqlen: int):
-        self.batch, self.seqlen = batch, seqlen
-
-    def __call__(self, layer, q, k, v):
-        B, T = self.batch, self.seqlen
-        q, k, v = (t.view(B, T, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
-        out = _sdpa(q, k, v, is_causal=True)
-        return out.transpose(1, 2).reshape(B * T, out.shape[1], out.shape[3])
-
-
-class PackedCausal:
-    """Causal attention inside each packed sequence of a [1, total] batch (cu_seqlens).
-
-    The sequences are laid out as a right-padded [S, L_max] batch and attended with
-    ``is_causal`` (S x L_max^2 work instead of total^2, and the fast causal kernels); when
-    padding would exceed the packed length (very uneven lengths) a [total, total] block mask
-    is used instead. ``max_seqlen`` (L_max, a host integer, as flash-attn's varlen API takes
-    it) comes with the batch, which is packed on the host; without it L_max is read from
-    ``cu_seqlens``, one host read per micro-batch where they are on a device. Everything a
-    layer uses is made here, once per micro-batch, as device tensors and host integers, so a
-    compiled decoder block takes it without a graph break."""
-
-    def __init__(self, cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None = None):
-        self.cu_seqlens, self.total = cu_seqlens, total
-        num_seqs = max(cu_seqlens.shape[0] - 1, 1)
-        longest = (max_seqlen if max_seqlen is not None else longest_sequence(cu_seqlens, total)) if total else 0
-        self.padded = total > 0 and num_seqs * longest <= 2 * total
-        self._seq_id = torch.searchsorted(cu_seqlens[1:-1], torch.arange(total, device=cu_seqlens.device),
-                                          right=True)  # the sequence of each token
-        if self.padded:
-            self.shape = (num_seqs, longest)
-            self.slot = self._seq_id * longest + packed_positions(cu_seqlens, total)  # its row in [S * L_max]
-        else:
-            self.mask = self.mask  # made now: a compiled block reads it as a plain attribute
-
-    @functools.cached_property
-    def mask(self) -> torch.Tensor:
-        """[total, total] bool, True where attention is allowed (same sequence, not ahead)."""
-        seq_id, pos = self._seq_id, torch.arange(self.total, device=self._seq_id.device)
-        return (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
-
-    def __call__(self, layer, q, k, v):
-        if not self.padded:
-            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            out = _sdpa(q, k, v, mask=self.mask)
-            return out.squeeze(0).transpose(0, 1)
-        S, L = self.shape
-
-        def pad(t):  # [total, heads, D] -> [S, heads, L, D], zero rows after each sequence
-            buf = t.new_zeros(S * L, t.shape[1], t.shape[2]).index_copy(0, self.slot, t)
-            return buf.view(S, L, t.shape[1], t.shape[2]).transpose(1, 2)
-
-        out = _sdpa(pad(q), pad(k), pad(v), is_causal=True)
-        return out.transpose(1, 2).reshape(S * L, out.shape[1], out.shape[3]).index_select(0, self.slot)
-
-
-def longest_sequence(cu_seqlens: torch.Tensor, total: int) -> int:
-    """L_max of a packed batch (tokens past ``cu_seqlens[-1]`` count to the last sequence, as in
-    ``packed_positions``): a host read where ``cu_seqlens`` is on a device."""
-    starts = cu_seqlens[:-1]
-    if not starts.numel():
-        return total
-    return int(torch.diff(starts, append=starts.new_full((1,), total)).max())
-
-
-def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Position of every token inside its own packed sequence."""
-    pos = torch.arange(total, device=cu_seqlens.device)
-    starts = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
-    starts[cu_seqlens[:-1].clamp(max=total - 1)] = cu_seqlens[:-1]
-    return pos - starts.cummax(0).values
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, arch: MoEArch, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.nq, self.nkv, self.hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
-        H = arch.hidden_size
-        bias = arch.attention_bias
-        self.q_proj = nn.Linear(H, self.nq * self.hd, bias=bias)
-        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.nq * self.hd, H, bias=False)
-        if arch.use_qk_norm:
-            self.q_norm = RMSNorm(self.hd, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(self.hd, arch.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = nn.Identity()
-
-    def forward(self, x, cos, sin, attend: Attention):
-        N = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(N, self.nq, self.hd)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(N, self.nkv, self.hd)), cos, sin)
-        v = self.v_proj(x).view(N, self.nkv, self.hd)
-        return self.o_proj(attend(self.layer, q, k, v).reshape(N, self.nq * self.hd))
 
 
 class DenseMLP(nn.Module):
@@ -428,7 +277,9 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, arch: MoEArch, layer: int, ep_group=None):
         super().__init__()
-        self.self_attn = SelfAttention(arch, layer)
+        mixer = mixer_class(arch, layer)
+        self.mixer_name = mixer.hf_name  # HF's name of the token mixer (self_attn, ...)
+        self.add_module(self.mixer_name, mixer(arch, layer))
         self.is_moe = arch.is_moe_layer(layer)
         if self.is_moe:
             self.mlp = SparseMoE(arch, layer, ep_group)
@@ -443,12 +294,18 @@ class DecoderLayer(nn.Module):
         dense block). ``replay``: checked expert ids to use (``SparseMoE._check_replay``). The
         unit that ``MoEForCausalLM.compile_blocks`` compiles: no host read, no data-dependent
         branch (with one expert-parallel rank)."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
+        h = h + self.mixer(self.input_layernorm(h), cos, sin, attend)
         x = self.post_attention_layernorm(h)
         if not self.is_moe:
             return h + self.mlp(x), None
         out, ids = self.mlp(x, replay)
         return h + out, ids
+
+
+    @property
+    def mixer(self) -> nn.Module:
+        """This layer's attention (``moe_rl.model.attention``), whatever HF names it."""
+        return getattr(self, self.mixer_name)
 
 
 class Backbone(nn.Module):
@@ -470,6 +327,7 @@ class MoEForCausalLM(nn.Module):
     def __init__(self, arch: MoEArch, ep_group=None):
         super().__init__()
         self.arch = arch
+        self.rope = arch.rope()
         self.ep_group = ep_group
         self.model = Backbone(arch, ep_group)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -561,7 +419,7 @@ class MoEForCausalLM(nn.Module):
             replay = [self.model.layers[i].mlp._check_replay(r, N, input_ids.device)
                       for i, r in zip(self.moe_layers, replay)]
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.arch.rotary_dim, self.arch.rope_theta, h.dtype)
+        cos, sin = self.rope.cos_sin(positions, h.dtype)
         moe_i = 0
         for layer in self.model.layers:
             ids = None

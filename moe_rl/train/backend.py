@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moe_rl.config import ConfigError
 from moe_rl.kernels import fused_logprobs, fused_token_loss
 from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors, load_hf_weights
-from moe_rl.model.transformer import longest_sequence
+from moe_rl.model.attention import longest_sequence
 
 log = logging.getLogger(__name__)
 

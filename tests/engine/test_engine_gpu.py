@@ -27,7 +27,7 @@ def test_engine_on_cuda_matches_the_native_model_on_cpu():
     cpu_model = build_model(CFG)
     engine = build_engine(CFG, model=build_model(CFG), device="cuda").start()
     try:
-        assert engine.device.type == "cuda" and engine.k_cache[0].is_cuda
+        assert engine.device.type == "cuda" and engine.states[0].k.is_cuda
         # the KV cache is sized from placement.mem_fraction_static (at most max_running_requests)
         free = CFG.placement.mem_fraction_static * torch.cuda.get_device_properties(0).total_memory
         fit = (free - engine_weight_bytes(CFG)) // kv_bytes_per_request(ARCH, engine.max_context, 4)

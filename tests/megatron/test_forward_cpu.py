@@ -294,7 +294,7 @@ def test_experts_forward_and_every_gradient_equal_native(cpu_megatron, monkeypat
 def test_local_spec_attention_is_fused_sdpa_and_refuses_other_masks(cpu_megatron):
     """Without TE, core attention is TorchSDPAttention (its output equals the native model's
     above); a mask that is not block-causal over packed sequences is refused, not attended."""
-    from moe_rl.model.transformer import PackedCausal
+    from moe_rl.model.attention import PackedCausal
     from moe_rl.train.megatron.attention import TorchSDPAttention
 
     meg, _ = build(CPU_ARCH, "cpu")

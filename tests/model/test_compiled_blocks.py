@@ -23,7 +23,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from moe_rl.model import MoEArch, MoEForCausalLM
 from moe_rl.model.lora import LoraAdapters
-from moe_rl.model.transformer import PackedCausal, packed_positions, rope_cos_sin
+from moe_rl.model.attention import PackedCausal, packed_positions, rope_cos_sin
 
 COMMON = dict(vocab_size=48, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, num_hidden_layers=1)

@@ -27,7 +27,10 @@ def tiny_hf(tmp_path, **over):
     return ref, tmp_path / "hf"
 
 
-@pytest.mark.parametrize("over", [{}, {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []}])
+@pytest.mark.parametrize("over", [{}, {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []},
+                                  {"max_position_embeddings": 64, "rope_parameters": {  # YaRN
+                                      "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 16}}])
 def test_logits_match_transformers(tmp_path, over):
     ref, path = tiny_hf(tmp_path, **over)
     model = load_hf(path)

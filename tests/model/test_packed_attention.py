@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_rl.model.transformer import PackedCausal
+from moe_rl.model.attention import PackedCausal
 
 
 def separate(cu, q, k, v):

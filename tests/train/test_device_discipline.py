@@ -285,7 +285,7 @@ def _engine(cfg):
         model = MoEForCausalLM(arch).init_weights(0, std=0.3).to(device)
         engine = Engine(model, max_running_requests=3, max_context=64).start()  # fewer slots than requests
         try:
-            assert engine.k_cache[0].device == torch.device(device)
+            assert engine.states[0].k.device == torch.device(device)
             outs[name] = _generate(engine, prompts, 6)
         finally:
             engine.stop()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_rl.model.transformer import PackedCausal
+from moe_rl.model.attention import PackedCausal
 
 
 class TorchSDPAttention(nn.Module):

@@ -1,0 +1,37 @@
+"""Token mixers (attention kinds), their decode state, rope and the attention layouts.
+
+One module per kind (``mha.py``: softmax attention with grouped K/V heads), each a ``Mixer``
+(``base.py``) registered in ``MIXERS`` under the name a family's ``Family.attention`` gives a
+layer (``MoEArch.layer_kinds``). ``rope.py``: rotary tables; ``layouts.py``: the ``attend``
+objects of training and the attention arithmetic; ``state.py``: the per-slot decode state
+the engine keeps for a layer (``state_specs``). docs/models.md says how a kind is added.
+"""
+from __future__ import annotations
+
+from .base import Mixer
+from .layouts import (Attention, PackedCausal, PaddedCausal, decode_sdpa, longest_sequence, packed_positions,
+                      sdpa)
+from .mha import MHAttention
+from .rope import Rope, apply_rope, rope_cos_sin
+from .state import KVCache, KVSpec
+
+MIXERS: dict[str, type[Mixer]] = {
+    "mha": MHAttention,
+}
+
+
+def mixer_class(arch: MoEArch, layer: int) -> type[Mixer]:
+    kind = arch.layer_kinds()[layer]
+    if kind not in MIXERS:
+        raise ValueError(f"layer {layer}: unknown attention kind {kind!r} (known: {sorted(MIXERS)})")
+    return MIXERS[kind]
+
+
+def state_specs(arch: MoEArch) -> list:
+    """Each layer's decode state spec (``state.py``), in layer order."""
+    return [mixer_class(arch, i).state_spec(arch, i) for i in range(arch.num_hidden_layers)]
+
+
+__all__ = ["MIXERS", "Mixer", "MHAttention", "mixer_class", "state_specs", "Attention", "PaddedCausal",
+           "PackedCausal", "sdpa", "decode_sdpa", "longest_sequence", "packed_positions", "Rope", "apply_rope",
+           "rope_cos_sin", "KVSpec", "KVCache"]

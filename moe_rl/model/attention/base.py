@@ -1,0 +1,42 @@
+"""What a token mixer (one attention kind) provides to the model, the HF I/O and the engine."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layouts import Attention
+
+
+class Mixer(nn.Module):
+    """One decoder layer's token mixer. A kind subclasses this and registers in ``MIXERS``
+    (``moe_rl.model.attention``); ``Family.attention`` in ``arch.py`` picks the kind per layer.
+
+    * ``hf_name``: the mixer's module name in the decoder layer, as HF names it (its parameter
+      names are ``model.layers.{i}.{hf_name}.<HF name>``).
+    * ``hf_specs(arch, layer)``: its HF tensors (name relative to the mixer, full shape), in
+      HF's order: ``hf_io`` loads, saves and syncs exactly these.
+    * ``lora_targets``: names of its ``nn.Linear`` projections a LoRA adapter may target.
+    * ``state_spec(arch, layer)``: what the engine keeps per cache slot for this layer
+      (``moe_rl.model.attention.state``).
+    * ``forward(x, cos, sin, attend)``: x [N, H] -> [N, H]; ``cos``/``sin`` are the forward's
+      rope tables (``Rope.cos_sin``), ``attend`` its layout (``layouts.Attention``). It must
+      compile with ``fullgraph=True`` (no host reads, no branch on tensor values).
+    """
+
+    hf_name = "self_attn"
+    lora_targets: tuple[str, ...] = ()
+
+    def __init__(self, arch: MoEArch, layer: int):
+        super().__init__()
+        self.layer = layer
+
+    @classmethod
+    def hf_specs(cls, arch: MoEArch, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+        raise NotImplementedError
+
+    @classmethod
+    def state_spec(cls, arch: MoEArch, layer: int):
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,140 @@
+"""Attention layouts: how the tokens of one forward sit in sequences, and softmax attention over them.
+
+A layout is the ``attend`` object a forward hands every layer (``Attention``). The training
+layouts are here: ``PaddedCausal`` ([B, T], causal) and ``PackedCausal`` (several sequences
+in one row, ``cu_seqlens``). The engine's layouts (``moe_rl.engine``) attend over the
+per-slot decode state that each layer's kind declares (``moe_rl.model.attention.state``).
+
+Every layout answers two questions for a layer:
+* ``attend(layer, q, k, v, scale=None)``: causal softmax attention of q [N, Hq, Dk] over the
+  keys k [N, Hkv, Dk] / values v [N, Hkv, Dv] of the same sequence (Hq a multiple of Hkv, Dv
+  may differ from Dk; ``scale`` None: 1/sqrt(Dk)) -> [N, Hq, Dv];
+* ``attend.state(layer)``: the layer's per-slot decode state in an engine step (a kind that
+  caches something other than K/V, or keeps a recurrent state, works on it directly), None in
+  training.
+
+The attention arithmetic itself is in two functions here, ``sdpa`` (whole sequences) and
+``decode_sdpa`` (one query row per sequence over cached keys), the one place to change it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class Attention(Protocol):
+    """The ``attend`` object of one forward (see the module docstring)."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 scale: float | None = None) -> torch.Tensor: ...
+
+    def state(self, layer: int): ...
+
+
+def sdpa(q, k, v, mask=None, is_causal=False, scale=None):
+    """q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]; GQA by repeating kv heads."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+def decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale=None) -> torch.Tensor:
+    """One query row per sequence: q [B, Hq, Dk] over k [B, Hkv, S, Dk] / v [B, Hkv, S, Dv],
+    mask [B, S] (True: attend) -> [B, Hq, Dv].
+
+    The query heads of a kv group are folded into the query-length dimension (head h reads kv
+    head h // (Hq / Hkv), as a repeat would give), so K/V are never repeated and SDPA's
+    fused kernels that take a mask but no GQA (memory-efficient, cuDNN) can run."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    o = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), k, v, attn_mask=mask[:, None, None, :],
+                                       scale=scale)
+    return o.reshape(B, Hq, v.shape[-1])
+
+
+class _Training:
+    """Training layouts hold no decode state."""
+
+    def state(self, layer: int) -> None:
+        return None
+
+
+class PaddedCausal(_Training):
+    """Causal attention over a [B, T] batch (right padding is harmless under a causal mask)."""
+
+    def __init__(self, batch: int, seqlen: int):
+        self.batch, self.seqlen = batch, seqlen
+
+    def __call__(self, layer, q, k, v, *, scale=None):
+        B, T = self.batch, self.seqlen
+        q, k, v = (t.view(B, T, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        out = sdpa(q, k, v, is_causal=True, scale=scale)
+        return out.transpose(1, 2).reshape(B * T, out.shape[1], out.shape[3])
+
+
+class PackedCausal(_Training):
+    """Causal attention inside each packed sequence of a [1, total] batch (cu_seqlens).
+
+    The sequences are laid out as a right-padded [S, L_max] batch and attended with
+    ``is_causal`` (S x L_max^2 work instead of total^2, and the fast causal kernels); when
+    padding would exceed the packed length (very uneven lengths) a [total, total] block mask
+    is used instead. ``max_seqlen`` (L_max, a host integer, as flash-attn's varlen API takes
+    it) comes with the batch, which is packed on the host; without it L_max is read from
+    ``cu_seqlens``, one host read per micro-batch where they are on a device. Everything a
+    layer uses is made here, once per micro-batch, as device tensors and host integers, so a
+    compiled decoder block takes it without a graph break."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None = None):
+        self.cu_seqlens, self.total = cu_seqlens, total
+        num_seqs = max(cu_seqlens.shape[0] - 1, 1)
+        longest = (max_seqlen if max_seqlen is not None else longest_sequence(cu_seqlens, total)) if total else 0
+        self.padded = total > 0 and num_seqs * longest <= 2 * total
+        self._seq_id = torch.searchsorted(cu_seqlens[1:-1], torch.arange(total, device=cu_seqlens.device),
+                                          right=True)  # the sequence of each token
+        if self.padded:
+            self.shape = (num_seqs, longest)
+            self.slot = self._seq_id * longest + packed_positions(cu_seqlens, total)  # its row in [S * L_max]
+        else:
+            self.mask = self.mask  # made now: a compiled block reads it as a plain attribute
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[total, total] bool, True where attention is allowed (same sequence, not ahead)."""
+        seq_id, pos = self._seq_id, torch.arange(self.total, device=self._seq_id.device)
+        return (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
+
+    def __call__(self, layer, q, k, v, *, scale=None):
+        if not self.padded:
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out = sdpa(q, k, v, mask=self.mask, scale=scale)
+            return out.squeeze(0).transpose(0, 1)
+        S, L = self.shape
+
+        def pad(t):  # [total, heads, D] -> [S, heads, L, D], zero rows after each sequence
+            buf = t.new_zeros(S * L, t.shape[1], t.shape[2]).index_copy(0, self.slot, t)
+            return buf.view(S, L, t.shape[1], t.shape[2]).transpose(1, 2)
+
+        out = sdpa(pad(q), pad(k), pad(v), is_causal=True, scale=scale)
+        return out.transpose(1, 2).reshape(S * L, out.shape[1], out.shape[3]).index_select(0, self.slot)
+
+
+def longest_sequence(cu_seqlens: torch.Tensor, total: int) -> int:
+    """L_max of a packed batch (tokens past ``cu_seqlens[-1]`` count to the last sequence, as in
+    ``packed_positions``): a host read where ``cu_seqlens`` is on a device."""
+    starts = cu_seqlens[:-1]
+    if not starts.numel():
+        return total
+    return int(torch.diff(starts, append=starts.new_full((1,), total)).max())
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of every token inside its own packed sequence."""
+    pos = torch.arange(total, device=cu_seqlens.device)
+    starts = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
+    starts[cu_seqlens[:-1].clamp(max=total - 1)] = cu_seqlens[:-1]
+    return pos - starts.cummax(0).values

@@ -1,0 +1,79 @@
+"""Per-request decode state of one layer, as the engine keeps it (one entry per cache slot).
+
+A layer's kind says what it keeps per slot with a *state spec*: an object with
+``bytes_per_slot(ctx, element_size)`` (memory planning, ``moe_rl.placement``) and
+``allocate(slots, ctx, dtype, device)``, which makes the layer's state for ``slots`` slots of
+up to ``ctx`` positions. The engine allocates every layer's state once, hands slot i to one
+request at a time, and reuses it after that request finishes or is retracted. Contract for
+every kind: a step that forwards a request from position 0 (a new request, or the re-prefill
+after a retract) must not read what the slot held before, so a slot needs no clearing; and a
+step's reads and writes are device ops on the state's fixed tensors (no host reads, no
+reallocation), so a decode step can be captured as a CUDA graph.
+
+``KVSpec`` / ``KVCache`` is the state of softmax-attention kinds: keys and values per slot
+and position. ``v_in_k``: the values are the keys' first ``v_dim`` features and only the
+keys are stored (multi-head latent attention caches its compressed latent this way).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Keys [heads, k_dim] and values [heads, v_dim] of every position of a slot."""
+
+    heads: int
+    k_dim: int
+    v_dim: int
+    v_in_k: bool = False
+
+    def __post_init__(self):
+        if self.v_in_k and self.v_dim > self.k_dim:
+            raise ValueError(f"v_in_k: v_dim={self.v_dim} exceeds k_dim={self.k_dim}")
+
+    def bytes_per_token(self, element_size: int) -> int:
+        return self.heads * (self.k_dim + (0 if self.v_in_k else self.v_dim)) * element_size
+
+    def bytes_per_slot(self, ctx: int, element_size: int) -> int:
+        return ctx * self.bytes_per_token(element_size)
+
+    def allocate(self, slots: int, ctx: int, dtype: torch.dtype, device) -> "KVCache":
+        k = torch.zeros(slots, self.heads, ctx, self.k_dim, dtype=dtype, device=device)
+        v = k[..., : self.v_dim] if self.v_in_k else torch.zeros(slots, self.heads, ctx, self.v_dim, dtype=dtype,
+                                                                   device=device)
+        return KVCache(self, k, v)
+
+
+@dataclass
+class KVCache:
+    """k [slots, heads, ctx, k_dim], v [slots, heads, ctx, v_dim] (a view of k under v_in_k)."""
+
+    spec: KVSpec
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def write_rows(self, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Row i of k [n, heads, k_dim] (and v) at position pos[i] of slot slots[i]."""
+        self.k[slots, :, pos] = k
+        if not self.spec.v_in_k:
+            self.v[slots, :, pos] = v
+
+    def write_span(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """k [n, heads, k_dim] (and v) at positions start .. start + n - 1 of one slot."""
+        n = k.shape[0]
+        self.k[slot, :, start : start + n] = k.transpose(0, 1)
+        if not self.spec.v_in_k:
+            self.v[slot, :, start : start + n] = v.transpose(0, 1)
+
+    def gather(self, slots: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``ctx`` positions of each slot: [B, heads, ctx, k_dim], [B, heads, ctx, v_dim]."""
+        ks = self.k[:, :, :ctx].index_select(0, slots)
+        vs = ks[..., : self.spec.v_dim] if self.spec.v_in_k else self.v[:, :, :ctx].index_select(0, slots)
+        return ks, vs
+
+    def prefix(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions 0 .. end - 1 of one slot, [1, heads, end, dim] views."""
+        return self.k[slot : slot + 1, :, :end], self.v[slot : slot + 1, :, :end]
