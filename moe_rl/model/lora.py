@@ -43,12 +43,14 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F
 
+from .attention import MIXERS
 from .grouped import grouped_mm
 from .hf_io import atomic_dir, iter_local_hf_tensors, parse_expert_name
 from .transformer import MoEForCausalLM
 
-# target name -> where it sits in a decoder layer
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# target name -> where it sits in a decoder layer; attention targets are the projections of
+# each layer's attention kind (Mixer.lora_targets), of whichever kinds the model has
+ATTENTION_TARGETS = tuple(dict.fromkeys(t for m in MIXERS.values() for t in m.lora_targets))
 SHARED_EXPERT_TARGETS = ("shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj")  # GLM
 DENSE_TARGETS = ATTENTION_TARGETS + SHARED_EXPERT_TARGETS  # nn.Linear modules (PEFT target_modules)
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
@@ -80,7 +82,8 @@ def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) 
         p = f"model.layers.{i}."
         for t in targets:
             if t in ATTENTION_TARGETS:
-                sites.append(_Site(p + "self_attn." + t, t, i, getattr(layer.self_attn, t), ("weight",), None))
+                if t in layer.mixer.lora_targets and getattr(layer.mixer, t, None) is not None:
+                    sites.append(_Site(f"{p}{layer.mixer_name}.{t}", t, i, getattr(layer.mixer, t), ("weight",), None))
             elif not layer.is_moe:
                 continue  # router and experts exist only in MoE layers
             elif t in SHARED_EXPERT_TARGETS:
@@ -97,6 +100,10 @@ def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) 
                 sites.append(_Site(p + "mlp.experts.down_proj", t, i, layer.mlp.experts, ("down_proj",), None))
             else:
                 raise LoraError(f"lora.targets: unknown target {t!r}; valid: {list(TARGETS)}")
+    absent = [t for t in targets if t in ATTENTION_TARGETS and not any(s.target == t for s in sites)]
+    if absent:
+        raise LoraError(f"lora.targets: {absent} is not a projection of this model's attention "
+                        f"(its layers have {sorted({t for l in model.model.layers for t in l.mixer.lora_targets})})")
     return sites
 
 
