@@ -40,9 +40,9 @@ from moe_rl.algo.token_loss import TokenLoss, fused_loss_unsupported
 from moe_rl.config import ConfigError
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.host import exchange_urls
+from moe_rl.engine.protocol import version_number
 from moe_rl.replay import ReplayLog, RoutingSpec, align_replay, filler_ids, packed_layout
 from moe_rl.replay.match import routing_match
-from moe_rl.engine.protocol import version_number
 from moe_rl.rollout.buffer import RolloutBuffer
 from moe_rl.rollout.evaluation import eval_metrics, eval_prompts, eval_requests, eval_task
 from moe_rl.rollout.manager import RolloutManager

@@ -22,3 +22,17 @@ def test_pass_at_k_is_the_share_of_k_subsets_with_a_pass():
     assert m["eval/reward_se"] == pytest.approx(rewards.mean(1).std(ddof=1) / math.sqrt(3))
     with pytest.raises(ValueError):
         pass_at_k(3, 4, 1)
+
+
+def test_eval_keys_are_checked():
+    from moe_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"sweep.eval_prompts and sweep.eval_samples are now the eval section's: "
+                                          r"set sweep.final_eval=true with eval.prompts and eval.samples"):
+        load_config(None, ["sweep.eval_prompts=64"])
+    with pytest.raises(ConfigError, match=r"eval.every with env.factory: evaluation runs single-turn prompts"):
+        load_config(None, ["eval.every=5", "env.factory=moe_rl.tasks.guess:GuessEnv"])
+    with pytest.raises(ConfigError, match=r"eval.samples: Input should be greater than or equal to 1"):
+        load_config(None, ["eval.samples=0"])
+    cfg = load_config(None, ["eval.every=5", "eval.temperature=0"])
+    assert cfg.eval.every == 5 and cfg.eval.temperature == 0

@@ -2,9 +2,6 @@
 schema, slime-style JSONL with its own keys, HF `datasets` directories, chat-message prompts;
 and bad files or rows refused naming the file and the row."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -129,13 +126,17 @@ def test_bad_parquet_row_names_file_and_row(tmp_path, bad, message):
         load_examples(p)
 
 
-def test_bad_parquet_is_refused_before_launch(tmp_path):
+def test_bad_parquet_is_refused_before_launch(tmp_path, capsys):
+    from moe_rl.cli import main
+
     p = write_parquet(tmp_path / "d.parquet", [verl_row(0), {**verl_row(1), "prompt": []}])
-    r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "configs/tiny.yaml", f"output_dir={tmp_path}/run",
-                        "data.task=jsonl", f"data.path={p}", "model.vocab_size=259"],
-                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert r.returncode == 2
-    assert f"error: {p}: row 1: 'prompt' is an empty list of chat messages" in r.stderr
+    held = write_parquet(tmp_path / "held.parquet", [verl_row(0), {**verl_row(1), "prompt": [{"role": "user"}]}])
+    tiny = ["configs/tiny.yaml", f"output_dir={tmp_path}/run", "data.task=jsonl", "model.vocab_size=259"]
+    assert main(["train", *tiny, f"data.path={p}"]) == 2  # before torchrun starts any process
+    assert f"error: {p}: row 1: 'prompt' is an empty list of chat messages" in capsys.readouterr().err
+    good = write_parquet(tmp_path / "good.parquet", [verl_row(0)])
+    assert main(["train", *tiny, f"data.path={good}", f"eval.data={held}"]) == 2
+    assert f"error: {held}: row 1: 'prompt' message 0 is not a chat message" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
