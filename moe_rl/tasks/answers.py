@@ -13,15 +13,18 @@ parses LaTeX and plain expressions into sympy and compares them symbolically and
 Time bound: sympy can take without end on a pathological answer (``9^{9^{9^{9}}}``), and
 math-verify's own timeout is SIGALRM, which works only on a process's main thread, while
 rewards run in the rollout manager's worker threads. So every check runs in a worker process
-(``verify_worker.py``, one per concurrent caller, kept between calls) and the caller waits at
-most ``timeout_s``: a worker that is late is killed, the answer scores 0.0 (math-verify's own
-verdict on a timeout) with a warning, and the next call starts a fresh worker.
+(``verify_worker.py``, one per concurrent caller, kept between calls) and the caller waits until
+the worker has spent ``timeout_s`` of CPU time on it (CPU time, so that a machine short of
+cores does not make correct answers late; ``WALL_FACTOR`` x that in wall-clock time at most): a
+worker that is late is killed, the answer scores 0.0 (math-verify's own verdict on a timeout)
+with a warning, and the next call starts a fresh worker.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import logging
+import os
 import re
 import select
 import subprocess
@@ -35,6 +38,9 @@ log = logging.getLogger(__name__)
 VERIFY_TIMEOUT_S = 5.0  # per answer, as math-verify's own default
 _WORKER = Path(__file__).with_name("verify_worker.py")
 _START_TIMEOUT_S = 120.0  # importing sympy on a loaded machine
+WALL_FACTOR = 10.0  # a check's wall-clock bound, in units of its CPU-time bound (a worker stuck without using CPU)
+_POLL_S = 0.05  # how often a waiting caller reads the worker's CPU time
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
@@ -85,13 +91,31 @@ class _Worker:
         line = self.proc.stdout.readline()
         return json.loads(line) if line else None
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the worker has used: /proc/<pid>/stat, fields 14 and 15."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # it has exited
+            return float("inf")
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
     def ask(self, response: str, reference: str, timeout_s: float) -> dict | None:
+        """The worker's reply, or None once it has spent ``timeout_s`` of CPU time on the request
+        without one (or WALL_FACTOR x that in wall-clock time, or it died). CPU time, not wall
+        time: a machine short of cores slows a worker down without making its answer late."""
         try:
             self.proc.stdin.write(json.dumps({"response": response, "reference": reference}) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return None
-        return self._read(timeout_s)
+        cpu0, wall_end = self.cpu_s(), time.monotonic() + WALL_FACTOR * timeout_s
+        while True:
+            reply = self._read(_POLL_S)
+            if reply is not None or self.proc.poll() is not None:
+                return reply
+            if self.cpu_s() - cpu0 > timeout_s or time.monotonic() > wall_end:
+                return None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -119,7 +143,6 @@ class MathVerifier:
             with self._lock:
                 w = self._idle.pop() if self._idle else None
             w = w or _Worker()
-            t0 = time.monotonic()
             reply = w.ask(response, reference, timeout_s)
             if reply is not None:
                 with self._lock:
@@ -129,10 +152,10 @@ class MathVerifier:
                 return bool(reply["correct"])
             late = w.proc.poll() is None  # alive but silent: past the deadline
             w.kill()
-            if late or time.monotonic() - t0 >= timeout_s:
+            if late:
                 self.timeouts += 1
-                log.warning("math-verify gave no verdict within %g s on a response (%d chars, ends %r) against "
-                            "reference %r: scored 0; its worker was killed and is replaced", timeout_s,
+                log.warning("math-verify gave no verdict within %g s of CPU time on a response (%d chars, ends %r) "
+                            "against reference %r: scored 0; its worker was killed and is replaced", timeout_s,
                             len(response), response[-60:], reference[:60])
                 return False
         raise VerifierError("math-verify worker died twice in a row on one answer")
@@ -160,7 +183,7 @@ def default_verifier() -> MathVerifier:
 def math_reward(response_text: str, reference: str, *, timeout_s: float = VERIFY_TIMEOUT_S) -> float:
     """1.0 when the response's answer equals ``reference`` (already a reference answer, see
     :func:`reference_answer`) by math-verify, else 0.0 (also when no answer is found, or
-    when math-verify gives no verdict within ``timeout_s``). Safe to call from any thread."""
+    when math-verify gives no verdict within ``timeout_s`` of CPU time). Safe to call from any thread."""
     if not response_text.strip():
         return 0.0
     return 1.0 if default_verifier().correct(response_text, reference, timeout_s) else 0.0

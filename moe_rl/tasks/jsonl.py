@@ -51,7 +51,7 @@ messages): rendered by the tokenizer's chat template, or, without one (the byte 
 
 Reward: decode the response up to its first stop token and check it against the reference
 with math-verify (:func:`moe_rl.tasks.answers.math_reward`, at most
-``task_args.verify_timeout_s`` per response): 1.0 or 0.0.
+``task_args.verify_timeout_s`` of CPU time per response): 1.0 or 0.0.
 """
 from __future__ import annotations
 

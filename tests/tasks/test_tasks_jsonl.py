@@ -73,7 +73,7 @@ def test_a_pathological_answer_cannot_stall_a_reward_thread():
         t0 = time.monotonic()
         stuck = pool.submit(math_reward, "so \\boxed{9^{9^{9^{9}}}}", "1", timeout_s=1.0)
         assert stuck.result(timeout=60) == 0.0
-        assert time.monotonic() - t0 < 30  # the deadline (1 s) plus killing the worker, not sympy's forever
+        assert time.monotonic() - t0 < 30  # the deadline (1 CPU-s, 10 s wall at most) and the kill, not forever
         assert pool.submit(math_reward, "\\boxed{2\\sqrt{2}}", "\\sqrt{8}").result(timeout=120) == 1.0
     assert default_verifier().timeouts == before + 1
 
