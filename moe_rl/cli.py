@@ -38,6 +38,9 @@ def cmd_validate(argv: list[str]) -> int:
     from .tasks.plugins import check_plugins
 
     checked = check_plugins(cfg)  # plug-ins named by import path must import (PluginError otherwise)
+    from .train.trackers import check_trackers
+
+    check_trackers(cfg.logging)  # logging.wandb / logging.mlflow need their packages (ConfigError naming the extra)
     print(dump_config(cfg), end="")
     if checked:
         print("# plug-ins import: " + ", ".join(checked))
@@ -69,8 +72,15 @@ def _launch(cfg, argv: list[str]) -> int:
     from .rundir import LAUNCHER_ENV, RunDirError, prepare_output_dir
     from .tasks import DatasetError, task_from_config
 
+    from .train.trackers import check_trackers
+
+    check_trackers(cfg.logging)  # ... or a tracker whose package is missing (ConfigError naming the extra) ...
     try:
         task_from_config(cfg)  # ... or a bad dataset (reported with its file and line)
+        if cfg.eval.data:
+            from .rollout.evaluation import eval_task
+
+            eval_task(cfg)  # ... or a bad held-out dataset
     except (DatasetError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -203,6 +203,17 @@ class DataConfig(Strict):
     path: str | None = None  # JSONL file for file-backed tasks
     seed: int = 0
     task_args: dict[str, Any] = {}
+    # file-backed tasks (data.task: jsonl) read datasets as verl and slime users have them (docs/coming_from_verl_slime.md)
+    format: Literal["auto", "jsonl", "parquet", "hf_disk"] = Field(
+        "auto", description="how data.path is read: jsonl (one JSON object per line), parquet (verl's files), hf_disk "
+        "(a directory written by datasets' save_to_disk); auto = hf_disk for a directory, parquet for a .parquet "
+        "file, else jsonl")
+    prompt_key: str | None = Field(None, description="the field holding each row's prompt, a string or a list of "
+                                   "chat messages (slime's --input-key); dotted for a nested field; null = the first "
+                                   "of prompt, question, problem")
+    answer_key: str | None = Field(None, description="the field holding each row's reference answer (slime's "
+                                   "--label-key); dotted for a nested field (reward_model.ground_truth); null = the "
+                                   "first of answer, solution, reward_model.ground_truth")
 
 
 _PLUGIN_HELP = "an import path 'package.module:name'"
@@ -246,6 +257,15 @@ class LoggingConfig(Strict):
     tensorboard: bool = True
     log_every: int = Field(1, ge=1)
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # trackers beside TensorBoard (moe_rl/train/tracking.py): trainer rank 0 logs what metrics.jsonl holds
+    wandb: bool = Field(False, description="also log to Weights & Biases (pip install 'moe-rl[wandb]'); W&B's own "
+                        "environment variables apply (WANDB_MODE=offline, WANDB_DIR, WANDB_API_KEY, WANDB_BASE_URL, ...)")
+    mlflow: bool = Field(False, description="also log to MLflow (pip install 'moe-rl[mlflow]'); the store is "
+                         "MLFLOW_TRACKING_URI, MLflow's own default when unset")
+    project: str | None = Field(None, description="W&B project and MLflow experiment; null = WANDB_PROJECT / "
+                                "MLFLOW_EXPERIMENT_NAME when set, else the config's name")
+    run_name: str | None = Field(None, description="the run's name in W&B and MLflow; null = output_dir's last part")
+    tags: list[str] = Field([], description="tags of the run in W&B and MLflow")
 
 
 class CheckpointConfig(Strict):
@@ -307,9 +327,16 @@ class SweepConfig(Strict):
     parallel: int = Field(1, ge=1, description="runs at a time (each is a whole torchrun world)")
     output_dir: str | None = None  # default: <output_dir>/sweep
     overrides: list[str] = []  # key=value applied to every run (e.g. the bench's long_tail task)
-    eval_prompts: int = Field(0, ge=0, description="score each run's final checkpoint on this many fixed prompts "
-                              "(moe_rl/experiments/evaluate.py); 0 = off")
-    eval_samples: int = Field(4, ge=1, description="samples per evaluation prompt")
+    final_eval: bool = Field(False, description="score each run's final checkpoint as the eval section says "
+                             "(eval.prompts, eval.samples, eval.temperature, eval.data; moe_rl/experiments/evaluate.py)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and {"eval_prompts", "eval_samples"} & set(data):
+            raise ValueError("sweep.eval_prompts and sweep.eval_samples are now the eval section's: set "
+                             "sweep.final_eval=true with eval.prompts and eval.samples")
+        return data
 
 
 class FaultConfig(Strict):
@@ -323,6 +350,22 @@ class FaultConfig(Strict):
         "kill_tree", description="kill_tree: SIGKILL the launcher and every process under it at once; kill: SIGKILL "
         "this process; enospc: fail the write with OSError(ENOSPC) (checkpoint.write only)")
     rank: int | None = Field(None, ge=0, description="the global rank where it fires; None = any rank reaching it")
+
+
+class EvalConfig(Strict):
+    """Evaluation on held-out prompts (moe_rl/rollout/evaluation.py, docs/experiments.md): during training
+    on the rollout engines at the current weights, and the sweeps' final-checkpoint evaluation."""
+
+    every: int = Field(0, ge=0, description="evaluate after every this many steps, and after the last; 0 = never "
+                       "during training")
+    prompts: int = Field(64, ge=1, description="prompts per evaluation (all of eval.data's when it holds fewer)")
+    samples: int = Field(4, ge=1, description="responses per prompt: pass@1 and pass@{samples} are reported")
+    temperature: float | None = Field(None, ge=0, description="sampling temperature; null = rollout.temperature, "
+                                      "0 = greedy")
+    data: str | None = Field(None, description="held-out dataset for data.task=jsonl, read like data.path (same "
+                             "data.format, prompt_key, answer_key); null = the training task's prompts drawn with a "
+                             "seed no training run draws with")
+    pass_threshold: float = Field(1.0, description="a response passes (pass@k) when its reward is at least this")
 
 
 class ExperimentConfig(Strict):
@@ -348,6 +391,7 @@ class ExperimentConfig(Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
     fault: FaultConfig = FaultConfig()
+    eval: EvalConfig = EvalConfig()
 
     sweep: SweepConfig = SweepConfig()
 
@@ -416,6 +460,17 @@ class ExperimentConfig(Strict):
             self._check_sglang_lora()
         if self.data.task == "jsonl" and not self.data.path:
             raise ValueError("data.task=jsonl needs data.path")
+        file_keys = [f"data.{k}" for k, unset in (("format", "auto"), ("prompt_key", None), ("answer_key", None))
+                     if getattr(self.data, k) != unset]
+        if file_keys and self.data.task != "jsonl":
+            raise ValueError(f"{', '.join(file_keys)} set, but they apply to data.task=jsonl (a dataset file), "
+                             f"not {self.data.task!r}")
+        if self.eval.data and self.data.task != "jsonl":
+            raise ValueError(f"eval.data is a held-out dataset for data.task=jsonl; data.task is {self.data.task!r} "
+                             "(its evaluation draws the task's own prompts: leave eval.data unset)")
+        if self.eval.every and self.env.factory:
+            raise ValueError("eval.every with env.factory: evaluation runs single-turn prompts; multi-turn episodes "
+                             "are not evaluated (set eval.every=0)")
         return self
 
     def _check_sglang_lora(self) -> None:

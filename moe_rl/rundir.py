@@ -33,7 +33,8 @@ from pathlib import Path
 LOCK = "run.lock"
 WRITERS = "writers.lock"
 # what a run writes into output_dir (moe_rl/train): overwrite_output_dir deletes exactly these
-RUN_FILES = ("metrics.jsonl", "checkpoints", "routing", "tensorboard", "reward_curve.png", "lora_sync")
+RUN_FILES = ("metrics.jsonl", "checkpoints", "routing", "tensorboard", "reward_curve.png", "lora_sync", "trackers.json",
+             "wandb")
 # env var the `moe-rl train` launcher sets for its workers: it holds the claim (and is their parent)
 LAUNCHER_ENV = "MOE_RL_LAUNCHER_PID"
 

@@ -37,6 +37,7 @@ from moe_rl.tasks.plugins import reward_value
 
 from .buffer import RolloutBuffer
 from .episode import EpisodeRunner
+from .evaluation import score
 from .requests import attempt_rid, sampling_seed
 from .sample import Group, Sample
 
@@ -114,6 +115,33 @@ class RolloutManager:
             self._call(lambda: (self._wake.set(), self._ready.set()))
             self._thread.join(timeout=60)
         self._rewards.shutdown(wait=False, cancel_futures=True)
+
+    def evaluate(self, task, prompts: list, requests: list[list[dict]], poll_s: float = 1.0) -> list[list[tuple]]:
+        """Generates ``requests`` (per prompt, its samples: moe_rl/rollout/evaluation.py) on the
+        engines through this manager's client (its failover included) beside the training
+        rollouts, and scores them in its reward workers; waits for all. Per prompt, per sample:
+        (reward, failed, response length, weight version that served it). Raises if the
+        manager dies meanwhile."""
+        fut = asyncio.run_coroutine_threadsafe(self._evaluate(task, prompts, requests), self._loop)
+        while True:
+            try:
+                return fut.result(timeout=poll_s)
+            except concurrent.futures.TimeoutError:
+                self.check()
+
+    async def _evaluate(self, task, prompts, requests):
+        loop = asyncio.get_running_loop()
+
+        async def one(prompt, reqs):
+            resps = await self._resubmitting(lambda k: self.client.generate_batch(
+                [r["input_ids"] for r in reqs], [r["sampling_params"] for r in reqs], return_logprob=False,
+                rids=[attempt_rid(r["rid"], k) for r in reqs]), f"evaluation of prompt {prompt.index}")
+            scores = await asyncio.gather(*(loop.run_in_executor(self._rewards, score, task, prompt, r["output_ids"])
+                                            for r in resps))
+            return [(rew, failed, len(r["output_ids"]), r["meta_info"].get("weight_version"))
+                    for (rew, failed), r in zip(scores, resps)]
+
+        return await asyncio.gather(*(one(p, reqs) for p, reqs in zip(prompts, requests)))
 
     def state_dict(self) -> dict:
         """Data position, the groups in flight (their prompts are resubmitted on resume) and the

@@ -9,7 +9,8 @@ name           what                                                             
 ``echo``       tiny-model task: repeat the prompt's symbol (:mod:`.synthetic`)      endless
 ``copy``       repeat the prompt's k symbols cyclically                             endless
 ``reverse``    repeat the prompt's k symbols reversed, cyclically                   endless
-``jsonl``      math-style JSONL at ``data.path``, rule-based 0/1 reward              the file's
+``jsonl``      math problems at ``data.path`` (JSONL, Parquet, ``datasets`` dir),   the file's
+               0/1 reward by math-verify (:mod:`.jsonl`)
 ``arith``      ``jsonl`` on the shipped ``data/arith_example.jsonl`` (48 problems)   48
 ``guess``      guess the number, multi-turn with ``env.factory:                     endless
                moe_rl.tasks.guess:GuessEnv`` (:mod:`.guess`)
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, DataConfig
-from .answers import answers_match, extract_answer, math_reward, reference_answer
+from .answers import math_reward, reference_answer
 from .base import DatasetError, Prompt, Task, cut_at_stop
 from .guess import GuessEnv, GuessTask
 from .plugins import PluginError, PluginRewardTask, RewardError, is_plugin_path, load_task, reward_value
@@ -65,7 +66,8 @@ def _jsonl(path_override: Path | None, name: str) -> _Factory:
         path = path_override or data.path
         if not path:
             raise ConfigError(f"data.task={name} needs data.path (a JSONL file)")
-        return JsonlMathTask(path, seed=data.seed, name=name, model_path=model_path, **args)
+        return JsonlMathTask(path, seed=data.seed, name=name, model_path=model_path, format=data.format,
+                             prompt_key=data.prompt_key, answer_key=data.answer_key, **args)
 
     return make
 
@@ -77,7 +79,7 @@ register_task("guess", lambda data, model_path, max_new_tokens, **args: GuessTas
               GuessTask.__init__)
 register_task("arith", _jsonl(ARITH_EXAMPLE, "arith"), JsonlMathTask.__init__)
 
-_NOT_TASK_ARGS = {"self", "name", "seed", "path", "model_path"}
+_NOT_TASK_ARGS = {"self", "name", "seed", "path", "model_path", "format", "prompt_key", "answer_key"}  # data.*
 
 
 def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens: int = 16) -> Task:
@@ -131,9 +133,7 @@ __all__ = [
     "ByteTokenizer",
     "load_examples",
     "long_tail_length",
-    "extract_answer",
     "reference_answer",
-    "answers_match",
     "math_reward",
     "cut_at_stop",
     "ARITH_EXAMPLE",

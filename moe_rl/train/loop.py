@@ -40,9 +40,11 @@ from moe_rl.algo.token_loss import TokenLoss, fused_loss_unsupported
 from moe_rl.config import ConfigError
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.host import exchange_urls
+from moe_rl.engine.protocol import version_number
 from moe_rl.replay import ReplayLog, RoutingSpec, align_replay, filler_ids, packed_layout
 from moe_rl.replay.match import routing_match
 from moe_rl.rollout.buffer import RolloutBuffer
+from moe_rl.rollout.evaluation import eval_metrics, eval_prompts, eval_requests, eval_task
 from moe_rl.rollout.manager import RolloutManager
 from moe_rl.sync.sender import WeightSender
 from moe_rl.tasks import task_from_config
@@ -274,8 +276,11 @@ class Trainer:
                 submitted=m.get("submitted", 0),
                 attempt=RolloutManager.next_attempt(m.get("attempt", -1), self.writer),
             )
-            self.tracker = Tracker(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                                   total_steps=cfg.train.steps, start_step=self.step)
+            self.tracker = Tracker.from_config(cfg, start_step=self.step)
+            if cfg.eval.every:  # the held-out prompts and their requests, the same at every evaluation
+                task = eval_task(cfg)
+                prompts = eval_prompts(cfg, task)
+                self._eval_plan = (task, prompts, eval_requests(cfg, task, prompts))
 
     def _trainer_barrier(self):
         if self.n_trainers > 1:
@@ -507,7 +512,7 @@ class Trainer:
                 busy += train_s + sync_s
                 self.step += 1
                 if self.lead:
-                    self._log(info, metrics, train_s, sync_s, sync, busy, t_start)
+                    self._log(info, metrics, train_s, sync_s, sync, busy, t_start, self._evaluate())
                 every = cfg.checkpoint.every
                 if (every and self.step % every == 0) or self.step == cfg.train.steps:
                     self._checkpoint()
@@ -517,7 +522,26 @@ class Trainer:
                 self.tracker.close()
             self.sender.close()
 
-    def _log(self, info, metrics, train_s, sync_s, sync, busy, t_start):
+    # --- evaluation between steps (moe_rl/rollout/evaluation.py) ----------------------------
+    def _evaluate(self) -> dict:
+        """The ``eval/*`` metrics of the weights the engines now serve (version = step), every
+        ``eval.every`` steps and after the last step; {} at other steps. Rollouts go on beside it."""
+        every, last = self.cfg.eval.every, self.step == self.cfg.train.steps
+        if not every or (self.step % every and not last):
+            return {}
+        t0 = time.perf_counter()
+        task, prompts, requests = self._eval_plan
+        results = self.manager.evaluate(task, prompts, requests)
+        served = {version_number(v) for per_prompt in results for *_, v in per_prompt}
+        if served != {self.version}:
+            raise RuntimeError(f"evaluation at step {self.step}: served by weight versions {sorted(served)}, "
+                               f"expected only {self.version}")
+        rewards, failed, lengths = (np.array([[r[i] for r in per_prompt] for per_prompt in results]) for i in range(3))
+        out = eval_metrics(rewards.astype(float), lengths, failed, self.cfg.eval.pass_threshold)
+        out["eval/time_s"] = time.perf_counter() - t0
+        return out
+
+    def _log(self, info, metrics, train_s, sync_s, sync, busy, t_start, evaluation: dict):
         rewards = info["rewards"]
         wall = time.monotonic() - t_start
         st = np.asarray(info["staleness"] or [0])
@@ -550,6 +574,7 @@ class Trainer:
             "groups": info["groups"],
             **{k: v for k, v in info.items() if k.startswith("dyn_")},
             "wall_s": wall,
+            **evaluation,
         }
         gen = self.manager.stats["generated_tokens"]  # every token the engines returned, kept or not
         prev_gen, prev_wall = self._rollout_mark
