@@ -266,7 +266,7 @@ class Engine:
                 raise RequestError("rid", f"a request with rid {rid!r} is already in flight")
             queued = len(self.waiting) - len(self.free_slots)  # those no free slot awaits
             if self.max_waiting is not None and queued >= self.max_waiting:
-                raise P.QueueFull(f"The request queue is full: {queued} requests wait for one of the "
+                raise P.QueueFull(f"The request queue is full. {queued} requests wait for one of the "
                                   f"{self.max_running} KV slots (engine.max_waiting_requests={self.max_waiting})")
             self.by_rid[rid] = r
             self.waiting.append(r)

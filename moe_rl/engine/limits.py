@@ -107,8 +107,8 @@ class ServerLimits:
             return resp
         except web.HTTPRequestEntityTooLarge:
             return self._too_large(None)
-        except HttpProcessingError as e:  # a bad chunked encoding or compression
-            resp = error_response(400, f"body: {e.message}")
+        except (HttpProcessingError, web.RequestPayloadError) as e:  # a bad chunked encoding or compression
+            resp = error_response(400, f"body: {' '.join(str(e).split())}")
             resp.force_close()
             return resp
         try:

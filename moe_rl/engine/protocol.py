@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+from aiohttp import web
 
 GREEDY_EPS = 1e-6  # temperature below this means greedy, as SGLang's _SAMPLING_EPS
 MAX_STOP_COUNT = 32  # SGLang's limit on stop strings per request
@@ -48,7 +49,8 @@ class RequestError(ValueError):
         self.field, self.message = field_name, message
 
 
-BODY = "moe_rl.json_body"  # where the server's limits middleware leaves a request's parsed body
+# where the server's limits middleware leaves a request's parsed body (aiohttp >= 3.12 types the key)
+BODY = web.RequestKey("moe_rl.json_body", object) if hasattr(web, "RequestKey") else "moe_rl.json_body"
 
 
 def json_body(request, *, optional: bool = False) -> Any:

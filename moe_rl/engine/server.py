@@ -415,7 +415,7 @@ class EngineServer:
         """SGLang's update from an HF checkpoint directory: read into a staging copy (a missing
         directory, tensor or a wrong shape is a 400 and the engine keeps its weights), then
         copied into the live weights between two steps, like a distributed update."""
-        from ..model import MoEForCausalLM, iter_local_hf_tensors, load_hf_weights
+        from ..model import MoEArch, MoEForCausalLM, hf_param_specs, iter_local_hf_tensors, load_hf_weights
 
         req = P.UpdateFromDiskRequest.parse(await _json(request))
         if req.abort_all_requests:
@@ -423,8 +423,14 @@ class EngineServer:
         engine = self.engine
 
         def load_and_commit():
+            if (Path(req.model_path) / "config.json").is_file():  # of another model: say which tensor differs
+                theirs, ours = hf_param_specs(MoEArch.from_hf_dir(req.model_path)), hf_param_specs(engine.arch)
+                if theirs != ours:
+                    a, b = next(((a, b) for a, b in zip(theirs + [None], ours + [None]) if a != b))
+                    raise ValueError(f"its config.json is of another model (tensor {a} where this engine has {b})")
             staged = load_hf_weights(MoEForCausalLM(engine.arch).to(engine.dtype), req.model_path)
 
+            @torch.no_grad()
             def commit():
                 live = dict(iter_local_hf_tensors(engine.model))
                 for name, t in iter_local_hf_tensors(staged):
