@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 from dataclasses import dataclass
 
 import pydantic
@@ -28,6 +29,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from .protocol import BODY, QueueFull
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _deadline
+else:  # aiohttp depends on async-timeout before 3.11
+    from async_timeout import timeout as _deadline
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +101,10 @@ class ServerLimits:
         if request.content_length is not None and request.content_length > self.max_request_bytes:
             return self._too_large(request.content_length)
         try:
-            raw = await asyncio.wait_for(request.read(), self.read_timeout_s)
+            # not asyncio.wait_for: it drops a cancellation (the client hung up) that arrives as
+            # the body is read, and the request would then run for no one
+            async with _deadline(self.read_timeout_s):
+                raw = await request.read()
         except asyncio.TimeoutError:
             # a half-sent body: answer, then close at once instead of waiting for the rest
             resp = error_response(408, f"body: not received in full within engine.read_timeout_s="

@@ -230,15 +230,15 @@ class EngineServer:
 
         rid = self.engine.submit(req, lambda res: push(res, True), on_update=push)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)
             while True:
                 item, final = await queue.get()
                 await resp.write(b"data: " + json.dumps(self._finish(item, req)).encode() + b"\n\n")
                 if final:
                     break
             await resp.write(b"data: [DONE]\n\n")
-        except (asyncio.CancelledError, ConnectionResetError):
+        except BaseException:  # the client went away (from the first byte on): free its KV slot
             self.engine.abort(rid, "client disconnected")
             raise
         return resp

@@ -4,6 +4,7 @@ within engine.read_timeout_s, a full queue answers 503 with Retry-After; no rout
 a client's mistake. The server runs in this process (helpers.InProcessServer)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -292,3 +293,44 @@ def test_a_full_queue_answers_503_with_retry_after(srv):
     load = _loads(srv)
     assert (load["num_running_reqs"], load["num_waiting_reqs"], load["num_used_tokens"], load["kv_slots_free"]) == (0, 0, 0, 2)
     assert call(srv, "POST", "/generate", padded(100))[0] == 200
+
+
+def test_a_client_gone_as_its_body_is_read_is_cancelled_in_the_handler():
+    """The client hangs up (aiohttp cancels the handler's task) in the same turn of the loop as
+    its body comes in: the cancellation must reach the handler's wait on the engine, or its
+    request would run for no one (asyncio.wait_for drops it there: tried once)."""
+    class Request(dict):
+        content_length, body_exists, method, path = 2, True, "POST", "/generate"
+        match_info = type("M", (), {"http_exception": None})()
+
+        async def read(self):
+            await asyncio.sleep(0)
+            return b"{}"
+
+    async def main():
+        mw = ServerLimits(max_request_bytes=LIMIT, read_timeout_s=READ_T).middleware()
+        outcomes = []
+        for turns in range(5):  # cancel after 0..4 turns of the loop: at every point of the read
+            seen = []
+
+            async def handler(request):
+                seen.append("called")
+                try:
+                    await asyncio.sleep(5)  # the wait on the engine
+                    seen.append("ran on")
+                except asyncio.CancelledError:
+                    seen.append("cancelled")  # where the engine aborts the request
+                    raise
+
+            task = asyncio.ensure_future(mw(Request(), handler))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=2)
+            outcomes.append((turns, bool(done) and task.cancelled(), seen))
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    for turns, cancelled, seen in outcomes:
+        assert cancelled and seen in ([], ["called", "cancelled"]), (turns, seen)
+    assert any(seen for _, _, seen in outcomes)  # some turn reached the handler
