@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from .soak import CONTROL, KINDS, run_soak
 
 
+@pytest.mark.slow  # ~35 s with the server's start on 2 loaded cores; run in CI all the same
 def test_soak_with_faults():
     report, log = run_soak(seconds=15, clients=64, read_timeout_s=5.0)
     print(json.dumps(report.__dict__))
