@@ -41,7 +41,7 @@ MIB = 1 << 20
 # a prompt token in a /generate body: an id is at most 8 bytes of JSON ("151935, "); a text
 # prompt's token is a few characters, each up to 6 bytes escaped ("\u00e9")
 BYTES_PER_TOKEN = 32
-RETRY_AFTER_S = 1  # what a 503 asks the client to wait: about one engine step and a half
+RETRY_AFTER_S = 1  # what a 503 asks the client to wait (SGLang sends no Retry-After): a few engine steps
 LINGER_S = 10.0  # aiohttp's default: how long a refused body is still read (so its sender sees the answer)
 
 
