@@ -71,6 +71,21 @@ class EngineConfig(Strict):
     static_decode: bool | None = Field(None, description="decode-only steps padded to batch-size and context-length "
                                        "buckets, inputs in preallocated buffers (what a graph captures); "
                                        "null = as engine.cuda_graph")
+    # the HTTP server of an embedded engine (moe_rl/engine/limits.py, docs/serving.md)
+    max_request_bytes: int | None = Field(None, ge=1024, description="largest request body an embedded engine's "
+                                          "server reads; a larger one gets HTTP 413. null = sized from the model: "
+                                          "1 MiB plus the larger of a /generate batch of max_running_requests prompts "
+                                          "of max_context tokens at 32 bytes a token, and twice a weight update that "
+                                          "lists every tensor of the model (docs/serving.md)")
+    read_timeout_s: float = Field(30.0, gt=0, le=3600, description="seconds an embedded engine's server gives a "
+                                  "client to send a request's headers (from connecting, or from its previous "
+                                  "answer) and then its body (HTTP 408) before it closes the connection; also how "
+                                  "long an idle keep-alive connection is kept. Keep it above the clients' keep-alive "
+                                  "(15 s in aiohttp, EngineClient's library)")
+    max_waiting_requests: int | None = Field(4096, ge=0, description="requests queued beyond max_running_requests "
+                                             "(waiting for a KV slot) before /generate answers HTTP 503 with "
+                                             "Retry-After; passed to a launched SGLang server as "
+                                             "--max-queued-requests; null = no bound")
     # kind=sglang, launched by moe-rl: arguments passed to `python -m sglang.launch_server`
     sglang_model_path: str | None = None
     sglang_ep_size: int = Field(1, ge=1)

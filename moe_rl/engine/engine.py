@@ -147,17 +147,20 @@ class Engine:
         cuda_graph: bool | None = False,
         cuda_graph_max_bs: int | None = None,
         graphs=None,
+        max_waiting_requests: int | None = None,
     ):
         """``static_decode``: decode-only steps of up to ``cuda_graph_max_bs`` requests
         (default: all) run with static shapes (``moe_rl.engine.decode``); ``cuda_graph``: and
         are captured as CUDA graphs at ``start`` (a CUDA model), or by ``graphs``, a capture
         backend with ``CudaGraphs``' interface. None (the config's unset): ``cuda_graph`` on
         where graphs can be made (a GPU, or ``graphs``) and the step can be captured (checked
-        at ``start``), ``static_decode`` as ``cuda_graph``."""
+        at ``start``), ``static_decode`` as ``cuda_graph``. ``max_waiting_requests``: requests
+        queued beyond the free KV slots before ``submit`` raises ``QueueFull`` (None: no bound)."""
         self.model = model.eval()
         self.arch = model.arch
         self.model_path = model_path
         self.max_running = max_running_requests
+        self.max_waiting = max_waiting_requests
         self.max_context = min(max_context, self.arch.max_position_embeddings)
         self.threads = threads
         self.weight_version = str(weight_version)
@@ -259,6 +262,10 @@ class Engine:
                 raise RuntimeError(f"engine is not running: {self.error}")
             if rid in self.by_rid:
                 raise RequestError("rid", f"a request with rid {rid!r} is already in flight")
+            queued = len(self.waiting) - len(self.free_slots)  # those no free slot awaits
+            if self.max_waiting is not None and queued >= self.max_waiting:
+                raise P.QueueFull(f"The request queue is full. {queued} requests wait for one of the "
+                                  f"{self.max_running} KV slots (engine.max_waiting_requests={self.max_waiting})")
             self.by_rid[rid] = r
             self.waiting.append(r)
             self.stats["submitted"] += 1
@@ -342,6 +349,11 @@ class Engine:
                 "running_requests": len(self.running),
                 "waiting_requests": len(self.waiting),
                 "max_running_requests": self.max_running,
+                "max_waiting_requests": self.max_waiting,
+                # KV cache: slots not held by a request, tokens held by running ones
+                "kv_slots_free": len(self.free_slots),
+                "kv_tokens_used": sum(r.kv_len for r in self.running),
+                "waiting_tokens": sum(len(r.req.input_ids) + len(r.output_ids) for r in self.waiting),
                 "max_context": self.max_context,
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "static_decode": self.static_decode,

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from moe_rl.gc_control import freeze_gc
 
+from .limits import ServerLimits
 from .server import build_engine, start_server
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def run_engine_host(cfg, groups) -> None:
     # the launcher set this rank's GPU from the placement (moe_rl.placement)
     engine = build_engine(cfg, device=f"cuda:{torch.cuda.current_device()}" if cfg.train.device == "cuda" else None)
     freeze_gc()  # weight updates decode thousands of small lists: see moe_rl.gc_control
-    runner, url = loop.run_until_complete(start_server(engine, e.host, port, e.api_key))
+    runner, url = loop.run_until_complete(start_server(engine, e.host, port, e.api_key, ServerLimits.for_engine(engine, e)))
     thread = threading.Thread(target=loop.run_forever, name="engine-http", daemon=True)
     thread.start()
     log.info("embedded engine %d listening on %s", index, url)
