@@ -391,7 +391,7 @@ class EngineServer:
         if include & {"all", "memory"}:
             nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts) / 2**30  # noqa: E731
             load["memory"] = {"weight_gb": round(nbytes(e.model.parameters()), 3),
-                              "kv_cache_gb": round(nbytes(e.k_cache) + nbytes(e.v_cache), 3),
+                              "kv_cache_gb": round(e.state_bytes / 2**30, 3),
                               "graph_gb": 0.0, "token_capacity": capacity}
         if include & {"all", "queues"}:
             load["queues"] = {"waiting": info["waiting_requests"], "grammar": 0,
