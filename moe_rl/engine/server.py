@@ -27,7 +27,7 @@ from moe_rl import faults
 from moe_rl.gc_control import freeze_gc, paused_gc
 from moe_rl.model.arch import FAMILIES
 
-from . import lora
+from . import lora, openai_api
 from . import protocol as P
 from .engine import Engine
 from .protocol import RequestError
@@ -86,6 +86,7 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
         cuda_graph_max_bs=e.cuda_graph_max_bs,
     )
     lora.attach(engine, cfg)  # LoRA serving: moe_rl.engine.lora
+    engine.tokenizer_path = cfg.model.tokenizer_path  # the server's tokenizer when set (else model.path's)
     return engine
 
 
@@ -124,8 +125,9 @@ class EngineServer:
         self.receiver = None  # moe_rl.sync.receiver.WeightReceiver, made on the first init
         self._update_lock = asyncio.Lock()
         self.session_open = False  # between /begin_weight_update and /end_weight_update
-        self.eos_token_ids = model_eos_ids(engine.model_path)
-        tokenizer = load_tokenizer(engine.model_path)
+        tokenizer_path = getattr(engine, "tokenizer_path", None) or engine.model_path  # model.tokenizer_path first
+        self.eos_token_ids = model_eos_ids(engine.model_path) | model_eos_ids(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path)
         # None: answers as SGLang with --skip-tokenizer-init (no "text"; a text prompt is a 400)
         self.text = TextCodec(tokenizer) if tokenizer is not None else None
         if self.text is not None:
@@ -158,6 +160,7 @@ class EngineServer:
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
         lora.register_routes(self, app)
+        openai_api.register_routes(self, app)  # /v1/chat/completions, /v1/completions, /v1/models, /episodes
         app.on_shutdown.append(self._on_shutdown)
         return app
 
