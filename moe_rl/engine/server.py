@@ -465,10 +465,11 @@ async def _serve(cfg, host: str, port: int, api_key: str | None) -> None:
 
 
 def serve_main(argv: list[str]) -> int:
-    from ..config import ConfigError, load_config
+    from ..config import ConfigError
 
     ap = argparse.ArgumentParser(prog="moe-rl serve", description="Serve an embedded engine over SGLang's HTTP API.")
-    ap.add_argument("config", help="experiment YAML (its model and engine sections are used)")
+    ap.add_argument("config", help="experiment YAML (its model and engine sections are used), or a model directory: "
+                    "an HF model, a checkpoint step directory (its hf/) or a run directory (its latest checkpoint)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     ap.add_argument("--host", default=None, help="bind address (default engine.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, default=None, help="port (default engine.port; 0 = a free port)")
@@ -476,8 +477,8 @@ def serve_main(argv: list[str]) -> int:
     ap.add_argument("--dry-run", action="store_true", help="engine.kind=sglang: print the SGLang command, do not run it")
     args = ap.parse_intermixed_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+        cfg = _serve_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     e = cfg.engine
@@ -492,6 +493,21 @@ def serve_main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _serve_config(config: str, overrides: list[str]):
+    """The config of ``moe-rl serve CONFIG``: a YAML file, or a directory holding a model (the
+    defaults with model.path set to it); a model.path naming a checkpoint or run directory is
+    resolved to its model (``rundir.resolve_model_dir``)."""
+    from ..config import load_config
+    from ..rundir import resolve_model_dir
+
+    if Path(config).is_dir():
+        return load_config(None, [f"model.path={resolve_model_dir(config)}", *overrides])
+    cfg = load_config(config, overrides)
+    if cfg.model.path:
+        cfg.model.path = str(resolve_model_dir(cfg.model.path))
+    return cfg
 
 
 def _exec_sglang(cfg, args) -> int:

@@ -18,10 +18,10 @@ if str(EXAMPLE) not in sys.path:
 
 
 class InProcessServer:
-    def __init__(self, overrides=()):
+    def __init__(self, overrides=(), cfg=None):
         from moe_rl.engine.server import build_engine, start_server
 
-        self.cfg = load_config(CONFIG, [*OVERRIDES, *overrides])
+        self.cfg = cfg if cfg is not None else load_config(CONFIG, [*OVERRIDES, *overrides])
         self.engine = build_engine(self.cfg)
         self.loop = asyncio.new_event_loop()
         ready, box = threading.Event(), {}
