@@ -9,7 +9,13 @@ Line format (blank lines are skipped)::
   (``question`` + a worked ``answer`` ending in ``#### 42``) and MATH lines (``problem`` +
   ``solution`` with a ``\\boxed{}``) load as they are: the reference is taken from after
   ``####`` or from the box (see :mod:`moe_rl.tasks.answers`);
+* ``"messages"`` (optional): the conversation as chat messages (``[{"role", "content"}]``);
+  then the prompt key may be left out (the question is the last user message), and an HF
+  tokenizer's chat template renders the messages instead of the templated question;
 * other keys are ignored.
+
+``Prompt.meta`` holds ``answer`` and, for agents (``env.openai_agent``), the question as
+``text`` and the ``messages`` where the line has them.
 
 A line that is not valid JSON, not an object, lacks a prompt or answer key, or has a value of
 the wrong type raises :class:`DatasetError` naming ``file:line``; a file with no example
@@ -67,6 +73,16 @@ def load_examples(path: str | Path) -> list[dict[str, Any]]:
                 raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             pk = next((k for k in PROMPT_KEYS if k in obj), None)
             ak = next((k for k in ANSWER_KEYS if k in obj), None)
+            messages = obj.get("messages")
+            if messages is not None:
+                if not (isinstance(messages, list) and messages and all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in messages)):
+                    raise DatasetError(f"{where}: 'messages' must be a non-empty list of {{\"role\": str, "
+                                       f"\"content\": str}} objects")
+                users = [m["content"] for m in messages if m["role"] == "user"]
+                if pk is None and users:
+                    obj, pk = {**obj, "prompt": users[-1]}, "prompt"
             if pk is None:
                 raise DatasetError(f"{where}: missing prompt key (one of {', '.join(PROMPT_KEYS)})")
             if ak is None:
@@ -79,7 +95,7 @@ def load_examples(path: str | Path) -> list[dict[str, Any]]:
             ref = reference_answer(str(answer))
             if not prompt.strip() or not ref:
                 raise DatasetError(f"{where}: empty {pk if not prompt.strip() else ak!r}")
-            out.append({"prompt": prompt, "answer": ref, "line": lineno})
+            out.append({"prompt": prompt, "answer": ref, "line": lineno, **({"messages": messages} if messages else {})})
     if not out:
         raise DatasetError(f"{p}: the file holds no examples (empty or only blank lines)")
     return out
@@ -136,6 +152,11 @@ class HFTokenizer:
                 ids = ids["input_ids"]
             return list(ids)
         return list(self.tok.encode(text, add_special_tokens=True))
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """A dataset's own chat messages through the chat template."""
+        ids = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def encode_text(self, text: str) -> list[int]:
         """``text`` as plain ids, special tokens in it (<|im_start|>...) parsed, none added:
@@ -202,9 +223,13 @@ class JsonlMathTask:
         i = self.example_at(index)
         ex = self.examples[i]
         if i not in self._ids:
-            self._ids[i] = self.tokenizer.encode(self.template.format(prompt=ex["prompt"]))
-        return Prompt(index, list(self._ids[i]), None,
-                      {"answer": ex["answer"], "example": i, "line": ex["line"], "source": self.path})
+            chat = "messages" in ex and getattr(self.tokenizer, "chat_template", False)
+            self._ids[i] = (self.tokenizer.encode_messages(ex["messages"]) if chat
+                            else self.tokenizer.encode(self.template.format(prompt=ex["prompt"])))
+        meta = {"answer": ex["answer"], "example": i, "line": ex["line"], "source": self.path, "text": ex["prompt"]}
+        if "messages" in ex:
+            meta["messages"] = [dict(m) for m in ex["messages"]]
+        return Prompt(index, list(self._ids[i]), None, meta)
 
     def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
         text = self.tokenizer.decode(cut_at_stop(response_ids, self.stop_token_ids))
