@@ -400,7 +400,7 @@ class OpenAIServer:
                   "ignore_eos": req.ignore_eos, "skip_special_tokens": skip_special, "no_stop_trim": req.no_stop_trim,
                   "min_new_tokens": min(req.min_tokens, max(0, mt))}
             if ep is not None:  # the run's sampling, no logit processing: the trainer's log-probs match
-                sp.update(ep.sampling)
+                sp.update(ep.sampling, min_new_tokens=0)
             else:
                 for key in _GEN_CONFIG_KEYS:
                     v = getattr(req, key)

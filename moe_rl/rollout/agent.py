@@ -120,6 +120,8 @@ class AgentRunner:
         except ImportError as e:
             raise PluginError(f"{self.who}: the agent path needs the `openai` package (pip install openai)") from e
         self.openai = openai
+        for name in ("httpx", "httpx2", "openai"):  # one INFO line per call otherwise, in the trainer's log
+            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
         self.turn_tokens = env.max_new_tokens_per_turn or cfg.rollout.max_new_tokens
         self.max_tokens = env.max_episode_tokens or cfg.engine.max_context
         self.timeout_s = env.episode_timeout_s
