@@ -7,7 +7,9 @@
 parse. Endpoints and fields are SGLang's (see ``protocol``); errors are
 ``{"error": {"message": ...}}`` with 400 (malformed request, naming the field) or 401 (bad or
 missing ``Authorization: Bearer K`` when an api key is set; every endpoint needs it).
-Weight-sync endpoints answer ``{"success": bool, "message": str}`` like SGLang.
+Weight-sync endpoints answer ``{"success": bool, "message": str}`` like SGLang. The
+OpenAI-compatible ``/v1`` endpoints and the per-episode recording: ``moe_rl.engine.openai_api``.
+``CONFIG`` may also be a model, checkpoint step or run directory (``rundir.resolve_model_dir``).
 """
 from __future__ import annotations
 
