@@ -5,8 +5,6 @@ model is a one-line error."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -91,10 +89,11 @@ def test_serve_finds_the_model_of_a_checkpoint_or_run_directory(tmp_path):
         server.stop()
 
 
-def test_serve_a_directory_without_a_model_is_one_line(tmp_path):
+def test_serve_a_directory_without_a_model_is_one_line(tmp_path, capsys):
+    from moe_rl.cli import main
+
     with pytest.raises(FileNotFoundError, match="holds no model"):
         resolve_model_dir(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "moe_rl.cli", "serve", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 2
-    assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: ") and "holds no model" in out.stderr
+    assert main(["serve", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.strip().count("\n") == 0 and "holds no model" in err
