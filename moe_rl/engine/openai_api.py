@@ -620,6 +620,18 @@ class _Shape:
         hold = max((len(s) for s in g.sampling_params.stop_strs), default=1) - 1
         return text[: len(text) - hold] if hold else text
 
+    def with_ids(self, choice: dict, g, out: _Output, output_key: str) -> dict:
+        """A choice with SGLang's return_token_ids / return_prompt_token_ids fields."""
+        if self.req.return_token_ids or self.req.return_prompt_token_ids:
+            choice["prompt_token_ids"] = g.input_ids
+        if self.req.return_token_ids:
+            choice[output_key] = out.output_ids
+        return choice
+
+    def body(self, obj: str, gens, outs, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model, "choices": choices,
+                "usage": _usage(gens, outs, self.req.n)}
+
     def end(self, gens, outs) -> list[dict]:
         opts = self.req.stream_options or {}
         if opts.get("include_usage"):
@@ -671,13 +683,8 @@ class _ChatShape(_Shape):
             choice = {"index": i, "message": msg,
                       "logprobs": self.logprobs(out, 0, len(out.output_ids)) if self.req.logprobs else None,
                       "finish_reason": finish, "matched_stop": (out.finish or {}).get("matched")}
-            if self.req.return_token_ids or self.req.return_prompt_token_ids:
-                choice["prompt_token_ids"] = g.input_ids
-            if self.req.return_token_ids:
-                choice["response_token_ids"] = out.output_ids
-            choices.append(choice)
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.req.model,
-                "choices": choices, "usage": _usage(gens, outs, self.req.n)}
+            choices.append(self.with_ids(choice, g, out, "response_token_ids"))
+        return self.body("chat.completion", gens, outs, choices)
 
     def start(self) -> list[dict]:
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -744,13 +751,8 @@ class _CompletionShape(_Shape):
             choice = {"index": i, "text": self.text(g, out, True),
                       "logprobs": self.logprobs(out, 0, len(out.output_ids), 0) if self.req.logprobs is not None else None,
                       "finish_reason": _finish_reason(out), "matched_stop": (out.finish or {}).get("matched")}
-            if self.req.return_token_ids or self.req.return_prompt_token_ids:
-                choice["prompt_token_ids"] = g.input_ids
-            if self.req.return_token_ids:
-                choice["token_ids"] = out.output_ids
-            choices.append(choice)
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
-                "choices": choices, "usage": _usage(gens, outs, self.req.n)}
+            choices.append(self.with_ids(choice, g, out, "token_ids"))
+        return self.body("text_completion", gens, outs, choices)
 
     def delta(self, i: int, g, out: _Output, final: bool) -> list[dict]:
         text = self.streamable(g, out, final)
