@@ -3,11 +3,10 @@ a token-level environment (the side-by-side baseline of the agent path).
 
 A secret number in 0..3. Two tools: ``compare(n)`` answers ``higher`` (the secret is higher
 than n), ``lower`` or ``equal``; ``answer(n)`` ends the game, ``right`` or ``wrong``. At most
-``max_turns`` model turns. Reward: 1 - 0.2 (t - 1) for the right answer at turn t, 0.05 for
-each number compared for the first time, 0 otherwise; a turn without a tool call ends the
-game. With 3 turns, comparing first and then answering earns about 0.78 on average; a
-policy that ignores the tool results earns at most 0.25 + 0.1 = 0.35 (answer blindly, or
-compare twice then answer): a mean reward above that means the model reads the results.
+``max_turns`` model turns. Reward: 1 - 0.2 (t - 1) for the right answer at turn t, 0
+otherwise; a turn without a tool call ends the game. With 3 turns, comparing first and then
+answering earns 0.7 on average; a policy that ignores the tool results earns at most 0.25
+(answer at once): a mean reward above that means the model reads the results.
 """
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ class Game:
 
     def __init__(self, secret: int):
         self.secret, self.turns, self.reward, self.done, self.found = secret, 0, 0.0, False, False
-        self.compared: set[int] = set()
 
     def call(self, name: str, arguments: dict) -> str:
         n = arguments.get("n")
@@ -47,9 +45,6 @@ class Game:
                 self.reward += 1.0 - 0.2 * (self.turns - 1)
                 return "right"
             return "wrong"
-        if n not in self.compared:
-            self.compared.add(n)
-            self.reward += 0.05
         return "higher" if self.secret > n else "lower" if self.secret < n else "equal"
 
 
