@@ -29,6 +29,10 @@ class ModelConfig(MoEArch):
     """Architecture (HF field names; ``model_type`` picks the family) plus where the weights come from."""
 
     path: str | None = None  # HF checkpoint dir; its config.json overrides the fields above
+    tokenizer_path: str | None = Field(None, description="HF tokenizer directory (tokenizer files, chat template, "
+                                       "generation_config.json) used instead of model.path's, e.g. for a random-init "
+                                       "model: engines serve text and the OpenAI API with it, plug-in tasks with a "
+                                       "tokenizer_path parameter receive it, checkpoints copy it into hf/")
     init_seed: int = 0  # seeded random init when path is unset
     init_std: float = Field(0.02, gt=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -263,8 +267,12 @@ class EnvConfig(Strict):
     max_episode_tokens: int | None = Field(None, ge=2, description="prompt + all turns; default: engine.max_context")
     episode_timeout_s: float = Field(300.0, gt=0, description="an episode running longer is marked failed")
     max_concurrent_episodes: int = Field(64, ge=1, description="episodes in flight at once (all groups)")
+    openai_agent: str | None = Field(None, description=f"agent plug-in, {_PLUGIN_HELP}: an async function "
+                                     "agent(client, prompt, **env.args) called once per episode with an "
+                                     "openai.AsyncOpenAI client scoped to the episode; returns the reward (a float, "
+                                     "or a dict with 'reward' and numeric metrics). docs/environments.md, 'Agents'")
 
-    _check = field_validator("factory")(classmethod(lambda cls, v: _check_plugin_path(v)))
+    _check = field_validator("factory", "openai_agent")(classmethod(lambda cls, v: _check_plugin_path(v)))
 
 
 class LoggingConfig(Strict):
@@ -455,6 +463,15 @@ class ExperimentConfig(Strict):
         if self.sync.backend == "ipc" and self.engine.kind != "embedded":
             raise ValueError("sync.backend=ipc is moe-rl's own same-machine transfer: it needs engine.kind=embedded")
 
+        if self.env.openai_agent and self.env.factory:
+            raise ValueError("env.openai_agent and env.factory: an episode is played either by an OpenAI-API agent or "
+                             "by a token-level environment; set one of them")
+        if self.env.openai_agent and self.engine.kind != "embedded":
+            raise ValueError("env.openai_agent needs engine.kind=embedded: the per-episode recording of OpenAI-API "
+                             "calls (exact ids, log-probs, routing) is the embedded engine's")
+        if self.reward.fn and self.env.openai_agent:
+            raise ValueError("reward.fn and env.openai_agent: the agent returns the episode's reward; score inside "
+                             "the agent (or drop env.openai_agent)")
         if self.reward.fn and self.env.factory:
             raise ValueError("reward.fn and env.factory: an episode's reward is the sum of its environment's step "
                              "rewards; score inside the environment (or drop env.factory)")

@@ -35,6 +35,7 @@ from moe_rl.engine.protocol import output_logprobs, token_weight_versions, versi
 from moe_rl.replay import RoutingSpec, record_from_responses, routing_covers
 from moe_rl.tasks.plugins import reward_value
 
+from .agent import AgentRunner
 from .buffer import RolloutBuffer
 from .episode import EpisodeRunner
 from .evaluation import score
@@ -70,8 +71,10 @@ class RolloutManager:
         self._ready: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._stop = False
-        # env.factory set: every sample is a multi-turn episode (moe_rl/rollout/episode.py)
-        self.episodes = EpisodeRunner.from_config(cfg, task) if cfg.env.factory else None
+        # env.factory set: every sample is a multi-turn episode (moe_rl/rollout/episode.py);
+        # env.openai_agent: an episode played by an OpenAI-API agent (moe_rl/rollout/agent.py)
+        self.episodes = (EpisodeRunner.from_config(cfg, task) if cfg.env.factory
+                         else AgentRunner(cfg, task) if cfg.env.openai_agent else None)
 
     # --- control from the trainer thread --------------------------------------------------
     def start(self) -> "RolloutManager":
@@ -215,6 +218,8 @@ class RolloutManager:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if hasattr(self.episodes, "close"):  # the agent runner's OpenAI client
+                await self.episodes.close()
             await self.client.close()
 
     def _next_prompt_index(self) -> int | None:
@@ -303,8 +308,10 @@ class RolloutManager:
             log.warning("reward function raised on sample %s: %r", sample.uid, e)
             return 0.0, f"reward raised {type(e).__name__}: {e}"
 
-    def _uid(self, index: int, j: int) -> str:
-        return f"p{index}-s{j}" if self.attempt == 0 else f"p{index}-s{j}-a{self.attempt}"
+    def _uid(self, index: int, j: int, part: int = 0) -> str:
+        """Sample j of prompt ``index``; ``part`` > 0: another sequence of the same episode."""
+        uid = f"p{index}-s{j}" + (f"-q{part}" if part else "")
+        return uid if self.attempt == 0 else f"{uid}-a{self.attempt}"
 
     @staticmethod
     def next_attempt(checkpointed: int, replay_log=None) -> int:
