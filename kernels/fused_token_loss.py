@@ -70,7 +70,7 @@ _FUSED_MAX_BYTES = 2**30
 _DZ_BLOCK_M = 32
 
 if triton is not None:
-    from .fused_logprobs import _DOT_FP32, _INTERPRET_META, _gpu_configs, _grid_logits_tile
+    from .fused_logprobs import _DOT_FP32, _INTERPRET_META, _grid_logits_tile, lm_head_autotune
 
     @triton.jit
     def _probs_kernel(h_ptr, w_ptr, labels_ptr, e_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
@@ -157,7 +157,7 @@ if triton is not None:
     if TRITON_INTERPRET:
         _probs_launch = _probs_kernel
     else:  # idempotent (every output fully rewritten), so autotuning may rerun it
-        _probs_launch = triton.autotune(_gpu_configs(), key=["V", "H"])(_probs_kernel)
+        _probs_launch = lm_head_autotune(_probs_kernel, "probs", ["V", "H", "COMPUTE_ENTROPY"])
 
 
 # ----------------------------------------------------------------------------------------------
