@@ -489,8 +489,13 @@ class ExpertLora:
         h = F.linear(x, A[0]) if A.shape[0] == 1 else grouped_mm(x, A, offs)
         return self.scaling * (F.linear(h, B[0]) if B.shape[0] == 1 else grouped_mm(h, B, offs))
 
-    def add_gate_up(self, gate_up: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return gate_up if self.gate_up is None else gate_up + self._rows(self.gate_up, x, offs)
+    def add_gate_up(self, gate: torch.Tensor, up: torch.Tensor, x: torch.Tensor,
+                    offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate, up) plus the adapter's rows: B's first I rows adapt gate, its last I up."""
+        if self.gate_up is None:
+            return gate, up
+        d_gate, d_up = self._rows(self.gate_up, x, offs).chunk(2, dim=-1)
+        return gate + d_gate, up + d_up
 
     def add_down(self, out: torch.Tensor, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return out if self.down is None else out + self._rows(self.down, h, offs)
