@@ -71,7 +71,7 @@ def dispatch(ids: torch.Tensor, num_experts: int, align: int = 1) -> Dispatch:
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [rows, K] grouped by ``offs`` (int32 group ends, the last = rows), w [E, N, K]
     (nn.Linear layout per group) -> [rows, N], row r of group e being x[r] @ w[e].T."""
-    kernel = grouped_kernel(x)
+    kernel = grouped_kernel(x, w)
     if kernel == "cutlass" or (kernel == "torch" and x.device.type == "cpu" and not torch.compiler.is_compiling()):
         # eager on a CPU: torch's own op and autograd (the custom op's Python dispatch costs ~0.15
         # ms per forward+backward, ~3% of a tiny CPU step); traced, or on a device standing for a
@@ -82,10 +82,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return grouped_gemm(x, w, offs, impl=kernel)
 
 
-def grouped_kernel(x: torch.Tensor) -> str:
-    """Which grouped GEMM ``grouped_mm`` runs for ``x``'s device and dtype:
+def grouped_kernel(x: torch.Tensor, w: torch.Tensor | None = None) -> str:
+    """Which grouped GEMM ``grouped_mm`` runs for ``x``'s device and dtype (and the weight
+    ``w`` [E, N, K] it multiplies, when given):
 
-    * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90+ (its meta kernel is bf16-only);
+    * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90+ (its meta kernel is bf16-only),
+      when ``w``'s N and K are multiples of 16 bytes (:func:`cutlass_aligned`);
     * "triton": the Triton kernel of ``moe_rl.kernels.grouped_gemm`` (CUDA otherwise);
     * "torch": ``torch._grouped_mm`` (float32, bf16, fp16; the CPU kernel, checked on torch
       2.13), called directly when eager on a CPU and through that module's custom op when traced
@@ -97,8 +99,18 @@ def grouped_kernel(x: torch.Tensor) -> str:
     if x.device.type != "cuda":
         return "torch"
     if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0):
-        return "cutlass"
+        return "cutlass" if w is None or cutlass_aligned(w) else "triton"
     return "triton"
+
+
+def cutlass_aligned(w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes a grouped GEMM with weight ``w`` [E, N, K], forward
+    and backward: it wants every operand's leading stride a multiple of 16 bytes, which for
+    contiguous operands means N and K are. An expert LoRA of rank r gives N = r (x @ A^T) or
+    K = r (h @ B^T): in bf16 a rank that is not a multiple of 8 fails its stride check, so those
+    GEMMs run on the Triton kernel (any strides), forward and backward alike."""
+    per_16_bytes = 16 // w.element_size()
+    return w.shape[1] % per_16_bytes == 0 and w.shape[2] % per_16_bytes == 0
 
 
 def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
