@@ -225,7 +225,8 @@ _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 def grouped_gemm(x: Tensor, w: Tensor, offs: Tensor, impl: str | None = None) -> Tensor:
     """x [rows, K] sorted by group, w [E, N, K] (``nn.Linear`` layout per group), offs int32 [E]
-    (end row of each group, the last equal to rows) -> [rows, N], row r of group g being
+    (end row of each group; rows after the last one are in no group and their output rows are
+    left unwritten) -> [rows, N], row r of group g being
     ``x[r] @ w[g].T``. Differentiable in x and w.
 
     ``impl``: "triton" (default for CUDA tensors) or "torch" (``torch._grouped_mm``, default

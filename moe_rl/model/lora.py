@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F
 
-from .grouped import grouped_mm
+from .grouped import grouped_mm, in_groups
 from .hf_io import atomic_dir, iter_local_hf_tensors, parse_expert_name
 from .transformer import MoEForCausalLM
 
@@ -487,6 +487,12 @@ class ExpertLora:
     def _rows(self, ab, x, offs):
         A, B = ab  # a factor with leading dim 1 is shared by the experts: one plain matmul over all rows
         h = F.linear(x, A[0]) if A.shape[0] == 1 else grouped_mm(x, A, offs)
+        if A.shape[0] == 1 or B.shape[0] == 1:
+            # a plain matmul spans the padded buffer's tail (rows in no group), where a grouped GEMM
+            # leaves its output and its input gradient undefined: the rank-r rows are zeroed there,
+            # so with permute's zero input rows and unpermute's zero gradient rows nothing from the
+            # tail reaches A's or B's gradient
+            h = torch.where(in_groups(h.shape[0], offs), h, 0.0)
         return self.scaling * (F.linear(h, B[0]) if B.shape[0] == 1 else grouped_mm(h, B, offs))
 
     def add_gate_up(self, gate: torch.Tensor, up: torch.Tensor, x: torch.Tensor,

@@ -295,3 +295,76 @@ def test_bf16_expert_lora_on_a_gpu(rank):
     for g_, w_ in zip(got, want):
         err = (g_.float().cpu() - w_).abs().max()
         assert err <= 2**-5 * w_.abs().max(), (float(err), float(w_.abs().max()))
+
+
+class _NanGrad(torch.autograd.Function):
+    """Identity whose gradient is NaN on the rows ``tail`` marks."""
+
+    @staticmethod
+    def forward(ctx, x, tail):
+        ctx.save_for_backward(tail)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (tail,) = ctx.saved_tensors
+        return torch.where(tail, float("nan"), g), None
+
+
+def _nan_tail(real):
+    """grouped_mm with what it leaves undefined made NaN: output rows after the last group, and
+    the input gradient there (a GPU leaves whatever the memory held; a CPU's kernel too)."""
+    def grouped_mm(x, w, offs):
+        tail = ~grouped_ops.in_groups(x.shape[0], offs)
+        if x.requires_grad:
+            x = _NanGrad.apply(x, tail)
+        return torch.where(tail, float("nan"), real(x, w, offs))
+    return grouped_mm
+
+
+@pytest.mark.parametrize("lora", [None, "per_expert", "shared_outer"])
+def test_rows_after_the_last_group_are_neither_computed_nor_read(monkeypatch, lora):
+    """CUDA's padded groups (align 8) leave a tail of up to E * 7 rows in no group: the last
+    expert's group ends at its padded size, not at the buffer's end, and nothing the grouped
+    GEMMs leave undefined there (NaN here) reaches the output or any gradient, with an expert
+    LoRA (per-expert or shared outer factors) too: the same values as without padding."""
+    from moe_rl.kernels.grouped_gemm import grouped_gemm_reference
+    from moe_rl.model import lora as lora_mod
+    from moe_rl.model.lora import ExpertLora
+
+    def run():
+        moe = make_moe(num_experts=8, top_k=3)
+        extra = []
+        if lora:
+            g = torch.Generator().manual_seed(7)
+            shared = lora == "shared_outer"
+            shapes = [(1 if shared else 8, 4, 32), (8, 32, 4), (8, 4, 16), (1 if shared else 8, 32, 4)]
+            extra = [(torch.randn(s, generator=g) * 0.3).requires_grad_() for s in shapes]
+            moe.experts.lora = ExpertLora(scaling=2.0)
+            moe.experts.lora.gate_up, moe.experts.lora.down = (extra[0], extra[1]), (extra[2], extra[3])
+        x = torch.randn(37, 32, generator=torch.Generator().manual_seed(2))
+        out, ids, grads = fwd_bwd(moe, x, grouped)
+        return out, ids, list(grads.values()) + [t.grad for t in extra]
+
+    want_out, want_ids, want_grads = run()
+    monkeypatch.setattr(transformer, "group_align", lambda x: 8)
+    monkeypatch.setattr(transformer, "grouped_mm", _nan_tail(grouped_ops.grouped_mm))
+    monkeypatch.setattr(lora_mod, "grouped_mm", _nan_tail(grouped_ops.grouped_mm))
+    out, ids, grads = run()
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    assert len(grads) == len(want_grads) == 5 + (4 if lora else 0)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    d = grouped_ops.dispatch(want_ids.reshape(-1), 8, 8)
+    counts = torch.bincount(want_ids.reshape(-1), minlength=8)
+    padded = (counts + 7) // 8 * 8
+    assert torch.equal(d.offs.long(), padded.cumsum(0)) and d.rows == 37 * 3 + 8 * 7 > int(d.offs[-1])
+    # the float64 fallback leaves the tail as zeros
+    x64 = torch.randn(d.rows, 5, dtype=torch.float64)
+    w64 = torch.randn(8, 6, 5, dtype=torch.float64)
+    y = grouped_ops.padded_grouped_mm(x64, w64, d.offs)
+    end = int(d.offs[-1])
+    torch.testing.assert_close(y[:end], grouped_gemm_reference(x64, w64, d.offs)[:end])
+    assert not y[end:].any()
