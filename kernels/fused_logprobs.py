@@ -64,6 +64,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .launch import on_device_of
+
 try:  # Triton is optional: the torch implementation needs none of it.
     import triton
     import triton.language as tl
@@ -396,10 +398,11 @@ def _partials_triton(hidden, weight, labels_local, inv_t, entropy):
         return (triton.cdiv(n, meta["BLOCK_M"]) * splits,)
 
     extra = _INTERPRET_META if TRITON_INTERPRET else {}
-    _fwd_launch[grid](hidden, weight, labels_local, m, s, u, zy, n, v, h,
-                      hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                      inv_t, SPLIT_V=_SPLIT_V, COMPUTE_ENTROPY=entropy, DOT_FP32=_DOT_FP32,
-                      **extra)
+    with on_device_of(hidden):
+        _fwd_launch[grid](hidden, weight, labels_local, m, s, u, zy, n, v, h,
+                          hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+                          inv_t, SPLIT_V=_SPLIT_V, COMPUTE_ENTROPY=entropy, DOT_FP32=_DOT_FP32,
+                          **extra)
     mx, s_tot, u_tot = _merge_partials(m, s, u if entropy else None)
     return mx, s_tot, u_tot, zy
 
@@ -511,14 +514,15 @@ def _dlogits_triton(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t, 
 
     dummy = mx
     extra = _INTERPRET_META if TRITON_INTERPRET else {}
-    _dlogits_launch[grid](h_slab, w_chunk, lab, mx, log_s, ent if ent is not None else dummy,
-                          gl if gl is not None else dummy, ge if ge is not None else dummy, out,
-                          err if err is not None else dummy, r, c, hdim, v_off,
-                          h_slab.stride(0), h_slab.stride(1),
-                          w_chunk.stride(0), w_chunk.stride(1), out.stride(0), out.stride(1),
-                          err.stride(0) if err is not None else 0,
-                          inv_t, HAS_GL=gl is not None, HAS_GE=ge is not None,
-                          TRACK_ERR=err is not None, ERR_GROUP=_ERR_GROUP, DOT_FP32=_DOT_FP32, **extra)
+    with on_device_of(h_slab):
+        _dlogits_launch[grid](h_slab, w_chunk, lab, mx, log_s, ent if ent is not None else dummy,
+                              gl if gl is not None else dummy, ge if ge is not None else dummy, out,
+                              err if err is not None else dummy, r, c, hdim, v_off,
+                              h_slab.stride(0), h_slab.stride(1),
+                              w_chunk.stride(0), w_chunk.stride(1), out.stride(0), out.stride(1),
+                              err.stride(0) if err is not None else 0,
+                              inv_t, HAS_GL=gl is not None, HAS_GE=ge is not None,
+                              TRACK_ERR=err is not None, ERR_GROUP=_ERR_GROUP, DOT_FP32=_DOT_FP32, **extra)
     return out
 
 

@@ -33,6 +33,8 @@ import os
 import torch
 from torch import Tensor
 
+from .launch import on_device_of
+
 try:  # Triton is optional: the torch implementation needs none of it.
     import triton
     import triton.language as tl
@@ -157,9 +159,10 @@ def _gmm_triton(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     bm, bn, bk, warps = _blocks(x.dtype)
     group, row0 = tile_plan(offs, rows, bm)
     grid = (group.shape[0], triton_cdiv(N, bn))
-    _gmm_kernel[grid](x, w, y, group, row0, offs, N, K, E, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                      w.stride(2), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      PRECISION=_precision(x.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
+    with on_device_of(x):  # the engine's forward runs in its step thread
+        _gmm_kernel[grid](x, w, y, group, row0, offs, N, K, E, x.stride(0), x.stride(1), w.stride(0),
+                          w.stride(1), w.stride(2), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                          PRECISION=_precision(x.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
     return y
 
 
@@ -171,9 +174,10 @@ def _gmm_wgrad_triton(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
     bm, bn, bk, warps = _blocks(dy.dtype)
     bk = min(bk, bn)  # the wgrad tile is [BLOCK_N, BLOCK_K]
     grid = (E, triton_cdiv(N, bn), triton_cdiv(K, bk))
-    _gmm_wgrad_kernel[grid](dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                            dw.stride(0), dw.stride(1), dw.stride(2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                            PRECISION=_precision(dy.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
+    with on_device_of(dy):
+        _gmm_wgrad_kernel[grid](dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                                dw.stride(0), dw.stride(1), dw.stride(2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                PRECISION=_precision(dy.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
     return dw
 
 

@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sm90_compile.py"
-# every Triton kernel the package launches on a GPU (a new one belongs in sm90_compile.run_all)
+# every Triton kernel the package launches on a GPU (a new one belongs in sm90_compile.LAUNCHES)
 KERNELS = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_dz_kernel", "_gmm_kernel",
            "_gmm_wgrad_kernel", "_bucket_copy_kernel"}
 GEMMS = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_gmm_kernel", "_gmm_wgrad_kernel"}
