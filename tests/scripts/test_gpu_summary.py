@@ -195,3 +195,23 @@ def test_the_round_skips_a_stage_its_budget_cannot_fit(tmp_path):
     assert r.returncode == 1
     assert s["stage_rc"] == {"engine": None} and s["stages"]["engine"]["status"] == "skipped"
     assert s["engine_tokens_per_s_1"] is None
+
+
+def test_a_pytest_run_stopped_by_its_cap_still_gives_the_tests_that_ended(work, tmp_path):
+    """gpu_round.sh sends pytest a SIGINT before the stage's cap: pytest stops and still writes
+    its JUnit report, so the summary counts the tests that ended instead of giving null."""
+    tests = tmp_path / "t" / "test_cut.py"
+    tests.parent.mkdir()
+    tests.write_text("import os, signal\n"
+                     "def test_a(): pass\n"
+                     "def test_b(): pass\n"
+                     "def test_c(): os.kill(os.getpid(), signal.SIGINT)\n"  # the cap's SIGINT, mid-run
+                     "def test_d(): pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+                        f"--junitxml={work / 'pytest_gpu.json.xml'}"], cwd=tests.parent, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "KeyboardInterrupt" in r.stdout, r.stdout  # interrupted
+    set_stage(work, "pytest_gpu", rc=124)
+    _, s = summarize(work, tmp_path / "out")
+    assert (s["pytest_gpu_passed"], s["pytest_gpu_failed"]) == (2, 0)
+    assert s["stages"]["pytest_gpu"]["status"] == "time cap"
