@@ -135,7 +135,7 @@ stages() {
   # measured yet). The stages before gpu_1x add up to 400 s of the 465 s budget (480 - RESERVE):
   #  stage          cap  expected
   #  install         35  25       wheels, editable build
-  #  pytest_gpu     110  ~90      48 GPU tests on 6 workers, 2 of them `moe-rl train` runs
+  #  pytest_gpu     110  ~90      51 GPU tests on 6 workers, 2 of them `moe-rl train` runs
   #  train_medium    95  ~80      4 rows; the native row's compile ~30 s
   #  train_large     55  ~45      the compiled native row only (its MFU target); the rest by name
   #  logprobs        60  45-60    the torch.compile row dominates
