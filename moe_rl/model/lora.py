@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .attention import MIXERS
-from .grouped import grouped_mm
+from .grouped import grouped_mm, in_groups
 from .hf_io import atomic_dir, iter_local_hf_tensors, parse_expert_name
 from .transformer import MoEForCausalLM
 
@@ -494,10 +494,21 @@ class ExpertLora:
     def _rows(self, ab, x, offs):
         A, B = ab  # a factor with leading dim 1 is shared by the experts: one plain matmul over all rows
         h = F.linear(x, A[0]) if A.shape[0] == 1 else grouped_mm(x, A, offs)
+        if A.shape[0] == 1 or B.shape[0] == 1:
+            # a plain matmul spans the padded buffer's tail (rows in no group), where a grouped GEMM
+            # leaves its output and its input gradient undefined: the rank-r rows are zeroed there,
+            # so with permute's zero input rows and unpermute's zero gradient rows nothing from the
+            # tail reaches A's or B's gradient
+            h = torch.where(in_groups(h.shape[0], offs), h, 0.0)
         return self.scaling * (F.linear(h, B[0]) if B.shape[0] == 1 else grouped_mm(h, B, offs))
 
-    def add_gate_up(self, gate_up: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return gate_up if self.gate_up is None else gate_up + self._rows(self.gate_up, x, offs)
+    def add_gate_up(self, gate: torch.Tensor, up: torch.Tensor, x: torch.Tensor,
+                    offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate, up) plus the adapter's rows: B's first I rows adapt gate, its last I up."""
+        if self.gate_up is None:
+            return gate, up
+        d_gate, d_up = self._rows(self.gate_up, x, offs).chunk(2, dim=-1)
+        return gate + d_gate, up + d_up
 
     def add_down(self, out: torch.Tensor, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return out if self.down is None else out + self._rows(self.down, h, offs)
