@@ -1,7 +1,9 @@
 """An engine rank of the torchrun world: serves an embedded engine until the trainers finish.
 
-Its URL reaches the trainers through one all_gather_object over the world; the final barrier
-of the world tells it to stop.
+Its URL reaches the trainers through one all_gather_object over the world (the default group,
+with a long timeout: the trainers may take long to load their models); it stops when every trainer rank has
+counted itself done in the world's store (moe_rl.liveness: no collective, so no timeout however
+long the run).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def exchange_urls(my_url: str | None) -> list[str]:
-    """Collective over the whole world: every engine rank's URL, in rank order."""
+    """Collective over the whole world (its default group, whose timeout is dist.wait_timeout_s:
+    moe_rl.dist): every engine rank's URL, in rank order."""
     urls: list = [None] * dist.get_world_size()
     dist.all_gather_object(urls, my_url)
     return [u for u in urls if u]
@@ -40,7 +43,7 @@ def run_engine_host(cfg, groups) -> None:
     log.info("embedded engine %d listening on %s", index, url)
     try:
         exchange_urls(url)
-        dist.barrier()  # the trainers reach it when the run is over
+        groups.liveness.wait_for_trainers()
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)

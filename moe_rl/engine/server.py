@@ -367,6 +367,7 @@ class EngineServer:
                                   "engine (moe-rl serve); use engine.kind: sglang"}, status=400)
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        faults.point("engine.update")  # a test run's engine stuck in a weight sync
         with paused_gc():  # the request's thousands of lists are freed before it ends: see moe_rl.gc_control
             return await self._update_weights(request)
 
