@@ -144,8 +144,7 @@ class Liveness:
         record_failure(f"{FrozenPeerError.__name__}: {message}")
         if beat is not None:
             kill_if_local(beat)
-        logging.shutdown()
-        os._exit(EXIT_FROZEN_PEER)
+        os._exit(EXIT_FROZEN_PEER)  # the log line is out: handlers flush on each record
 
     # --- what the roles call ------------------------------------------------------------------
     def set_note(self, note: str) -> None:
