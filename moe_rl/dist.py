@@ -10,10 +10,11 @@ made by ``moe_rl.sync`` through the engines' ``/init_weights_update_group``, as 
 Two timeouts (``cfg.dist``, docs/run_safety.md "Long runs"): the groups above carry
 ``dist.timeout_s``, for collectives whose ranks arrive together. A collective where ranks wait
 long for one of them runs on a group whose timeout is ``dist.wait_timeout_s``: the world's
-default group (the ranks meet there at the start, and exchange the engines' URLs, while the
-models load) and the *wait* groups of the trainer pool and of each EP group (the trainers wait
-for rank 0's rollouts, checkpoint writes and weight syncs). A frozen rank is caught sooner by
-moe_rl.liveness. The end of the run is no collective at all (a store key, moe_rl.liveness).
+default group while the ranks start (they meet there, and exchange the engines' URLs, while the
+models load; then it takes ``dist.timeout_s``: ``set_default_timeout``) and the *wait* groups
+of the trainer pool and of each EP group (the trainers wait for rank 0's rollouts, checkpoint
+writes and weight syncs). A frozen rank is caught sooner by moe_rl.liveness. The end of the run
+is no collective at all (a store key, moe_rl.liveness).
 """
 from __future__ import annotations
 
@@ -104,6 +105,16 @@ def init_distributed(device: str = "cpu", timeout_s: float = 1800, gpu: int | No
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) if gpu is None else gpu)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def set_default_timeout(timeout_s: float) -> None:
+    """The default group's timeout from now on (torch sets it only when the group is made; its
+    setter is private: without it the group keeps the timeout it was made with, logged)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        log.warning("this torch cannot change a group's timeout: the world's default group keeps dist.wait_timeout_s")
+        return
+    setter(datetime.timedelta(seconds=timeout_s))
 
 
 def build_groups(cfg) -> Groups:

@@ -223,7 +223,7 @@ class Trainer:
 
     # --- set-up ---------------------------------------------------------------------------
     def _engine_urls(self) -> list[str]:
-        urls = exchange_urls(None)  # collective with the engine ranks (the default group: dist.wait_timeout_s)
+        urls = exchange_urls(None, self.cfg.dist.timeout_s)  # collective with the engine ranks (moe_rl.dist)
         urls = urls + list(self.cfg.engine.urls)
         if not urls:
             raise RuntimeError("no rollout engines: pools.rollout=0 and engine.urls is empty")
