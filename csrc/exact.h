@@ -4,7 +4,7 @@
 // The order, for every dot product, sum of squares and sum of exponentials over n elements:
 // eight lanes, lane j accumulating elements j, j + 8, j + 16, ... in increasing index (the last
 // partial group of eight padded with zeros), then the lanes summed as
-// ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Products are accumulated with a fused
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). Products are accumulated with a fused
 // multiply-add. Each instruction set (AVX2+FMA, and a portable build of the same templates)
 // implements exactly these operations, so they agree bit for bit; threads split rows, tiles or
 // (query, head) pairs, never one output's reduction.
@@ -134,13 +134,16 @@ struct Isa {
   void (*exp)(const float* x, float* y, int64_t n);  // the kernels' exp, for tests
 };
 
+const Isa& isa_avx512();   // exact_avx512.cpp (AVX-512VL: more registers, the same operations)
 const Isa& isa_avx2();     // exact_avx2.cpp
 const Isa& isa_generic();  // exact_generic.cpp
 
 // The dispatch (exact.cpp): the instruction set in use, the thread pool, the entry points.
 bool avx2_supported();
+bool avx512_supported();
 const char* isa_name();
-void set_isa(const char* name);  // "avx2" or "generic"; throws if unsupported
+int last_threads();  // threads the last kernel call ran on (tests)
+void set_isa(const char* name);  // "avx512", "avx2" or "generic"; throws if unsupported
 
 void linear(const LinearArgs& a, int threads);
 void rms_norm(const RmsNormArgs& a, int threads);

@@ -3,7 +3,11 @@
 // in moe_rl.kernels.exact, which own the memory; every kernel runs without the GIL.
 #include <pybind11/pybind11.h>
 
+#include <pybind11/stl.h>
+
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "exact.h"
 
@@ -23,8 +27,14 @@ void bind_exact(py::module_& m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("exact_isa", [] { return std::string(isa_name()); }, "the instruction set the exact kernels use");
   m.def("exact_set_isa", [](const std::string& n) { set_isa(n.c_str()); }, py::arg("name"),
-        "'avx2' or 'generic' (tests: both give the same bits)");
-  m.def("exact_avx2_supported", &avx2_supported);
+        "'avx512', 'avx2' or 'generic' (tests: all give the same bits)");
+  m.def("exact_last_threads", &last_threads, "threads the last exact kernel call ran on (tests)");
+  m.def("exact_supported_isas", [] {
+    std::vector<std::string> out{"generic"};
+    if (avx2_supported()) out.push_back("avx2");
+    if (avx512_supported()) out.push_back("avx512");
+    return out;
+  });
   m.def(
       "exact_linear",
       [](uintptr_t x, int64_t sx, uintptr_t w, int64_t sw, int64_t swe, uintptr_t bias, uintptr_t y, int64_t sy,

@@ -87,7 +87,10 @@ inline Vec vround_bf16(Vec a) {
 }
 inline float hsum(Vec a) {
   const float* l = a.v;
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+inline void hsum8(const Vec* a, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = hsum(a[i]);
 }
 inline float hmax(Vec a) {
   float m = a.v[0];
@@ -97,6 +100,8 @@ inline float hmax(Vec a) {
 
 }  // namespace
 
+#define MOE_RL_LIN_MR 4
+#define MOE_RL_LIN_NR 2
 #include "exact_kernels.h"
 
 namespace moe_rl {

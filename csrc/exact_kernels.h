@@ -4,7 +4,9 @@
 //   vmax/vmin(a, b) = a > b ? a : b / a < b ? a : b, vround (to nearest, ties to even),
 //   vldexp(y, n) = y * 2^floor(n/2) * 2^(n - floor(n/2)) for integral n in [-126, 128],
 //   vlt/vgt/visnan -> Mask, vselect(mask, t, f), vload/vstore for float and bf16 (uint16_t,
-//   round to nearest even, NaN -> 0x7fc0), vround_bf16, hsum (the tree in exact.h), hmax.
+//   round to nearest even, NaN -> 0x7fc0), vround_bf16, hsum (the tree in exact.h) and hsum8
+//   (eight of them at once), hmax. The including file also sets the linear kernel's output
+//   tile, MOE_RL_LIN_MR x MOE_RL_LIN_NR (a multiple of 8 accumulators).
 // Each function below performs the same operations, in the same order, on either Vec, so the
 // two builds agree bit for bit (tests/kernels/test_exact_cpu.py checks it).
 // Everything here has internal linkage: each build keeps its own copy.
@@ -115,8 +117,12 @@ inline void linear_block(const T* x, int64_t sx, const T* w, int64_t sw, int64_t
       for (int i = 0; i < MR; ++i) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) out[i][j] = hsum(acc[i][j]);
+  // reduce the accumulators eight at a time where there are eight: the same tree as hsum
+  Vec* flat = &acc[0][0];
+  float* res = &out[0][0];
+  int c = 0;
+  for (; c + 8 <= MR * NR; c += 8) hsum8(flat + c, res + c);
+  for (; c < MR * NR; ++c) res[c] = hsum(flat[c]);
 }
 
 inline void store1(float* p, float v) { *p = v; }
@@ -135,7 +141,7 @@ inline void linear_store(const T* x, int64_t sx, const T* w, int64_t sw, const T
     for (int j = 0; j < NR; ++j) store1(y + i * sy + j, bias ? out[i][j] + to_float(bias[j]) : out[i][j]);
 }
 
-constexpr int LIN_MR = 4, LIN_NR = 3;
+constexpr int LIN_MR = MOE_RL_LIN_MR, LIN_NR = MOE_RL_LIN_NR;
 
 template <class T>
 void linear_tasks_t(const LinearArgs& a, const LinearTask* tasks, int64_t t0, int64_t t1) {
@@ -255,11 +261,81 @@ void softmax_rows(const SoftmaxArgs& a, int64_t r0, int64_t r1) {
 // ---- attention ----------------------------------------------------------------------------
 using moe_rl::exact::MAX_HEAD_DIM;
 
-inline void scale_acc(float* acc, int64_t D, float alpha) {
+template <class T>
+inline Vec vload_n(const T* p, int64_t n) {
+  return n >= 8 ? vload(p) : vload_part(p, n, 0.f);
+}
+inline void vstore_n(float* p, Vec v, int64_t n) {
+  if (n >= 8)
+    vstore(p, v);
+  else
+    vstore_part(p, v, n);
+}
+
+// The scores of n keys (rows of kt, stride sk): sc[j] = dot(q, k_j) * scale, eight keys'
+// lane sums reduced at once (hsum8: the same tree as dot's hsum).
+template <class T>
+inline void attn_scores(const float* qf, const T* kt, int64_t sk, int64_t n, int64_t D, float scale, float* sc) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    Vec acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = vzero();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      const Vec qv = vload(qf + d);
+      for (int u = 0; u < 8; ++u) acc[u] = vfma(qv, vload(kt + (j + u) * sk + d), acc[u]);
+    }
+    if (d < D) {
+      const Vec qv = vload_part(qf + d, D - d, 0.f);
+      for (int u = 0; u < 8; ++u) acc[u] = vfma(qv, vload_part(kt + (j + u) * sk + d, D - d, 0.f), acc[u]);
+    }
+    hsum8(acc, sc + j);
+  }
+  for (; j < n; ++j) sc[j] = dot(qf, kt + j * sk, D);
+  const Vec sv = vset1(scale);
+  for (j = 0; j + 8 <= n; j += 8) vstore(sc + j, vmul(vload(sc + j), sv));
+  for (; j < n; ++j) sc[j] = sc[j] * scale;
+}
+
+// acc[0:D] = acc * alpha + sum_j p[j] * v_j over n keys: key j into partial sum j % 4 by fused
+// multiply-adds in key order, the partials combined as (s0 + s1) + (s2 + s3). W columns of
+// acc at a time (W / 8 vectors; the last chunk of a head may be narrower: loaded in part).
+template <int NV, bool FULL, class T>
+inline void attn_values_chunk(const float* p, const T* v, int64_t sv, int64_t n, int64_t width, Vec al, float* acc) {
+  Vec s[4][NV];
+  for (int i = 0; i < 4; ++i)
+    for (int u = 0; u < NV; ++u) s[i][u] = vzero();
+  auto load = [&](const T* ptr, int u) {
+    if (FULL) return vload(ptr + 8 * u);
+    return vload_part(ptr + 8 * u, imax(0, imin(8, width - 8 * u)), 0.f);
+  };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4)
+    for (int i = 0; i < 4; ++i) {
+      const Vec pj = vset1(p[j + i]);
+      for (int u = 0; u < NV; ++u) s[i][u] = vfma(pj, load(v + (j + i) * sv, u), s[i][u]);
+    }
+  for (int i = 0; j < n; ++j, ++i) {
+    const Vec pj = vset1(p[j]);
+    for (int u = 0; u < NV; ++u) s[i][u] = vfma(pj, load(v + j * sv, u), s[i][u]);
+  }
+  for (int u = 0; u < NV; ++u) {
+    const Vec blk = vadd(vadd(s[0][u], s[1][u]), vadd(s[2][u], s[3][u]));
+    const int64_t w = imin(8, width - 8 * u);
+    if (w <= 0) break;
+    if (w == 8)
+      vstore(acc + 8 * u, vadd(vmul(vload(acc + 8 * u), al), blk));
+    else
+      vstore_part(acc + 8 * u, vadd(vmul(vload_part(acc + 8 * u, w, 0.f), al), blk), w);
+  }
+}
+
+template <class T>
+inline void attn_values(const float* p, const T* vt, int64_t sv, int64_t n, int64_t D, float alpha, float* acc) {
   const Vec al = vset1(alpha);
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8) vstore(acc + d, vmul(vload(acc + d), al));
-  if (d < D) vstore_part(acc + d, vmul(vload_part(acc + d, D - d, 0.f), al), D - d);
+  for (; d + 16 <= D; d += 16) attn_values_chunk<2, true>(p, vt + d, sv, n, 16, al, acc + d);
+  if (d < D) attn_values_chunk<2, false>(p, vt + d, sv, n, D - d, al, acc + d);
 }
 
 template <class T>
@@ -282,11 +358,12 @@ void attention_t(const AttentionArgs& a, int64_t i0, int64_t i1) {
     float m = -kInf, l = 0.f;
     for (int64_t b0 = (lo / B) * B; b0 <= p; b0 += B) {
       const int64_t t_first = imax(b0, lo), n = imin(b0 + B - 1, p) - t_first + 1;
-      float mb = -kInf;
-      for (int64_t j = 0; j < n; ++j) {
-        sc[j] = dot(qf, kb + (t_first + j) * a.sk_t, Dqk) * a.scale;
-        mb = sc[j] > mb ? sc[j] : mb;
-      }
+      attn_scores(qf, kb + t_first * a.sk_t, a.sk_t, n, Dqk, a.scale, sc);
+      Vec mv = vset1(-kInf);  // the block's max (exact in any order)
+      int64_t c = 0;
+      for (; c + 8 <= n; c += 8) mv = vmax(vload(sc + c), mv);
+      if (c < n) mv = vmax(vload_part(sc + c, n - c, -kInf), mv);
+      const float mb = hmax(mv);
       const float mn = m > mb ? m : mb;
       const float alpha = exp1(m - mn);
       const Vec mnv = vset1(mn);
@@ -303,27 +380,20 @@ void attention_t(const AttentionArgs& a, int64_t i0, int64_t i1) {
         lv = vadd(lv, e);
       }
       l = l * alpha + hsum(lv);
-      scale_acc(acc, Dv, alpha);
-      for (j = 0; j < n; ++j) {
-        const Vec pj = vset1(sc[j]);
-        const T* vt = vb + (t_first + j) * a.sv_t;
-        int64_t d = 0;
-        for (; d + 8 <= Dv; d += 8) vstore(acc + d, vfma(pj, vload(vt + d), vload(acc + d)));
-        if (d < Dv) vstore_part(acc + d, vfma(pj, vload_part(vt + d, Dv - d, 0.f), vload(acc + d)), Dv - d);
-      }
+      attn_values(sc, vb + t_first * a.sv_t, a.sv_t, n, Dv, alpha, acc);
       m = mn;
     }
     if (a.sinks) {  // a virtual last key with logit sinks[h] and a zero value
       const float sk = a.sinks[h], mn = m > sk ? m : sk;
       const float alpha = exp1(m - mn);
       l = l * alpha + exp1(sk - mn);
-      scale_acc(acc, Dv, alpha);
+      attn_values(sc, vb, a.sv_t, 0, Dv, alpha, acc);
     }
     T* o = static_cast<T*>(a.out) + i * a.so_n + h * a.so_h;
     const Vec lv = vset1(l);
     int64_t d = 0;
     for (; d + 8 <= Dv; d += 8) vstore(o + d, vdiv(vload(acc + d), lv));
-    if (d < Dv) vstore_part(o + d, vdiv(vload(acc + d), lv), Dv - d);
+    if (d < Dv) vstore_part(o + d, vdiv(vload_part(acc + d, Dv - d, 0.f), lv), Dv - d);
   }
 }
 

@@ -106,7 +106,7 @@ if C.triton is not None:
                 alpha = tl.exp(m - mn)
                 l = l * alpha + tl.exp(sk - mn)
                 acc = acc * alpha[:, None]
-            out = acc / l[:, None]
+            out = acc / tl.where(rmask, l, 1.0)[:, None]  # rows past the sequence are not stored
             tl.store(o_ptr + rows[:, None].to(tl.int64) * stride_on + h * stride_oh + dv[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
 
