@@ -78,10 +78,28 @@ class _Grouped(torch.autograd.Function):
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
         dy = dy.contiguous()
-        impl = "triton" if dy.is_cuda else "torch"
-        dx = grouped_gemm(dy, w.transpose(1, 2), offs, impl=impl) if ctx.needs_input_grad[0] else None
-        dw = _grouped_mm_wgrad_op(dy, x, offs, impl) if ctx.needs_input_grad[1] else None
+        if dy.is_cuda or _aligned(x, dy):  # the grouped GEMMs of moe_rl.kernels.grouped_gemm
+            impl = "triton" if dy.is_cuda else "torch"
+            dx = grouped_gemm(dy, w.transpose(1, 2), offs, impl=impl) if ctx.needs_input_grad[0] else None
+            dw = _grouped_mm_wgrad_op(dy, x, offs, impl) if ctx.needs_input_grad[1] else None
+            return dx, dw, None, None
+        # torch._grouped_mm (CPU) wants 16-byte row strides: other widths take a loop over the
+        # groups (host reads of offs)
+        dx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            if dx is not None:
+                dx[start:end] = dy[start:end] @ w[g]
+            if dw is not None:
+                dw[g] = dy[start:end].T @ x[start:end]
+            start = end
         return dx, dw, None, None
+
+
+def _aligned(x: Tensor, dy: Tensor) -> bool:
+    per = 16 // x.element_size()
+    return x.shape[1] % per == 0 and dy.shape[1] % per == 0
 
 
 def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, *, impl: str | None = None) -> Tensor:
