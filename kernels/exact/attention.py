@@ -168,17 +168,23 @@ def _forward(q, k, v, cu, pos0, kv_seq, kv_start, scale, window, sinks, impl):
                              kv_start.data_ptr(), S, Nq, Hq, Hkv, Dqk, Dv, Sk, T, float(scale), int(window),
                              0 if sinks is None else sinks.data_ptr(), C.CODE[q.dtype], C.num_threads())
         return out
+    _attention_triton(q, k, v, out, cu, pos0, kv_seq, kv_start, scale, window, sinks)
+    return out
+
+
+def _attention_triton(q, k, v, out, cu, pos0, kv_seq, kv_start, scale, window, sinks) -> None:
+    Nq, Hq, Dqk = q.shape
+    Hkv, Dv = v.shape[2], v.shape[3]
     bm, bn, warps = _blocks(q.dtype)
     tile_seq, tile_row = tile_plan(cu[1:], Nq, bm)
     grid = (tile_seq.shape[0], Hq)
     _exact_attention_kernel[grid](q, k, v, out, sinks if sinks is not None else q, tile_seq, tile_row, cu, pos0,
-                                  kv_seq, kv_start, S, Hq // Hkv, int(window), float(scale),
+                                  kv_seq, kv_start, cu.shape[0] - 1, Hq // Hkv, int(window), float(scale),
                                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
                                   v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
                                   DQK=Dqk, DV=Dv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=max(16, C.next_pow2(Dqk)),
                                   BLOCK_DV=max(16, C.next_pow2(Dv)), HAS_SINKS=sinks is not None,
                                   PRECISION="ieee", DOT_FP32=C.TRITON_INTERPRET, num_warps=warps)
-    return out
 
 
 def attention_reference(q, k, v, cu, pos0, kv_seq, kv_start, scale, window=0, sinks=None):

@@ -132,10 +132,15 @@ def _combine_forward(e: Tensor, w: Tensor, impl: str | None) -> Tensor:
         C._C.exact_combine(e.data_ptr(), e.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), y.stride(0), T, k, H,
                            C.CODE[e.dtype], C.CODE[w.dtype], C.num_threads())
     else:
-        block = min(1024, C.next_pow2(H))
-        _exact_combine_kernel[(T, C.cdiv(H, block))](e, w, y, H, k, e.stride(0), w.stride(0), y.stride(0),
-                                                     BLOCK=block, num_warps=4)
+        _combine_triton(e, w, y)
     return y
+
+
+def _combine_triton(e: Tensor, w: Tensor, y: Tensor) -> None:
+    (T, k), H = w.shape, e.shape[1]
+    block = min(1024, C.next_pow2(H))
+    _exact_combine_kernel[(T, C.cdiv(H, block))](e, w, y, H, k, e.stride(0), w.stride(0), y.stride(0), BLOCK=block,
+                                                 num_warps=4)
 
 
 class _Combine(torch.autograd.Function):

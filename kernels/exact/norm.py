@@ -60,9 +60,14 @@ def _forward(x: Tensor, w: Tensor, eps: float, impl: str | None) -> Tensor:
         C._C.exact_rms_norm(x2.data_ptr(), x2.stride(0), w.data_ptr(), y.data_ptr(), H, M, H, float(eps),
                             C.CODE[x2.dtype], C.CODE[w.dtype], C.CODE[out_dtype], C.num_threads())
     elif M:
-        _exact_rms_norm_kernel[(M,)](x2, w, y, H, x2.stride(0), y.stride(0), float(eps),
-                                     ROUND_X=x.dtype != torch.float32, BLOCK=_block(H), num_warps=4)
+        _rms_norm_triton(x2, w, y, eps)
     return y.view(x.shape)
+
+
+def _rms_norm_triton(x2: Tensor, w: Tensor, y: Tensor, eps: float) -> None:
+    M, H = x2.shape
+    _exact_rms_norm_kernel[(M,)](x2, w, y, H, x2.stride(0), y.stride(0), float(eps),
+                                 ROUND_X=x2.dtype != torch.float32, BLOCK=_block(H), num_warps=4)
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -78,10 +78,15 @@ def _forward(x: Tensor, log: bool, labels: Tensor | None, impl: str | None, op: 
         C._C.exact_softmax(x2.data_ptr(), x2.stride(0), y.data_ptr(), y.stride(0), M, V, C.CODE[x2.dtype], int(log),
                            0 if labels is None else labels.data_ptr(), C.num_threads())
     elif M:
-        _exact_softmax_kernel[(M,)](x2, y, labels if labels is not None else y, V, x2.stride(0),
-                                    y.stride(0) if labels is None else 1, LOG=log, LABELS=labels is not None,
-                                    BLOCK=_block(V), num_warps=4)
+        _softmax_triton(x2, y, labels, log)
     return y.view(x.shape[:-1]) if labels is not None else y.view(x.shape)
+
+
+def _softmax_triton(x2: Tensor, y: Tensor, labels: Tensor | None, log: bool) -> None:
+    M, V = x2.shape
+    _exact_softmax_kernel[(M,)](x2, y, labels if labels is not None else y, V, x2.stride(0),
+                                y.stride(0) if labels is None else 1, LOG=log, LABELS=labels is not None,
+                                BLOCK=_block(V), num_warps=4)
 
 
 class _Softmax(torch.autograd.Function):
