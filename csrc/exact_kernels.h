@@ -6,7 +6,9 @@
 //   vlt/vgt/visnan -> Mask, vselect(mask, t, f), vload/vstore for float and bf16 (uint16_t,
 //   round to nearest even, NaN -> 0x7fc0), vround_bf16, hsum (the tree in exact.h) and hsum8
 //   (eight of them at once), hmax. The including file also sets the linear kernel's output
-//   tile, MOE_RL_LIN_MR x MOE_RL_LIN_NR (a multiple of 8 accumulators).
+//   tile, MOE_RL_LIN_MR x MOE_RL_LIN_NR (a multiple of 8 accumulators), and may name a faster
+//   block function for an even number of columns (MOE_RL_LINEAR_BLOCK_PAIRS) that performs the
+//   same operations for every output.
 // Each function below performs the same operations, in the same order, on either Vec, so the
 // two builds agree bit for bit (tests/kernels/test_exact_cpu.py checks it).
 // Everything here has internal linkage: each build keeps its own copy.
@@ -136,7 +138,12 @@ template <int MR, int NR, class T>
 inline void linear_store(const T* x, int64_t sx, const T* w, int64_t sw, const T* bias, T* y, int64_t sy,
                          int64_t K) {
   float out[MR][NR];
-  linear_block<MR, NR, T>(x, sx, w, sw, K, out);
+#ifdef MOE_RL_LINEAR_BLOCK_PAIRS  // the including file's faster block: the same operations per output
+  if constexpr (NR % 2 == 0)
+    MOE_RL_LINEAR_BLOCK_PAIRS<MR, NR, T>(x, sx, w, sw, K, out);
+  else
+#endif
+    linear_block<MR, NR, T>(x, sx, w, sw, K, out);
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) store1(y + i * sy + j, bias ? out[i][j] + to_float(bias[j]) : out[i][j]);
 }

@@ -83,6 +83,15 @@ def _linear_cpu(x2: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 
 
 def _forward(x: Tensor, w: Tensor, b: Tensor | None, impl: str | None) -> Tensor:
+    if impl is None and x.is_cpu and x.dim() == 2 and w.dim() == 2:  # the common case, with few checks
+        code = C.CODE.get(x.dtype)
+        (M, K), (N, Kw) = x.shape, w.shape
+        if (code is not None and w.dtype == x.dtype and K == Kw and x.stride(1) == 1 and w.stride(1) == 1
+                and (b is None or (b.dtype == x.dtype and b.shape == (N,) and b.stride(0) == 1))):
+            y = x.new_empty((M, N))
+            C._C.exact_linear(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), 0, 0 if b is None else b.data_ptr(),
+                              y.data_ptr(), N, M, N, K, code, 0, 0, C.num_threads())
+            return y
     impl = C.pick_impl("exact.linear", x, impl)
     C.check_dtype("exact.linear", "x", x)
     C.check_dtype("exact.linear", "weight", w, x.dtype)
@@ -125,7 +134,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, impl: str |
     bfloat16, all three alike), accumulated in fp32. Each row's output is bit-identical however
     many rows are computed with it and at any thread count (``impl``: "cpu" for CPU tensors,
     "triton" for CUDA ones). Differentiable; the backward is plain torch."""
-    if C.needs_grad(x, weight, bias):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _Linear.apply(x, weight, bias, impl)
     return _forward(x, weight, bias, impl)
 

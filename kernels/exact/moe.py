@@ -52,6 +52,15 @@ def _grouped_cpu(x2: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 
 def _grouped_forward(x: Tensor, w: Tensor, offs: Tensor, impl: str | None) -> Tensor:
+    if impl is None and x.is_cpu and x.dim() == 2 and w.dim() == 3:  # the common case, with few checks
+        code = C.CODE.get(x.dtype)
+        (M, K), (E_, N, Kw) = x.shape, w.shape
+        if (code is not None and w.dtype == x.dtype and K == Kw and x.stride(1) == 1 and w.stride(2) == 1
+                and offs.dtype == torch.int32 and offs.shape == (E_,) and offs.is_cpu and offs.is_contiguous()):
+            y = x.new_empty((M, N))
+            C._C.exact_linear(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(1), w.stride(0), 0, y.data_ptr(), N, M,
+                              N, K, code, offs.data_ptr(), E_, C.num_threads())
+            return y
     op = "exact.grouped_linear"
     impl = C.pick_impl(op, x, impl)
     C.check_dtype(op, "x", x)
@@ -106,13 +115,21 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, *, impl: str | None = Non
     """x [rows, K] sorted by group, w [E, N, K] (``nn.Linear`` layout per group), offs int32 [E]
     (end row of each group, the last = rows) -> [rows, N] in x's dtype (float32 or bfloat16).
     Row r's result is bit-identical whatever its group's size and the other groups' rows."""
-    if C.needs_grad(x, w):
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _Grouped.apply(x, w, offs, impl)
     return _grouped_forward(x, w, offs, impl)
 
 
 # --- combine --------------------------------------------------------------------------------
 def _combine_forward(e: Tensor, w: Tensor, impl: str | None) -> Tensor:
+    if impl is None and e.is_cpu and e.dim() == 2 and w.dim() == 2:  # the common case, with few checks
+        code, wc = C.CODE.get(e.dtype), C.CODE.get(w.dtype)
+        (T, k), (R, H) = w.shape, e.shape
+        if code is not None and wc is not None and R == T * k and e.stride(1) == 1 and w.stride(1) == 1:
+            y = e.new_empty((T, H))
+            C._C.exact_combine(e.data_ptr(), e.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), H, T, k, H, code, wc,
+                               C.num_threads())
+            return y
     op = "exact.moe_combine"
     impl = C.pick_impl(op, e, impl)
     C.check_dtype(op, "expert_out", e)
@@ -165,13 +182,22 @@ def moe_combine(expert_out: Tensor, weights: Tensor, *, impl: str | None = None)
     """``expert_out [tokens * k, H]`` (rows in (token, slot) order), ``weights [tokens, k]``
     (float32, or bfloat16) -> ``[tokens, H]`` in expert_out's dtype: each token's slots summed in
     slot order in fp32, rounded once."""
-    if C.needs_grad(expert_out, weights):
+    if torch.is_grad_enabled() and (expert_out.requires_grad or weights.requires_grad):
         return _Combine.apply(expert_out, weights, impl)
     return _combine_forward(expert_out, weights, impl)
 
 
 # --- elementwise ----------------------------------------------------------------------------
 def _eltwise_forward(g: Tensor, u: Tensor | None, op_code: int, impl: str | None) -> Tensor:
+    if impl is None and g.is_cpu and g.dim() == 2:  # the common case, with few checks
+        code = C.CODE.get(g.dtype)
+        uu = g if u is None else u
+        if code is not None and uu.dtype == g.dtype and uu.shape == g.shape and g.stride(1) == 1 and uu.stride(1) == 1:
+            R, Cn = g.shape
+            y = g.new_empty((R, Cn))
+            C._C.exact_eltwise(g.data_ptr(), g.stride(0), uu.data_ptr(), uu.stride(0), y.data_ptr(), Cn, R, Cn, code,
+                               op_code, C.num_threads())
+            return y
     op = "exact.silu_mul" if op_code == 0 else "exact.sigmoid"
     impl = C.pick_impl(op, g, impl)
     C.check_dtype(op, "input", g)
@@ -220,7 +246,7 @@ class _Sigmoid(torch.autograd.Function):
 def silu_mul(gate: Tensor, up: Tensor, *, impl: str | None = None) -> Tensor:
     """``F.silu(gate) * up`` (float32 or bfloat16, the SiLU rounded to the dtype before the
     product, as torch does), each element computed the same way wherever it sits."""
-    if C.needs_grad(gate, up):
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SiluMul.apply(gate, up, impl)
     return _eltwise_forward(gate, up, 0, impl)
 
@@ -228,6 +254,6 @@ def silu_mul(gate: Tensor, up: Tensor, *, impl: str | None = None) -> Tensor:
 def sigmoid(x: Tensor, *, impl: str | None = None) -> Tensor:
     """``torch.sigmoid(x)`` (float32 or bfloat16), each element computed the same way wherever it
     sits (the sigmoid router's scores)."""
-    if C.needs_grad(x):
+    if x.requires_grad and torch.is_grad_enabled():
         return _Sigmoid.apply(x, impl)
     return _eltwise_forward(x, None, 1, impl)

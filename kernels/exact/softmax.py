@@ -62,6 +62,13 @@ def _block(V: int) -> int:
 
 
 def _forward(x: Tensor, log: bool, labels: Tensor | None, impl: str | None, op: str) -> Tensor:
+    if impl is None and labels is None and x.is_cpu and x.dim() == 2:  # the common case, with few checks
+        code = C.CODE.get(x.dtype)
+        if code is not None and x.stride(1) == 1:
+            M, V = x.shape
+            y = x.new_empty((M, V), dtype=torch.float32)
+            C._C.exact_softmax(x.data_ptr(), x.stride(0), y.data_ptr(), V, M, V, code, int(log), 0, C.num_threads())
+            return y
     impl = C.pick_impl(op, x, impl)
     C.check_dtype(op, "x", x)
     x2 = C.rows(x)
@@ -125,14 +132,14 @@ class _TokenLogprobs(torch.autograd.Function):
 def log_softmax(x: Tensor, *, impl: str | None = None) -> Tensor:
     """fp32 log-softmax over the last dimension of ``x`` (float32 or bfloat16). Each row is
     bit-identical however many rows come with it and at any thread count."""
-    if C.needs_grad(x):
+    if x.requires_grad and torch.is_grad_enabled():
         return _Softmax.apply(x, True, impl)
     return _forward(x, True, None, impl, "exact.log_softmax")
 
 
 def softmax(x: Tensor, *, impl: str | None = None) -> Tensor:
     """fp32 softmax over the last dimension (the router's), batch-invariant like ``log_softmax``."""
-    if C.needs_grad(x):
+    if x.requires_grad and torch.is_grad_enabled():
         return _Softmax.apply(x, False, impl)
     return _forward(x, False, None, impl, "exact.softmax")
 
