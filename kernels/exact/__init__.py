@@ -13,8 +13,8 @@ forward, a plain-torch backward) and a plain-torch reference:
 * ``seeded_sample``: Gumbel-max from a hash of (seed, position, token).
 
 CPU tensors run the C++ kernels, CUDA tensors the Triton ones (``impl=`` picks explicitly;
-"triton" on CPU tensors under ``TRITON_INTERPRET=1``). docs/true_on_policy_kernels.md has the
-guarantees and the costs.
+"triton" on CPU tensors under ``TRITON_INTERPRET=1``). docs/exact_kernels.md has the
+guarantees, the orders and the costs.
 """
 from ._common import isa, num_threads, set_isa, set_num_threads
 from .attention import attention, attention_reference, cached_attention, packed_attention
