@@ -17,7 +17,8 @@ CPU tensors run the C++ kernels, CUDA tensors the Triton ones (``impl=`` picks e
 guarantees, the orders and the costs.
 """
 from ._common import isa, num_threads, set_isa, set_num_threads
-from .attention import attention, attention_reference, cached_attention, packed_attention
+from .attention import (attention, attention_reference, cached_attention, packed_attention,
+                        packed_attention_reference)
 from .linear import linear
 from .moe import grouped_linear, moe_combine, sigmoid, silu_mul
 from .norm import rms_norm, rms_norm_reference
@@ -25,7 +26,8 @@ from .sampling import gumbel_uniform, seeded_sample
 from .softmax import log_softmax, softmax, token_logprobs
 
 __all__ = [
-    "attention", "attention_reference", "cached_attention", "packed_attention", "linear", "grouped_linear",
+    "attention", "attention_reference", "cached_attention", "packed_attention", "packed_attention_reference",
+    "linear", "grouped_linear",
     "moe_combine", "sigmoid", "silu_mul", "rms_norm", "rms_norm_reference", "log_softmax", "softmax",
     "token_logprobs", "seeded_sample", "gumbel_uniform", "isa", "set_isa", "num_threads", "set_num_threads",
 ]

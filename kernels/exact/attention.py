@@ -216,11 +216,45 @@ def attention_reference(q, k, v, cu, pos0, kv_seq, kv_start, scale, window=0, si
     return torch.einsum("hnj,jhd->nhd", probs, vf.to(ct)).to(q.dtype)
 
 
+def packed_attention_reference(q, k, v, cu, max_seqlen, scale, window=0, sinks=None):
+    """``packed_attention``'s maths in plain torch: the packed sequences laid out as a right-padded
+    [S, max_seqlen] batch (memory S x Hq x max_seqlen^2, not total^2). The backward of
+    ``packed_attention``."""
+    T, Hq, _ = q.shape
+    Hkv, dev = k.shape[1], q.device
+    cu = cu.to(dev).long()
+    S, L = cu.shape[0] - 1, max_seqlen
+    i = torch.arange(T, device=dev)
+    seq = torch.searchsorted(cu[1:], i, right=True)
+    slot = seq * L + (i - cu[seq])
+
+    def pad(t):  # [T, H, D] -> [S, H, L, D]
+        buf = t.new_zeros(S * L, t.shape[1], t.shape[2]).index_copy(0, slot, t)
+        return buf.view(S, L, t.shape[1], t.shape[2]).transpose(1, 2)
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qp = pad(q).to(ct)
+    kp = pad(k).to(ct).repeat_interleave(Hq // Hkv, dim=1)
+    vp = pad(v).to(ct).repeat_interleave(Hq // Hkv, dim=1)
+    scores = (qp @ kp.transpose(-1, -2)) * scale  # [S, Hq, L, L]
+    r = torch.arange(L, device=dev)
+    seen = r[None, :] <= r[:, None]
+    if window > 0:
+        seen = seen & (r[:, None] - r[None, :] < window)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(ct)[None, :, None, None].expand(S, Hq, L, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    out = (probs @ vp).transpose(1, 2).reshape(S * L, Hq, -1)
+    return out.index_select(0, slot).to(q.dtype)
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu, pos0, kv_seq, kv_start, scale, window, sinks, impl):
+    def forward(ctx, q, k, v, cu, pos0, kv_seq, kv_start, scale, window, sinks, impl, packed_max):
         ctx.save_for_backward(q, k, v, cu, pos0, kv_seq, kv_start, sinks)
-        ctx.scale, ctx.window = scale, window
+        ctx.scale, ctx.window, ctx.packed_max = scale, window, packed_max
         return _forward(q, k, v, cu, pos0, kv_seq, kv_start, scale, window, sinks, impl)
 
     @staticmethod
@@ -229,12 +263,16 @@ class _Attention(torch.autograd.Function):
         ins = [q, k, v] + ([sinks] if sinks is not None else [])
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in ins]
-            out = attention_reference(*leaves[:3], cu, pos0, kv_seq, kv_start, ctx.scale, ctx.window,
-                                      leaves[3] if sinks is not None else None)
+            sk = leaves[3] if sinks is not None else None
+            if ctx.packed_max is not None:  # a packed batch (packed_attention): per-sequence padding
+                out = packed_attention_reference(leaves[0], leaves[1], leaves[2], cu, ctx.packed_max, ctx.scale,
+                                                 ctx.window, sk)
+            else:
+                out = attention_reference(*leaves[:3], cu, pos0, kv_seq, kv_start, ctx.scale, ctx.window, sk)
             grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
         dq, dk, dv = grads[:3]
         dsinks = grads[3] if sinks is not None else None
-        return dq, dk, dv, None, None, None, None, None, None, dsinks, None
+        return dq, dk, dv, None, None, None, None, None, None, dsinks, None, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, pos0: Tensor, kv_seq: Tensor,
@@ -247,22 +285,31 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, pos0: Tenso
     keeps the last ``window`` keys of each query (its own included); ``sinks`` fp32 [Hq].
     A query's output is bit-identical whatever else is computed with it. On CPU every key read is
     checked to lie in the buffers (IndexError otherwise)."""
+    return _attention(q, k, v, cu_seqlens_q, pos0, kv_seq, kv_start, scale, window, sinks, impl, None)
+
+
+def _attention(q, k, v, cu, pos0, kv_seq, kv_start, scale, window, sinks, impl, packed_max):
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if C.needs_grad(q, k, v, sinks):
-        return _Attention.apply(q, k, v, cu_seqlens_q, pos0, kv_seq, kv_start, scale, window, sinks, impl)
-    return _forward(q, k, v, cu_seqlens_q, pos0, kv_seq, kv_start, scale, window, sinks, impl)
+        return _Attention.apply(q, k, v, cu, pos0, kv_seq, kv_start, scale, window, sinks, impl, packed_max)
+    return _forward(q, k, v, cu, pos0, kv_seq, kv_start, scale, window, sinks, impl)
 
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, scale: float | None = None,
-                     window: int = 0, sinks: Tensor | None = None, impl: str | None = None) -> Tensor:
+                     window: int = 0, sinks: Tensor | None = None, max_seqlen: int | None = None,
+                     impl: str | None = None) -> Tensor:
     """Self-attention of a packed batch (a training micro-batch): ``q/k/v [total, H, D]``, sequence
-    ``s`` at rows ``cu_seqlens[s]:cu_seqlens[s+1]``, positions from 0."""
+    ``s`` at rows ``cu_seqlens[s]:cu_seqlens[s+1]``, positions from 0. ``max_seqlen`` (the longest
+    sequence, a host integer) is used by the backward only (its padded layout); without it the
+    backward reads it from ``cu_seqlens``."""
     cu = cu_seqlens.to(torch.int32)
     S = cu.shape[0] - 1
     zeros = torch.zeros(S, dtype=torch.int32, device=cu.device)
-    return attention(q, k, v, cu, zeros, zeros.long(), cu[:-1].long(), scale=scale, window=window, sinks=sinks,
-                     impl=impl)
+    packed_max = None
+    if C.needs_grad(q, k, v, sinks):
+        packed_max = max_seqlen if max_seqlen is not None else int(cu.diff().max()) if S else 0
+    return _attention(q, k, v, cu, zeros, zeros.long(), cu[:-1].long(), scale, window, sinks, impl, packed_max)
 
 
 def cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, slots: Tensor,
