@@ -155,6 +155,13 @@ int64_t chunk_for(int64_t n, int threads, double work_per_item) {
   return std::max<int64_t>(1, std::min(std::max(by_threads, by_work), n));
 }
 
+// Splits n items (work_per_item multiply-adds each) among threads: fn(i0, i1) per chunk.
+template <class F>
+void split(int64_t n, double work_per_item, int threads, F&& fn) {
+  const int nt = threads_for(threads, work_per_item * double(n));
+  pool().run(n, chunk_for(n, nt, work_per_item), nt, fn);
+}
+
 uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
@@ -223,23 +230,19 @@ void linear(const LinearArgs& a, int threads) {
     start = end;
   }
   const Isa& f = isa();
-  const double per_task = double(std::min(RB, a.M)) * double(std::min(CB, a.N)) * double(a.K);
-  const int nt = threads_for(threads, double(a.M) * double(a.N) * double(a.K));
   const LinearTask* t = tasks.data();
-  pool().run(int64_t(tasks.size()), chunk_for(int64_t(tasks.size()), nt, per_task), nt,
-             [&](int64_t t0, int64_t t1) { f.linear(a, t, t0, t1); });
+  split(int64_t(tasks.size()), double(std::min(RB, a.M)) * double(std::min(CB, a.N)) * double(a.K), threads,
+        [&](int64_t t0, int64_t t1) { f.linear(a, t, t0, t1); });
 }
 
 void rms_norm(const RmsNormArgs& a, int threads) {
   const Isa& f = isa();
-  const int nt = threads_for(threads, double(a.M) * double(a.H) * 4);
-  pool().run(a.M, chunk_for(a.M, nt, double(a.H) * 4), nt, [&](int64_t r0, int64_t r1) { f.rms_norm(a, r0, r1); });
+  split(a.M, double(a.H) * 4, threads, [&](int64_t r0, int64_t r1) { f.rms_norm(a, r0, r1); });
 }
 
 void softmax(const SoftmaxArgs& a, int threads) {
   const Isa& f = isa();
-  const int nt = threads_for(threads, double(a.M) * double(a.V) * 8);
-  pool().run(a.M, chunk_for(a.M, nt, double(a.V) * 8), nt, [&](int64_t r0, int64_t r1) { f.softmax(a, r0, r1); });
+  split(a.M, double(a.V) * 8, threads, [&](int64_t r0, int64_t r1) { f.softmax(a, r0, r1); });
 }
 
 void attention(const AttentionArgs& a, int threads) {
@@ -261,30 +264,25 @@ void attention(const AttentionArgs& a, int threads) {
   for (int64_t s = 0; s < a.S; ++s)
     longest = std::max<int64_t>(longest, a.pos0[s] + (a.cu_q[s + 1] - a.cu_q[s]));
   if (a.window > 0) longest = std::min(longest, a.window);
-  const double per_item = double(longest) * double(a.Dqk + a.Dv + 8) * 0.5;
-  const int64_t items = a.Nq * a.Hq;
-  const int nt = threads_for(threads, per_item * double(items));
-  pool().run(items, chunk_for(items, nt, per_item), nt, [&](int64_t i0, int64_t i1) { f.attention(a, i0, i1); });
+  split(a.Nq * a.Hq, double(longest) * double(a.Dqk + a.Dv + 8) * 0.5, threads,
+        [&](int64_t i0, int64_t i1) { f.attention(a, i0, i1); });
 }
 
 void eltwise(const EltwiseArgs& a, int threads) {
   const Isa& f = isa();
-  const int nt = threads_for(threads, double(a.rows) * double(a.cols) * 16);
-  pool().run(a.rows, chunk_for(a.rows, nt, double(a.cols) * 16), nt, [&](int64_t r0, int64_t r1) { f.eltwise(a, r0, r1); });
+  split(a.rows, double(a.cols) * 16, threads, [&](int64_t r0, int64_t r1) { f.eltwise(a, r0, r1); });
 }
 
 void combine(const CombineArgs& a, int threads) {
   const Isa& f = isa();
-  const int nt = threads_for(threads, double(a.T) * double(a.k) * double(a.H));
-  pool().run(a.T, chunk_for(a.T, nt, double(a.k) * double(a.H)), nt, [&](int64_t r0, int64_t r1) { f.combine(a, r0, r1); });
+  split(a.T, double(a.k) * double(a.H), threads, [&](int64_t r0, int64_t r1) { f.combine(a, r0, r1); });
 }
 
 void exp(const float* x, float* y, int64_t n) { isa().exp(x, y, n); }
 
 void gumbel_argmax(const float* logp, int64_t sl, int64_t R, int64_t V, const int64_t* seed, const int64_t* pos,
                    int64_t* out, int threads) {
-  const int nt = threads_for(threads, double(R) * double(V) * 32);
-  pool().run(R, chunk_for(R, nt, double(V) * 32), nt, [&](int64_t r0, int64_t r1) {
+  split(R, double(V) * 32, threads, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = logp + r * sl;
       const uint32_t key = row_key(seed[r], pos[r]);

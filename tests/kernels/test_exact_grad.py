@@ -104,7 +104,6 @@ def test_packed_attention_grad(window, with_sinks):
 def test_general_attention_grad_matches_the_packed_one():
     """The general form (keys in a [Sk, T] buffer, here the packed rows as one sequence each) has
     the dense reference as its backward; the packed form the padded one: the same gradients."""
-    lens = [4, 9]
     cu = torch.tensor([0, 4, 13], dtype=torch.int32)
     q, k, v = _leaf(13, 4, 8, seed=1), _leaf(13, 2, 8, seed=2), _leaf(13, 2, 8, seed=3)
     r = torch.randn(13, 4, 8, generator=torch.Generator().manual_seed(5))
@@ -113,7 +112,6 @@ def test_general_attention_grad_matches_the_packed_one():
     g2 = torch.autograd.grad((E.attention(q, k, v, cu, z, z.long(), cu[:-1].long(), window=3) * r).sum(), (q, k, v))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert sum(lens) == 13
 
 
 def test_combine_silu_sigmoid_grad():
