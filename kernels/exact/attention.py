@@ -89,8 +89,10 @@ if C.triton is not None:
                 sc = tl.where(seen, sc, float("-inf"))
                 mn = tl.maximum(m, tl.max(sc, axis=1))
                 safe = tl.where(mn == float("-inf"), 0.0, mn)
-                alpha = tl.exp(m - safe)
-                p = tl.exp(sc - safe[:, None])
+                # exactly 1 and 0 where the row's max did not move / the key is hidden, whatever
+                # the hardware exp gives for 0 and -inf: a block a row does not see is a no-op
+                alpha = tl.where(mn == m, 1.0, tl.exp(m - safe))
+                p = tl.where(seen, tl.exp(sc - safe[:, None]), 0.0)
                 l = l * alpha + tl.sum(p, axis=1)
                 v = tl.load(v_base + t[:, None].to(tl.int64) * stride_vt + dv[None, :],
                             mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
