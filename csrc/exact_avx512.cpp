@@ -18,14 +18,21 @@
 
 #include "exact_vec_avx2.h"
 
+// GCC 12's AVX-512 headers pass an undefined vector to the builtins behind these intrinsics and
+// then warn about it (GCC bug 105593, fixed in GCC 13)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 namespace {
 
 inline __m512 dup256(Vec a) {  // [a | a]
-  const __m256d d = _mm256_castps_pd(a.v);
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(d), d, 1));
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(a.v)));
 }
-inline __m512 join256(Vec lo, Vec hi) {  // [lo | hi]
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo.v)), _mm256_castps_pd(hi.v), 1));
+inline __m512 join256(Vec lo, Vec hi) {  // [lo | hi]: 128-bit pieces 0, 1 of lo, then 0, 1 of hi
+  return _mm512_castpd_ps(_mm512_shuffle_f64x2(_mm512_zextpd256_pd512(_mm256_castps_pd(lo.v)),
+                                               _mm512_zextpd256_pd512(_mm256_castps_pd(hi.v)), 0x44));
 }
 inline Vec lo256(__m512 a) { return {_mm512_castps512_ps256(a)}; }
 inline Vec hi256(__m512 a) { return {_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))}; }
