@@ -18,6 +18,7 @@ from .config import ConfigError, dump_config, load_config
 # bench name -> module with ``main(argv: list[str]) -> int``
 BENCHES = {
     "logprobs": "moe_rl.kernels.bench.logprobs",
+    "exact": "moe_rl.kernels.bench.exact",
     "replay": "moe_rl.bench.replay",
     "engine": "moe_rl.bench.engine",
     "sync": "moe_rl.bench.sync",

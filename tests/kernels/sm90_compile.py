@@ -139,6 +139,7 @@ def run_all() -> list[dict]:
     for module, names in LAUNCHES.items():
         _patch(importlib.import_module(module), names, results)
     drive_every_launch()
+    _compile_exact_kernels(results)
     return results
 
 
@@ -188,6 +189,28 @@ def drive_every_launch() -> None:
     plan = bp.BucketCopy(tensors, [0, 320], torch.bfloat16)
     flat = torch.empty(320 + 64 * 32, dtype=torch.bfloat16)
     plan.pack(flat)
+
+
+def _compile_exact_kernels(results: list) -> None:
+    """The batch-invariant ("exact") kernels: the one config of each dtype (grouped GEMM: above)."""
+    ex = {n: importlib.import_module(f"moe_rl.kernels.exact.{n}") for n in ("linear", "norm", "softmax", "attention", "moe")}
+    _patch(ex["linear"], ["_exact_linear_kernel"], results)
+    _patch(ex["norm"], ["_exact_rms_norm_kernel"], results)
+    _patch(ex["softmax"], ["_exact_softmax_kernel"], results)
+    _patch(ex["attention"], ["_exact_attention_kernel"], results)
+    _patch(ex["moe"], ["_exact_combine_kernel"], results)
+    for dt in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(64, 128, dtype=dt), torch.randn(96, 128, dtype=dt)
+        ex["linear"]._linear_triton(x, w, torch.randn(96, dtype=dt))
+        ex["norm"]._rms_norm_triton(x, torch.ones(128, dtype=dt), torch.empty_like(x), 1e-6)
+        ex["softmax"]._softmax_triton(x, torch.empty(64, 128), None, True)
+        ex["softmax"]._softmax_triton(x, torch.empty(64), torch.zeros(64, dtype=torch.long), True)
+        q, kc = torch.randn(48, 8, 128, dtype=dt), torch.randn(4, 512, 2, 128, dtype=dt)
+        cu = torch.tensor([0, 16, 47, 48], dtype=torch.int32)
+        ex["attention"]._attention_triton(q, kc, kc, torch.empty_like(q), cu, torch.tensor([0, 3, 7], dtype=torch.int32),
+                                          torch.tensor([0, 1, 3]), torch.zeros(3, dtype=torch.long), 0.1, 64,
+                                          torch.zeros(8))
+        ex["moe"]._combine_triton(torch.randn(128, 128, dtype=dt), torch.rand(64, 2), torch.empty(64, 128, dtype=dt))
 
 
 def main(argv=None):

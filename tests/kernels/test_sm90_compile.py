@@ -28,6 +28,10 @@ SCRIPT = HERE / "sm90_compile.py"
 KERNELS = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_dz_kernel", "_gmm_kernel",
            "_gmm_wgrad_kernel", "_bucket_copy_kernel"}
 GEMMS = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_gmm_kernel", "_gmm_wgrad_kernel"}
+# the batch-invariant ("exact") kernels, moe_rl.kernels.exact
+KERNELS |= {"_exact_linear_kernel", "_exact_rms_norm_kernel", "_exact_softmax_kernel", "_exact_attention_kernel",
+            "_exact_combine_kernel"}
+GEMMS |= {"_exact_linear_kernel"}
 
 
 def _nvidia_backend() -> bool:
