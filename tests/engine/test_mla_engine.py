@@ -111,3 +111,15 @@ def test_retract_and_weight_update_in_place():
         check_against_forward(new, body, out)
     finally:
         engine.stop()
+
+
+def test_latent_cache_is_71x_smaller_on_the_deepseek_v3_shape():
+    """configs/deepseek_v3_lora_10x8.yaml: 576 cached values per token and layer against 128
+    heads x (192 + 128) expanded, bf16; the issue's target is >= 10x."""
+    from moe_rl.config import load_config
+
+    arch = load_config("configs/deepseek_v3_lora_10x8.yaml").model.model_copy(update={"path": None}).arch()
+    latent = kv_bytes_per_request(arch, 1, 2)
+    expanded = arch.num_hidden_layers * arch.num_attention_heads * (arch.qk_head_dim + arch.v_head_dim) * 2
+    assert latent == 61 * 576 * 2 and expanded == 61 * 128 * 320 * 2
+    assert expanded / latent == pytest.approx(40960 / 576) and expanded / latent >= 10

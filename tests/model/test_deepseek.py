@@ -179,3 +179,20 @@ def test_mla_fields_are_checked():
     assert a.num_key_value_heads == a.num_attention_heads and a.head_dim == 4 and a.rope().interleaved
     model = MoEForCausalLM(a)
     assert hasattr(model.model.layers[0].mixer, "q_proj") and not hasattr(model.model.layers[0].mixer, "q_a_proj")
+
+
+def test_replay_reproduces_the_record_and_recomputes_the_gates():
+    """R3 on the family: replaying a record gives the recorded forward exactly; replaying other
+    experts changes the output, with gate weights from the current sigmoid scores."""
+    arch = MoEArch(model_type="deepseek_v3", vocab_size=40, hidden_size=32, num_hidden_layers=3, num_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                   moe_intermediate_size=16, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                   v_head_dim=6)
+    model = MoEForCausalLM(arch).init_weights(3, std=0.2)
+    ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+    rec = []
+    with torch.no_grad():
+        out = model(ids, record=rec)
+        assert len(rec) == 2 and torch.equal(model(ids, replay=rec), out)
+        other = [(r + 1) % 8 for r in rec]
+        assert not torch.allclose(model(ids, replay=other), out)
