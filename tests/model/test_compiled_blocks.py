@@ -102,7 +102,7 @@ CHEAP = "inductor" if ALL_CASES else "aot_eager"
 
 @pytest.mark.parametrize("family, lora, replay, backend", [
     ("qwen3_moe", True, True, "inductor"), ("qwen3_moe", False, False, CHEAP),
-    ("glm4_moe", True, False, CHEAP), ("glm4_moe", False, True, CHEAP), ("deepseek_v3", True, True, CHEAP)])
+    ("glm4_moe", True, False, CHEAP), ("glm4_moe", False, True, CHEAP)])
 def test_compiled_block_equals_eager(compiled_models, family, lora, replay, backend):
     """fp32 logits within 1e-5, every gradient at cosine >= 0.99999 (and within 1e-4), the same
     experts chosen; under replay the record's experts, not the router's."""
