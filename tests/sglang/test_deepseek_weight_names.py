@@ -1,7 +1,7 @@
 """The weight sync's tensors for the DeepSeek-V3 family (multi-head latent attention) go through
 SGLang's own ``DeepseekV2WeightLoaderMixin.do_load_weights`` (srt/models/deepseek_common/
-deepseek_weight_loader.py, shared by DeepseekV3ForCausalLM and Glm4MoeLiteForCausalLM), compiled
-from the installed source as tests/sglang/test_glm_weight_names.py does for GLM. SGLang fuses
+deepseek_weight_loader.py; DeepseekV3ForCausalLM's) and GLM-4.7-Flash's through its own
+``Glm4MoeLiteForCausalLM.load_weights``, compiled from the installed source as tests/sglang/test_glm_weight_names.py does for GLM. SGLang fuses
 q_a_proj with kv_a_proj_with_mqa into ``fused_qkv_a_proj_with_mqa`` and writes it only when both
 arrive in one load_weights call, so the test loads bucket by bucket, as a weight update does:
 every tensor must land, the fused parameter must be the concatenation, and post_load_weights
@@ -58,9 +58,20 @@ def sglang_param_names(arch: MoEArch, fused_shared: int) -> list[str]:
     return names
 
 
-def sglang_loader():
+def fused_moe():
     fused = sglang_methods("srt/layers/moe/fused_moe_triton/layer.py", "FusedMoE", ("make_expert_params_mapping",))
-    FusedMoE = type("FusedMoE", (), {"make_expert_params_mapping": classmethod(fused["make_expert_params_mapping"])})
+    return type("FusedMoE", (), {"make_expert_params_mapping": classmethod(fused["make_expert_params_mapping"])})
+
+
+def glm47_flash_loader():
+    """SGLang's Glm4MoeLiteForCausalLM.load_weights (GLM-4.7-Flash: its own copy of the pairing)."""
+    return sglang_methods("srt/models/glm4_moe_lite.py", "Glm4MoeLiteForCausalLM", ("load_weights",), re=re,
+                          torch=torch, FusedMoE=fused_moe(), default_weight_loader=None,
+                          logger=logging.getLogger("sglang-ref"))["load_weights"]
+
+
+def sglang_loader():
+    FusedMoE = fused_moe()
     utils = sglang_methods("srt/model_loader/utils.py", None, ("should_async_load", "maybe_executor_submit"),
                            torch=torch, concurrent=concurrent, RUNAI_STREAMER_TENSOR_ATTR="_sglang_runai_streamer_tensor")
     helpers = sglang_methods(LOADER, None, ("_clone_if_runai_streamed_tensor", "_resolve_quark_fp8_block_scale_name",
@@ -78,13 +89,16 @@ class SGLangModel:
     tensor; ``post_load_weights`` records the names it is given (SGLang re-derives w_kc / w_vc of
     the layers whose kv_b_proj is among them)."""
 
-    def __init__(self, arch: MoEArch, fused_shared: int):
+    def __init__(self, arch: MoEArch, fused_shared: int, load=None):
         self.config = SimpleNamespace(**dict(arch.to_hf_dict(), num_nextn_predict_layers=0))
         self.num_fused_shared_experts, self.quant_config = fused_shared, None
         self.pp_group, self.model = SimpleNamespace(is_last_rank=True), SimpleNamespace()
         self.calls: dict[str, list] = defaultdict(list)
         self.post_load: list[list[str]] = []
         self.params = {n: self._param(n) for n in sglang_param_names(arch, fused_shared)}
+        if load is not None:  # a family's own load_weights
+            self.load_weights = lambda weights: load(self, weights)
+            return
         fns = sglang_loader()
         self.load_weights = lambda weights: fns["do_load_weights"](self, weights)
         self._initialize_nextn_conf = lambda is_nextn: fns["_initialize_nextn_conf"](self, is_nextn)
@@ -104,20 +118,24 @@ class SGLangModel:
         return weights
 
     def post_load_weights(self, is_nextn=False, weight_names=None):
-        self.post_load.append(list(weight_names))
+        # None: every layer (GLM-4.7-Flash's loader re-derives all of them after each call)
+        self.post_load.append(list(weight_names) if weight_names is not None else
+                              [f"model.layers.{i}.self_attn.kv_b_proj.weight"
+                               for i in range(self.config.num_hidden_layers)])
 
 
-@pytest.mark.parametrize("q_lora,fused_shared", [(True, 0), (True, 1), (False, 0)],
-                         ids=["q_lora", "q_lora-shared-fused", "plain-q_proj"])
-def test_every_tensor_lands_bucket_by_bucket(q_lora, fused_shared):
-    arch = ARCH if q_lora else ARCH.model_copy(update={"q_lora_rank": None})
+@pytest.mark.parametrize("q_lora,fused_shared,family", [(True, 0, "deepseek_v3"), (True, 1, "deepseek_v3"),
+                                                        (False, 0, "deepseek_v3"), (True, 1, "glm4_moe_lite")],
+                         ids=["q_lora", "q_lora-shared-fused", "plain-q_proj", "glm-4.7-flash"])
+def test_every_tensor_lands_bucket_by_bucket(q_lora, fused_shared, family):
+    arch = ARCH.model_copy(update={"q_lora_rank": ARCH.q_lora_rank if q_lora else None, "model_type": family})
     model = MoEForCausalLM(arch).init_weights(0)
     tensors = dict(iter_local_hf_tensors(model))
     specs = [(n, s, torch.float32) for n, s in hf_param_specs(arch)]
     # small buckets: most split the model, but never a layer's q_a_proj / kv_a_proj_with_mqa pair
     plan = plan_buckets(specs, bucket_bytes=2048)
     assert len(plan.buckets) > 10
-    sg = SGLangModel(arch, fused_shared)
+    sg = SGLangModel(arch, fused_shared, glm47_flash_loader() if family == "glm4_moe_lite" else None)
     for b in plan.buckets:
         sg.load_weights((n, tensors[n]) for n in b.names)
     assert set(sg.calls) == set(sg.params), f"never written: {sorted(set(sg.params) - set(sg.calls))}"
