@@ -1,8 +1,8 @@
 """The weight sync's tensors for the DeepSeek-V3 family (multi-head latent attention) go through
 SGLang's own ``DeepseekV2WeightLoaderMixin.do_load_weights`` (srt/models/deepseek_common/
 deepseek_weight_loader.py; DeepseekV3ForCausalLM's) and GLM-4.7-Flash's through its own
-``Glm4MoeLiteForCausalLM.load_weights``, compiled from the installed source as tests/sglang/test_glm_weight_names.py does for GLM. SGLang fuses
-q_a_proj with kv_a_proj_with_mqa into ``fused_qkv_a_proj_with_mqa`` and writes it only when both
+``Glm4MoeLiteForCausalLM.load_weights``, compiled from the installed source as
+tests/sglang/test_glm_weight_names.py does for GLM. SGLang fuses q_a_proj with kv_a_proj_with_mqa into ``fused_qkv_a_proj_with_mqa`` and writes it only when both
 arrive in one load_weights call, so the test loads bucket by bucket, as a weight update does:
 every tensor must land, the fused parameter must be the concatenation, and post_load_weights
 (which splits kv_b_proj into w_kc / w_vc) must see every layer's kv_b_proj."""
