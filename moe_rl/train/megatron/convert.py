@@ -382,7 +382,7 @@ def megatron_to_hf(
             i = int(hf_name.split(".")[2])
             suffix = hf_name.split(".", 3)[3]
             n = _layer_names(arch, layout, i)
-            if suffix in _MLA_SUFFIXES:
+            if arch.is_mla and suffix in _MLA_SUFFIXES:
                 yield hf_name, _mla_rope_rows(fetch(n[suffix]), suffix, arch, to_megatron=False)
             elif suffix in _QKV_SUFFIXES:
                 key = n["self_attn.qkv" if suffix.endswith(".weight") else "self_attn.qkv_bias"]
