@@ -308,8 +308,12 @@ class LoraConfig(Strict):
     dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapter dropout is not implemented")
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
                           "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
-                          "shared_experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                   "experts.gate_up_proj", "experts.down_proj"]
+                          "shared_experts.down_proj",
+                          # multi-head latent attention (deepseek_v3, glm4_moe_lite)
+                          "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"],
+        description="weights to adapt; attention targets are the projections of the model's attention (MLA models: "
+                    "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)")
     layers: list[int] | None = None  # decoder layers to adapt; None = all
     seed: int = 0
     sync: Literal["adapter", "merged"] = Field("merged", description="what a weight sync sends: the adapter "
@@ -533,6 +537,10 @@ class ExperimentConfig(Strict):
         if shared:
             raise ValueError(f"{where}: lora.targets has {shared}; serving shared-expert adapters through SGLang's "
                              "LoRA files is not checked against SGLang yet (use lora.sync=merged)")
+        mla = [t for t in self.lora.targets if t in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
+        if mla:
+            raise ValueError(f"{where}: lora.targets has {mla}; serving latent-attention adapters through SGLang's "
+                             "LoRA files is not checked against SGLang (use lora.sync=merged)")
         qkv = {"q_proj", "k_proj", "v_proj"} & set(self.lora.targets)
         if qkv and not {"q_proj", "v_proj"} <= qkv:
             raise ValueError(f"{where}: lora.targets has {sorted(qkv)}; SGLang stacks q/k/v adapters into qkv_proj "

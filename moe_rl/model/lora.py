@@ -259,11 +259,13 @@ class LoraAdapters(nn.Module):
         over the expert-sorted rows, all experts at once). The hooks read A and B themselves, so
         writing new values into them (a weight sync) changes what the model computes, and
         autograd reaches them. Returns a function that detaches everything again."""
-        handles, experts = [], {}
+        handles, experts, dense = [], {}, []
         for s in self.sites:
             A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
             if A.dim() == 2:
                 handles.append(s.module.register_forward_hook(_linear_hook(A, B, self.scaling)))
+                s.module.lora_delta = (A, B, self.scaling)  # for code that reads the weight (linear_weight)
+                dense.append(s.module)
                 continue
             if id(s.module) not in experts:
                 experts[id(s.module)] = (s.module, ExpertLora(self.scaling))
@@ -278,6 +280,8 @@ class LoraAdapters(nn.Module):
         def detach():
             for h in handles:
                 h.remove()
+            for module in dense:
+                del module.lora_delta
             for module, _ in experts.values():
                 del module.lora  # back to the class default (None)
         return detach
