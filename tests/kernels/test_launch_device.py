@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-import sm90_compile  # tests/kernels, on sys.path under pytest's default import mode
+from . import sm90_compile
 
 from moe_rl.kernels import launch
 
