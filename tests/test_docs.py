@@ -191,8 +191,9 @@ def test_docs_speak_of_the_product(doc):
 
 # --- commands ------------------------------------------------------------------------------------
 def commands(path: Path) -> list[tuple[int, str]]:
-    """Shell commands the page shows in its fenced code blocks (lines joined at trailing backslashes) that
-    start with moe-rl, python or bash; inline code spans are names in prose, not commands to run."""
+    """Shell commands the page shows in its fenced code blocks (lines joined at trailing backslashes), and in
+    benchmarks.md's tables, that start with moe-rl, python or bash (elsewhere an inline code span is a name
+    in prose, not a command to run)."""
     out, fenced, pending, start = [], False, "", 0
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if FENCE.match(line):
@@ -207,6 +208,8 @@ def commands(path: Path) -> list[tuple[int, str]]:
                 continue
             out.append((start, pending + text))
             pending = ""
+        elif path == BENCHMARKS and line.startswith("|"):  # its tables' command column
+            out += [(n, span.replace("\\|", "|")) for span in re.findall(r"`([^`]+)`", line)]
     found = []
     for n, text in out:
         for part in re.split(r"\s(?:&&|;|\|\|)\s", text):
@@ -335,6 +338,7 @@ def _run(fn, monkeypatch) -> str | None:
     return None if rc in (0, None) else f"returned {rc} before parsing its arguments"
 
 
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 # the pages whose commands are parsed in full (argparse run up to its result); elsewhere a command is checked
 # for what it names (the moe-rl command, module or script; validate/train: the config with its overrides)
 PARSED = {ROOT / "README.md", ROOT / "docs" / "README.md", ROOT / "docs" / "benchmarks.md"}
