@@ -189,6 +189,20 @@ def test_docs_speak_of_the_product(doc):
     assert not bad, "lines about issues or how the work went:\n" + "\n".join(bad)
 
 
+CODE_FORBIDDEN = re.compile(r"\b[Ii]ssues? #?\d+(?![\d-])|\bsession \d|\b(first|second|third|fourth|fifth|this|that|earlier) "
+                            r"session\b|\bno GPU (was|is) lent|\bengineers?\b|\(items? \d")
+CODE = [p for d in ("moe_rl", "kernels", "scripts", "tests", "configs", "examples", "csrc")
+        for p in sorted((ROOT / d).rglob("*")) if p.suffix in (".py", ".sh", ".yaml", ".cpp", ".h", ".cu")
+        and p != Path(__file__).resolve()]
+
+
+def test_code_comments_speak_of_the_product():
+    assert len(CODE) > 100
+    bad = [f"{rel(p)}:{n}: {line.strip()[:120]}" for p in CODE
+           for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if CODE_FORBIDDEN.search(line)]
+    assert not bad, "code that speaks of issues or of how the work went:\n" + "\n".join(bad)
+
+
 # --- commands ------------------------------------------------------------------------------------
 def commands(path: Path) -> list[tuple[int, str]]:
     """Shell commands the page shows in its fenced code blocks (lines joined at trailing backslashes), and in
