@@ -118,3 +118,19 @@ def test_expert_parallel_trainer_equals_engine(tmp_path, exact):
     """EP=2: each trainer rank computes half the experts, all-to-all moves rows only, the combine
     sums the slots in slot order on the token's own rank: the EP=1 engine's bits."""
     run_distributed(_ep_worker, 2, str(tmp_path), exact, timeout=240)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.backend=megatron"], "train.backend=native"),
+    (["engine.dtype=bfloat16"], "engine.dtype=bfloat16 and model.dtype=float32 differ"),
+    (["model.dtype=float16", "engine.dtype=float16"], "float32 or bfloat16"),
+    (["train.compile=true"], "train.compile"),
+    ([*LORA[:-2], "lora.sync=merged"], "lora.sync=adapter"),
+])
+def test_the_key_refuses_what_has_no_exact_path(overrides, words):
+    from moe_rl.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="true_on_policy") as err:
+        config(*QWEN, *overrides)
+    assert words in str(err.value)
+    config(*QWEN, *overrides, exact=False)  # valid without the key
