@@ -1,21 +1,16 @@
-"""A real training step against the embedded engine, in this process: the engine samples a batch
-(routing recorded into a replay log), the trainer trains on it with R3 replay, then its weights go
-back to the engine (the full HF tensors, or the adapter tensors alone) and the engine samples the
-next batch. What ``moe-rl train`` does, without the processes, so that the trainer's log-probs
-can be put beside the engine's."""
+"""A real training step against the embedded engine, in this process (``moe_rl.bench.on_policy``'s
+harness: the engine samples a batch, its routing recorded into a replay log, the trainer trains on
+it with R3 replay, its weights go back to the engine), plus the trainer's log-probs of a batch as
+its step's first forward takes them, to put beside the engine's; the test configs."""
 from __future__ import annotations
 
 import torch
 
+from moe_rl.bench.on_policy import make_trainer, rollout, sync
 from moe_rl.config import load_config
 from moe_rl.dist import Groups, Layout
-from moe_rl.engine.protocol import GenerateRequest
 from moe_rl.engine.server import build_engine
-from moe_rl.model import local_hf_tensor
-from moe_rl.replay import ReplayLog, RoutingSpec, record_from_responses
 from moe_rl.train.loop import Trainer, replay_rows
-
-from tests.engine.helpers import _submit
 
 # a small model: 3 layers, the middle one dense (dense rows in the record), 8 experts, top-2
 SMALL = ["model.vocab_size=48", "model.hidden_size=32", "model.intermediate_size=48", "model.moe_intermediate_size=16",
@@ -43,44 +38,7 @@ def trainer(cfg, replay_dir, rank: int = 0, groups: Groups | None = None) -> Tra
     if groups is None:
         layout = Layout(world_size=1, trainer_ranks=[0], rollout_ranks=[], ep_size=1)
         groups = Groups(layout=layout, rank=rank, role="trainer")
-    t = Trainer(cfg, groups)
-    arch = t.arch
-    t.writer = ReplayLog(replay_dir, len(arch.moe_layers), arch.num_experts_per_tok, arch.num_experts)
-    t.reader = ReplayLog(replay_dir, mode="r")
-    return t
-
-
-def rollout(engine, t: Trainer, seed: int = 0) -> list[dict]:
-    """prompts_per_step x group_size samples from ``engine`` (the loop's batch dicts, advantages
-    from a fixed draw), their routing appended to the trainer's replay log, tagged with the
-    trainer's version (the weights the engine serves)."""
-    cfg, arch = t.cfg, t.arch
-    g = torch.Generator().manual_seed(seed)
-    bodies = []
-    for i in range(cfg.rollout.prompts_per_step):
-        prompt = torch.randint(0, arch.vocab_size, (3 + 5 * i % 11,), generator=g).tolist()
-        for j in range(cfg.rollout.group_size):
-            bodies.append({"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
-                           "sampling_params": {"temperature": cfg.rollout.temperature,
-                                               "max_new_tokens": cfg.rollout.max_new_tokens,
-                                               "sampling_seed": 1000 * seed + len(bodies)}})
-    wait = _submit(engine, bodies)
-    outs = wait(120)
-    spec = RoutingSpec(arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts,
-                       tuple(arch.mlp_only_layers), arch.decoder_sparse_step, arch.first_k_dense_replace)
-    adv = torch.randn(len(bodies), generator=g).tolist()
-    batch = []
-    for k, (body, out) in enumerate(zip(bodies, outs)):
-        uid = f"s{seed}-{k}"
-        resp = out["output_ids"]
-        rec = record_from_responses([out["meta_info"]], spec, num_tokens=len(body["input_ids"]) + len(resp))
-        t.writer.append(uid, rec, [t.version])
-        batch.append(dict(uid=uid, group_id=k // cfg.rollout.group_size, prompt_ids=body["input_ids"],
-                          response_ids=resp, versions=[t.version] * len(resp), advantage=adv[k], has_routing=True,
-                          behaviour_logprobs=[lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]],
-                          loss_mask=None))
-    t.writer.flush()
-    return batch
+    return make_trainer(cfg, replay_dir, groups)
 
 
 def trainer_logprobs(t: Trainer, batch: list[dict]) -> torch.Tensor:
@@ -101,21 +59,6 @@ def trainer_logprobs(t: Trainer, batch: list[dict]) -> torch.Tensor:
 
 def behaviour(batch: list[dict], rank: int = 0, world: int = 1) -> torch.Tensor:
     return torch.tensor([x for s in batch[rank::world] for x in s["behaviour_logprobs"]], dtype=torch.float32)
-
-
-def sync(t: Trainer, engine) -> None:
-    """The trainer's weights into the engine, as a weight update commits them: the adapter
-    tensors alone under lora.sync=adapter, else every HF tensor."""
-    with torch.no_grad(), engine.model_lock:
-        if t.cfg.lora.enabled:
-            src = t.backend.hf_source()
-            dst = engine.adapter.named_tensors()
-            for name in src.tensors:
-                dst[name].copy_(src.tensor(name))
-        else:
-            for name, tensor in t.backend.hf_tensors():
-                local_hf_tensor(engine.model, name).copy_(tensor)
-    t.version += 1
 
 
 def engine_for(cfg):
