@@ -14,10 +14,13 @@ round runs every variant once, in turn, so that a drift of the machine's speed h
   is what skipping them saves.
 
 Reported per variant (``variants``): the median over ``--rounds`` rounds (after one warm-up round) of the
-engine's output tokens/s over a rollout and of the trainer's step time (s), and the steps'
-largest ``mismatch_k3``; in ``summary`` the ratios (``engine_time_on_vs_off``: the off engine's
-tokens/s over the on one's, > 1 = slower with the key; ``train_step_*_vs_off``; ``skip_saving``:
-1 - on / on_forward step time). The check (exit 1 when it fails): ``on`` reads mismatch_k3 == 0 and
+engine's output tokens per second over a rollout and of the trainer's step time, each by the
+wall clock and by the process's CPU time (with ``--threads 1`` the engine thread computes the
+rollout and the calling thread the step, one at a time: CPU time is the work done, which other
+processes on a shared machine barely move), and the steps' largest ``mismatch_k3``. In
+``summary`` the ratios by CPU time (``wall_*``: by the wall clock): ``engine_time_on_vs_off``
+(the off engine's tokens/s over the on one's: > 1 = slower with the key), ``train_step_*_vs_off``,
+``skip_saving`` (1 - on / on_forward step time). The check (exit 1 when it fails): ``on`` reads mismatch_k3 == 0 and
 ratio 1.0 at every step, ``off`` reads mismatch_k3 > 0 at some step.
 
 The harness (``make_trainer``, ``rollout``, ``sync``) is also what tests/train compares the
@@ -132,14 +135,16 @@ class _Run:
         self.seed = 0
 
     def step(self) -> dict:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch = rollout(self.engine, self.t, seed=self.seed)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         metrics = self.t.train_step(batch)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         sync(self.t, self.engine)
         self.seed += 1
-        return {"tokens_per_s": sum(len(s["response_ids"]) for s in batch) / (t1 - t0), "step_s": t2 - t1,
+        tokens = sum(len(s["response_ids"]) for s in batch)
+        return {"tokens_per_s": tokens / (t1 - t0), "step_s": t2 - t1,
+                "tokens_per_cpu_s": tokens / (c1 - c0), "step_cpu_s": c2 - c1,
                 "mismatch_k3": metrics["mismatch_k3"], "max_ratio": metrics["mismatch_max_ratio"],
                 "skipped": metrics.get("proximal_forwards_skipped", 0)}
 
@@ -168,16 +173,20 @@ def measure(config: str, overrides: list[str], rounds: int, minibatches: int) ->
         out[name] = {
             "engine_tokens_per_s": round(statistics.median(x["tokens_per_s"] for x in rs), 1),
             "train_step_s": round(statistics.median(x["step_s"] for x in rs), 4),
+            "engine_tokens_per_cpu_s": round(statistics.median(x["tokens_per_cpu_s"] for x in rs), 1),
+            "train_step_cpu_s": round(statistics.median(x["step_cpu_s"] for x in rs), 4),
             "mismatch_k3_max": max(x["mismatch_k3"] for x in rs),
             "max_ratio_max": max(x["max_ratio"] for x in rs),
             "proximal_forwards_skipped_per_step": statistics.median(x["skipped"] for x in rs),
         }
     on, off, fwd = out["on"], out["off"], out["on_forward"]
     summary = {
-        "engine_time_on_vs_off": round(off["engine_tokens_per_s"] / on["engine_tokens_per_s"], 3),
-        "train_step_on_vs_off": round(on["train_step_s"] / off["train_step_s"], 3),
-        "train_step_on_forward_vs_off": round(fwd["train_step_s"] / off["train_step_s"], 3),
-        "skip_saving": round(1 - on["train_step_s"] / fwd["train_step_s"], 3),
+        "engine_time_on_vs_off": round(off["engine_tokens_per_cpu_s"] / on["engine_tokens_per_cpu_s"], 3),
+        "train_step_on_vs_off": round(on["train_step_cpu_s"] / off["train_step_cpu_s"], 3),
+        "train_step_on_forward_vs_off": round(fwd["train_step_cpu_s"] / off["train_step_cpu_s"], 3),
+        "skip_saving": round(1 - on["train_step_cpu_s"] / fwd["train_step_cpu_s"], 3),
+        "wall_engine_time_on_vs_off": round(off["engine_tokens_per_s"] / on["engine_tokens_per_s"], 3),
+        "wall_train_step_on_vs_off": round(on["train_step_s"] / off["train_step_s"], 3),
         "exact": all(x["mismatch_k3"] == 0.0 and x["max_ratio"] == 1.0 for x in rows["on"] + rows["on_forward"]),
         "off_mismatch_live": any(x["mismatch_k3"] > 0.0 for x in rows["off"]),
     }
@@ -204,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(out))
     else:
-        print(f"{'':11s} {'engine tok/s':>12s} {'step s':>8s} {'mismatch_k3 max':>16s} {'skipped/step':>12s}")
+        print(f"{'':11s} {'engine tok/s':>12s} {'tok/cpu-s':>10s} {'step s':>8s} {'step cpu-s':>10s} "
+              f"{'mismatch_k3 max':>16s} {'skipped/step':>12s}")
         for name in VARIANTS:
             r = out["variants"][name]
-            print(f"{name:11s} {r['engine_tokens_per_s']:12.1f} {r['train_step_s']:8.4f} {r['mismatch_k3_max']:16.3g} "
+            print(f"{name:11s} {r['engine_tokens_per_s']:12.1f} {r['engine_tokens_per_cpu_s']:10.1f} "
+                  f"{r['train_step_s']:8.4f} {r['train_step_cpu_s']:10.4f} {r['mismatch_k3_max']:16.3g} "
                   f"{r['proximal_forwards_skipped_per_step']:12g}")
         print(" ".join(f"{k}={s[k]}" for k in ("engine_time_on_vs_off", "train_step_on_vs_off",
                                                 "train_step_on_forward_vs_off", "skip_saving")))
