@@ -93,7 +93,7 @@ def _ep_worker(rank, world, tmp, exact):
     t.exact_rollouts = exact  # the trainer's shortcut reads engine.kind; these engines are embedded
     engine = engine_for(cfg_engine)
     try:
-        for step in range(2):
+        for step in range(2 if exact else 1):  # without the key one step shows the mismatch
             batch = rollout(engine, t, seed=step)
             mine = trainer_logprobs(t, batch)
             metrics = t.train_step(batch)
@@ -115,6 +115,7 @@ def _ep_worker(rank, world, tmp, exact):
         engine.stop()
 
 
+@pytest.mark.slow  # two gloo ranks, each with an engine: 20-30 s on 2 idle cores
 @pytest.mark.parametrize("exact", [True, False])
 def test_expert_parallel_trainer_equals_engine(tmp_path, exact):
     """EP=2: each trainer rank computes half the experts, all-to-all moves rows only, the combine
