@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_rl.model.attention import cached_sdpa, decode_sdpa
+from moe_rl.model.attention import decode_sdpa
+from moe_rl.model.attention.layouts import cached_sdpa
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .arch import MoEArch
-from .attention import Attention, ExactPacked, PackedCausal, PaddedCausal, mixer_class, packed_positions
+from .attention import Attention, PackedCausal, PaddedCausal, mixer_class, packed_positions
+from .attention.layouts import ExactPacked
 from .grouped import dispatch, group_align, permute, unpermute
 from .norm import RMSNorm
 from .ops import TORCH, Linear
@@ -483,12 +484,14 @@ class MoEForCausalLM(nn.Module):
         B, T = input_ids.shape
         if cu_seqlens is None:
             positions = torch.arange(T, device=input_ids.device).repeat(B)
-            attend: Attention = PaddedCausal(B, T) if not self.ops.exact else ExactPacked.padded(B, T, input_ids.device)
+            attend: Attention = (ExactPacked.padded(B, T, input_ids.device) if self.ops.exact
+                                 else PaddedCausal(B, T))
         else:
             if B != 1:
                 raise ValueError("packed input (cu_seqlens) must have batch size 1")
             positions = packed_positions(cu_seqlens, T)
-            attend = PackedCausal(cu_seqlens, T, max_seqlen) if not self.ops.exact else ExactPacked(cu_seqlens, max_seqlen)
+            attend = (ExactPacked(cu_seqlens, max_seqlen) if self.ops.exact
+                      else PackedCausal(cu_seqlens, T, max_seqlen))
         h = self.forward_tokens(input_ids.reshape(-1), positions, attend, replay, record)
         return h.view(B, T, -1)
 

@@ -10,8 +10,8 @@ the engine keeps for a layer (``state_specs``). docs/models.md says how a kind i
 from __future__ import annotations
 
 from .base import Mixer
-from .layouts import (Attention, ExactPacked, PackedCausal, PaddedCausal, cached_sdpa, decode_sdpa, longest_sequence,
-                      packed_positions, packed_sdpa, sdpa)
+from .layouts import (Attention, PackedCausal, PaddedCausal, decode_sdpa, longest_sequence, packed_positions,
+                      sdpa)
 from .mha import MHAttention
 from .mla import MLAttention
 from .rope import Rope, apply_rope, rope_cos_sin
@@ -36,5 +36,5 @@ def state_specs(arch: MoEArch) -> list:
 
 
 __all__ = ["MIXERS", "Mixer", "MHAttention", "MLAttention", "mixer_class", "state_specs", "Attention", "PaddedCausal",
-           "PackedCausal", "ExactPacked", "sdpa", "decode_sdpa", "packed_sdpa", "cached_sdpa", "longest_sequence", "packed_positions", "Rope", "apply_rope",
+           "PackedCausal", "sdpa", "decode_sdpa", "longest_sequence", "packed_positions", "Rope", "apply_rope",
            "rope_cos_sin", "KVSpec", "KVCache"]
