@@ -29,6 +29,7 @@ BENCHES = {
     "sync": "moe_rl.bench.sync",
     "async": "moe_rl.bench.async_rl",
     "routing": "moe_rl.bench.routing",
+    "on-policy": "moe_rl.bench.on_policy",
 }
 USAGE = (__doc__ or "") % ", ".join(BENCHES)
 CONFIG_HELP = """CONFIG is an experiment YAML (configs/ has the shipped ones); each key=value overrides one key,

@@ -564,6 +564,13 @@ class ExperimentConfig(Strict):
     eval: EvalConfig = EvalConfig()
 
     sweep: SweepConfig = SweepConfig()
+    true_on_policy: bool = Field(
+        False, description="engine and trainer compute with one set of batch-invariant kernels (moe_rl.kernels.exact), "
+        "so a token's log-prob is the same bits in the embedded engine (alone or batched, prefill or decode) and in "
+        "the trainer's forward: at staleness 0 mismatch_k3 is 0, and minibatches after the first need no proximal "
+        "forward. Costs engine and trainer speed (docs/true_on_policy.md); needs train.backend=native, equal "
+        "model.dtype and engine.dtype (float32 or bfloat16), lora.sync=adapter with LoRA, train.compile not true. "
+        "With engine.kind=sglang the trainer's side only: the mismatch metrics report what is left")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
@@ -647,10 +654,36 @@ class ExperimentConfig(Strict):
         if self.eval.data and self.data.task != "jsonl":
             raise ValueError(f"eval.data is a held-out dataset for data.task=jsonl; data.task is {self.data.task!r} "
                              "(its evaluation draws the task's own prompts: leave eval.data unset)")
+        if self.true_on_policy:
+            self._check_true_on_policy()
         if self.eval.every and self.env.factory:
             raise ValueError("eval.every with env.factory: evaluation runs single-turn prompts; multi-turn episodes "
                              "are not evaluated (set eval.every=0)")
         return self
+
+    def _check_true_on_policy(self) -> None:
+        """true_on_policy: what has an exact path (docs/true_on_policy.md)."""
+        where = "true_on_policy=true"
+        if self.train.backend != "native":
+            raise ValueError(f"{where} needs train.backend=native (Megatron's kernels are not the engine's)")
+        if self.model.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"{where}: model.dtype={self.model.dtype}; the exact kernels take float32 or bfloat16")
+        if self.engine.kind == "embedded" and self.engine.dtype != self.model.dtype:
+            raise ValueError(f"{where}: engine.dtype={self.engine.dtype} and model.dtype={self.model.dtype} differ; "
+                             "the engine must compute in the trainer's dtype to give its bits")
+        if self.train.compile is True:
+            raise ValueError(f"{where} with train.compile=true: the exact kernels are not custom ops torch.compile "
+                             "can trace; set train.compile to auto (off under true_on_policy) or false")
+        if self.lora.enabled and self.lora.sync != "adapter":
+            raise ValueError(f"{where} with LoRA needs lora.sync=adapter: merged weights (W + s*B@A in one matrix) "
+                             "round differently from the trainer's unmerged adapter")
+        if not self.model.path:
+            from .model.attention import MIXERS
+
+            kinds = sorted({k for k in self.model.arch().layer_kinds() if not MIXERS[k].exact_path})
+            if kinds:
+                raise ValueError(f"{where}: model.model_type={self.model.model_type} has attention kinds without an "
+                                 f"exact path: {kinds}")
 
     def _check_sglang_lora(self) -> None:
         """lora.sync=adapter with SGLang servers (moe_rl.sync.adapter_files, docs/lora.md)."""
