@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .attention.rope import Rope
 
@@ -20,6 +20,12 @@ from .attention.rope import Rope
 def all_mha(arch: "MoEArch", layer: int) -> str:
     """Every layer softmax attention with grouped K/V heads (``moe_rl.model.attention.mha``)."""
     return "mha"
+
+
+def by_layer_types(arch: "MoEArch", layer: int) -> str:
+    """HF's ``layer_types``: "sliding_attention" layers attend within ``sliding_window`` keys
+    (kind "swa"), "full_attention" layers to all (kind "mha")."""
+    return "swa" if arch.layer_types[layer] == "sliding_attention" else "mha"
 
 
 @dataclass(frozen=True)
@@ -33,14 +39,29 @@ class Family:
     ``fixed``: fields the family has no knob for, with the only value it supports.
     ``attention``: the attention kind of a layer, a key of ``moe_rl.model.attention.MIXERS``
     (families that mix kinds read them from the arch, e.g. HF's ``layer_types``).
+
+    What the family always has (HF's config has no key for it): ``attention_sinks``, a learned
+    sink logit per query head in the softmax (gpt-oss); ``o_proj_bias``, o_proj carries a bias
+    when ``attention_bias`` does (gpt-oss; GLM's bias is on q/k/v only); ``norm_scale_fp32``,
+    RMSNorm multiplies its weight in fp32 before casting (gpt-oss); ``experts``, the experts'
+    layout and activation (a key of ``moe_rl.model.transformer.EXPERTS``); ``expert_width_key``,
+    the config.json key of the experts' width; ``own_keys``, config.json keys (``MoEArch``
+    fields) only this family reads: other families ignore them in a config.json and refuse them
+    set in a config.
     """
 
     architecture: str
-    router: Literal["softmax", "sigmoid"]
+    router: Literal["softmax", "sigmoid", "topk_softmax"]
     experts_key: str
     defaults: dict
     fixed: dict
     attention: Callable[["MoEArch", int], str] = all_mha
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    norm_scale_fp32: bool = False
+    experts: str = "swiglu"
+    expert_width_key: str = "moe_intermediate_size"
+    own_keys: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {
@@ -55,6 +76,19 @@ FAMILIES: dict[str, Family] = {
         defaults={"use_qk_norm": False, "partial_rotary_factor": 0.5},  # HF Glm4MoeConfig's defaults
         fixed={"mlp_only_layers": [], "decoder_sparse_step": 1},
     ),
+    # gpt-oss (transformers' GptOssConfig): every layer MoE, router logits with a bias, softmax
+    # over the top-k of them; experts [E, H, 2I] with gate/up interleaved, biases, a clamped
+    # SwiGLU; sliding-window layers by layer_types; attention sinks; yarn rope
+    "gpt_oss": Family(
+        "GptOssForCausalLM", "topk_softmax", "num_local_experts",
+        defaults={"use_qk_norm": False, "partial_rotary_factor": 1.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+        fixed={"use_qk_norm": False, "partial_rotary_factor": 1.0, "n_shared_experts": 0, "n_group": 1,
+               "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "mlp_only_layers": [],
+               "decoder_sparse_step": 1, "norm_topk_prob": True},
+        attention=by_layer_types, attention_sinks=True, o_proj_bias=True, norm_scale_fp32=True,
+        experts="clamped_swiglu", expert_width_key="intermediate_size",
+        own_keys=("sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit"),
+    ),
 }
 _BY_ARCHITECTURE = {f.architecture: t for t, f in FAMILIES.items()}
 
@@ -68,7 +102,7 @@ class MoEArch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_type: Literal["qwen3_moe", "glm4_moe"] = "qwen3_moe"  # the family (see FAMILIES)
+    model_type: Literal["qwen3_moe", "glm4_moe", "gpt_oss"] = "qwen3_moe"  # the family (see FAMILIES)
     vocab_size: int = 64
     hidden_size: int = 64
     intermediate_size: int = 128  # dense MLP width (dense layers)
@@ -96,10 +130,24 @@ class MoEArch(BaseModel):
     rope_scaling: dict | None = None
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
+    # gpt-oss (HF's names; other families refuse them)
+    sliding_window: int | None = Field(
+        None, description="gpt_oss: keys a sliding_attention layer attends to, the query's own included (HF's "
+                          "count: key j is seen from query i when i - sliding_window < j <= i)")
+    layer_types: list[Literal["sliding_attention", "full_attention"]] | None = Field(
+        None, description="gpt_oss: each layer's attention, one entry per layer (null: HF's default, even layers "
+                          "sliding)")
+    swiglu_alpha: float | None = Field(
+        None, description="gpt_oss experts: out = (clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g) with "
+                          "g = min(gate, limit) (null: 1.702)")
+    swiglu_limit: float | None = Field(None, description="gpt_oss experts: the clamp 'limit' above (null: 7.0)")
 
     @model_validator(mode="after")
     def _check(self) -> "MoEArch":
         fam = FAMILIES[self.model_type]
+        for k in {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys):
+            if getattr(self, k) is not None:
+                raise ValueError(f"{k} is a field of another family; model_type={self.model_type!r} has none")
         for k, v in fam.defaults.items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
@@ -135,12 +183,29 @@ class MoEArch(BaseModel):
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} x head_dim={self.head_dim} "
                              "must give an even rotary width >= 2")
         self.rope()  # rope_scaling is one we compute (raises naming it otherwise)
+        if fam.expert_width_key == "intermediate_size":  # one MLP width, the experts' (gpt-oss)
+            self.intermediate_size = self.moe_intermediate_size
+        if "layer_types" in fam.own_keys:
+            if self.layer_types is None:  # HF's default: even layers slide
+                self.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                    for i in range(self.num_hidden_layers)]
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers="
+                                 f"{self.num_hidden_layers}")
+            if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+                raise ValueError(f"layer_types has sliding_attention layers: sliding_window must be >= 1, "
+                                 f"got {self.sliding_window}")
         return self
 
     # --- what the model code reads -------------------------------------------------------
     @property
     def router(self) -> str:
         return FAMILIES[self.model_type].router
+
+    @property
+    def family(self) -> Family:
+        """What the family fixes beyond the fields (``Family``: sinks, o_proj bias, norm, experts)."""
+        return FAMILIES[self.model_type]
 
     @property
     def rotary_dim(self) -> int:
@@ -201,10 +266,14 @@ class MoEArch(BaseModel):
                                                                                    "partial_rotary_factor")}}
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
-        experts = d.get(FAMILIES[model_type].experts_key)
+        fam = FAMILIES[model_type]
+        experts = d.get(fam.experts_key)
         if experts is None:
             experts = d.get("num_local_experts")  # transformers v5 spelling
         d["num_experts"] = experts
+        d["moe_intermediate_size"] = d.get(fam.expert_width_key)
+        for k in {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys):
+            d.pop(k, None)  # e.g. Qwen3-MoE's sliding_window (off), which moe-rl does not model
         if model_type == "qwen3_moe":
             d.pop("use_qk_norm", None)  # Qwen3-MoE always normalises q and k; HF has no such key
         if d.get("head_dim") is None:
@@ -227,12 +296,19 @@ class MoEArch(BaseModel):
         d.pop("num_experts")
         d.pop("rope_scaling")
         rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
+        for k in {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys):
+            d.pop(k)
         if self.model_type == "qwen3_moe":  # HF's Qwen3MoeConfig has none of GLM's keys
             for k in ("use_qk_norm", "partial_rotary_factor", "n_shared_experts", "n_group", "topk_group",
                       "routed_scaling_factor", "first_k_dense_replace"):
                 d.pop(k)
             d.update(output_router_logits=False, router_aux_loss_coef=0.0, sliding_window=None,
                      use_sliding_window=False)
+        elif self.model_type == "gpt_oss":  # GptOssConfig's keys only; intermediate_size is the experts'
+            for k in tuple(fam.fixed) + ("moe_intermediate_size",):
+                d.pop(k)
+            d.update(intermediate_size=self.moe_intermediate_size, output_router_logits=False,
+                     router_aux_loss_coef=0.0)
         else:
             for k in fam.fixed:  # keys of other families
                 d.pop(k)

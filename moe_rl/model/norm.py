@@ -7,11 +7,17 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``scale_fp32``: the weight multiplies the fp32 normalised input before the cast back
+    (gpt-oss; HF keeps those norms in fp32); otherwise HF's usual order, cast then scale."""
+
+    def __init__(self, dim: int, eps: float, scale_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.scale_fp32 = scale_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's order: normalise in fp32, cast back, then scale (one fused op for the first part)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # normalise in fp32 (one fused op)
+        if self.scale_fp32:
+            return (self.weight.float() * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
