@@ -313,3 +313,77 @@ def test_family_fields_are_checked():
     # a Qwen3-MoE config.json's sliding_window (off there) is not read
     q = MoEArch.from_hf_dict({**MoEArch().to_hf_dict(), "sliding_window": 4096})
     assert q.sliding_window is None
+
+
+# --- LoRA: attention and the [E, in, out] experts, PEFT's layout -------------------------------------
+LORA_TARGETS = ["q_proj", "o_proj", "router", "experts.gate_up_proj", "experts.down_proj"]
+
+
+def lora_model(shared=False):
+    from moe_rl.model.lora import LoraAdapters
+
+    model = gpt_oss_model()
+    ad = LoraAdapters(model, 4, 8.0, LORA_TARGETS, shared_outer=shared).init_weights(1)
+    with torch.no_grad():
+        for b in ad.B.values():
+            b.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+    return model, ad
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_lora_on_attention_router_and_experts_equals_hand_merge(shared):
+    """Merged (``applied``) and unmerged (``in_forward``) adapters equal a merge written here
+    expert by expert (W[e] += s (B[e] A[e])^T on the [E, in, out] weights); only the adapters
+    get gradients, the biases stay frozen."""
+    import copy
+
+    model, ad = lora_model(shared)
+    ids = ids_of(2, 8, 40)
+    ref = copy.deepcopy(model)
+    s = ad.alpha / ad.rank
+    with torch.no_grad():
+        for key, A in ad.A.items():
+            name, B = key.replace("__", "."), ad.B[key]
+            if ".experts." in name:
+                w = ref.get_parameter(name)
+                for e in range(w.shape[0]):
+                    w[e] += s * (B[min(e, B.shape[0] - 1)] @ A[min(e, A.shape[0] - 1)]).T
+            else:
+                ref.get_submodule(name).weight += s * (B @ A)
+        want, base = ref(ids), model(ids)
+    assert (want - base).abs().max() > 1e-3
+    with torch.no_grad(), ad.applied():
+        torch.testing.assert_close(model(ids), want, atol=1e-5, rtol=0)
+    with ad.in_forward():
+        got = model(ids)
+        got.square().mean().backward()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+    assert all(p.grad is not None for p in ad.parameters())
+    with pytest.raises(Exception, match="per-expert adapter layout has no modules"):
+        ad.per_expert_state_dict()
+
+
+def test_peft_loads_the_adapter_on_transformers_gpt_oss(tmp_path):
+    """PEFT's LoRA (q/o_proj modules; the router weight and the experts' 3-D parameters as
+    target_parameters) on transformers' GptOssForCausalLM gives moe-rl's merged logits, and PEFT's
+    state dict is ours key for key; the adapter loads back."""
+    peft = pytest.importorskip("peft", minversion="0.19")
+    from moe_rl.model.lora import LoraAdapters, load_peft, save_peft
+
+    model, ad = lora_model()
+    save_hf(model, tmp_path / "base")
+    save_peft(ad, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    hf = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    hf.config._experts_implementation = "eager"
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids = ids_of(2, 8, 40)
+    with torch.no_grad(), ad.applied():
+        ours = model(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(input_ids=ids).logits, ours, atol=1e-5, rtol=0)
+    assert sorted(peft.get_peft_model_state_dict(pm)) == sorted(ad.peft_state_dict())
+    back = LoraAdapters(gpt_oss_model(), 4, 8.0, LORA_TARGETS)
+    load_peft(back, tmp_path / "adapter")
+    for n, p in ad.named_parameters():
+        assert torch.equal(dict(back.named_parameters())[n], p)
