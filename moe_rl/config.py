@@ -428,6 +428,10 @@ class ExperimentConfig(Strict):
         if shared:
             raise ValueError(f"{where}: lora.targets has {shared}; serving shared-expert adapters through SGLang's "
                              "LoRA files is not checked against SGLang yet (use lora.sync=merged)")
+        experts = [t for t in self.lora.targets if t.startswith("experts.")]
+        if experts and self.model.model_type == "gpt_oss":
+            raise ValueError(f"{where}: lora.targets has {experts}; gpt-oss's experts are one [E, in, out] tensor, "
+                             "which SGLang's per-expert adapter files cannot carry (use lora.sync=merged)")
         qkv = {"q_proj", "k_proj", "v_proj"} & set(self.lora.targets)
         if qkv and not {"q_proj", "v_proj"} <= qkv:
             raise ValueError(f"{where}: lora.targets has {sorted(qkv)}; SGLang stacks q/k/v adapters into qkv_proj "

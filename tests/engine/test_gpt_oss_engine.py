@@ -13,7 +13,7 @@ from moe_rl.engine.engine import Engine
 from moe_rl.model import MoEArch, MoEForCausalLM
 from moe_rl.model.attention import KVSpec, RingKVSpec, sdpa, state_specs, visible
 
-from .helpers import generate_queued
+from .helpers import ROOT, generate_queued
 from .test_static_decode import StandInGraphs
 
 ARCH = MoEArch(model_type="gpt_oss", vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
@@ -108,3 +108,25 @@ def test_ring_span_equals_the_full_cache_from_any_start():
     pos = ring.key_positions(torch.tensor([start - 1]), W)[0]
     assert sorted(pos.tolist()) == list(range(start - W, start))  # the last W positions, each where it belongs
     torch.testing.assert_close(ks[0, :, pos.argsort()], full.k[1, :, start - W:start], atol=0, rtol=0)
+
+
+def test_gpt_oss_20b_config_kv_bytes_and_sglang_line(capsys):
+    """configs/gpt_oss_20b_1x8.yaml: the released shape (12 sliding layers of window 128, 12 full),
+    whose KV cache per token at 8k context is 12 x 128 / 8192 + 12 layers' worth of K/V (8 heads x
+    64 x 2 x bf16 = 2 KiB a layer) instead of 24; ``moe-rl serve --dry-run`` prints its SGLang line."""
+    from moe_rl.cli import main
+    from moe_rl.config import load_config
+    from moe_rl.placement import kv_bytes_per_request
+
+    path = str(ROOT / "configs" / "gpt_oss_20b_1x8.yaml")
+    arch = load_config(path, ["model.path=null"]).model.arch()
+    assert arch.layer_kinds() == ["swa", "mha"] * 12 and arch.sliding_window == 128 and arch.num_experts == 32
+    layer = 8 * 64 * 2 * 2
+    ring, full = kv_bytes_per_request(arch, 8192, 2), kv_bytes_per_request(
+        arch.model_copy(update={"layer_types": ["full_attention"] * 24}), 8192, 2)
+    assert (ring, full) == (12 * layer * (128 + 8192), 24 * layer * 8192)
+    assert full / ring > 1.96
+    assert main(["serve", path, "--dry-run"]) == 0
+    line = capsys.readouterr().out
+    assert "--model-path /models/gpt-oss-20b-bf16" in line and "--tp-size 4 --ep-size 4" in line
+    assert "--enable-return-routed-experts" in line
