@@ -342,11 +342,11 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, ep_group=None) -
     """Builds a model from an HF directory (config.json + safetensors) of a supported family
     (``model_type``: see ``moe_rl.model.arch.FAMILIES``)."""
     arch = MoEArch.from_hf_dir(path)
-    model = MoEForCausalLM(arch, ep_group=ep_group)
-    load_hf_weights(model, path)
-    if dtype is not None:
-        model.to(dtype)
-    return model
+    if dtype is None:
+        return load_hf_weights(MoEForCausalLM(arch, ep_group=ep_group), path)
+    with torch.device("meta"):  # allocated in ``dtype`` at once: no float32 copy of a large model
+        model = MoEForCausalLM(arch, ep_group=ep_group).to(dtype)
+    return load_hf_weights(model.to_empty(device="cpu"), path)
 
 
 # --- writing ----------------------------------------------------------------------------
