@@ -1,9 +1,11 @@
-"""A torch-native MoE decoder, numerically HF's ``Qwen3MoeForCausalLM`` / ``Glm4MoeForCausalLM``.
+"""A torch-native MoE decoder, numerically HF's ``Qwen3MoeForCausalLM`` / ``Glm4MoeForCausalLM`` /
+``GptOssForCausalLM``.
 
-The family's differences are read from the ``MoEArch`` fields in a few places: the router
-(``SoftmaxGate`` / ``SigmoidGate``), the shared-expert MLP of a MoE block, which layers are
-dense, and each layer's attention kind (a ``moe_rl.model.attention`` mixer, chosen by
-``MoEArch.layer_kinds``).
+The family's differences are read from the ``MoEArch`` fields (and its ``Family``) in a few
+places: the router (``GATES``: ``SoftmaxGate`` / ``SigmoidGate`` / ``TopKSoftmaxGate``), the
+experts' layout and activation (``EXPERTS``), the shared-expert MLP of a MoE block, which layers
+are dense, the norms, and each layer's attention kind (a ``moe_rl.model.attention`` mixer, chosen
+by ``MoEArch.layer_kinds``).
 
 Tokens travel flat ([N, H]) through the layers; attention is delegated to an ``Attention``
 layout (causal over [B, T], packed by ``cu_seqlens``, or the engine's per-slot decode state),
@@ -130,6 +132,10 @@ class ClampedSwiGLUExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(num_local, hidden))
         self.alpha, self.limit = alpha, limit
 
+    @classmethod
+    def build(cls, arch: MoEArch, num_local: int) -> "ClampedSwiGLUExperts":
+        return cls(num_local, arch.hidden_size, arch.moe_intermediate_size, arch.swiglu_alpha, arch.swiglu_limit)
+
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [rows, H] grouped by expert (``offs``: int32 end row of each expert's group)."""
         expert = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
@@ -147,11 +153,6 @@ class ClampedSwiGLUExperts(nn.Module):
         E, H, I = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
         return [("gate_up_proj", (E, H, 2 * I)), ("gate_up_proj_bias", (E, 2 * I)), ("down_proj", (E, I, H)),
                 ("down_proj_bias", (E, H))]
-
-
-    @classmethod
-    def build(cls, arch: MoEArch, num_local: int) -> "ClampedSwiGLUExperts":
-        return cls(num_local, arch.hidden_size, arch.moe_intermediate_size, arch.swiglu_alpha, arch.swiglu_limit)
 
 
 # the experts' layout and activation of each family (``Family.experts``)

@@ -39,12 +39,14 @@ def build_gpt_oss(**train):
     return meg, native
 
 
-def test_gpt_oss_transformer_config_and_names(cpu_megatron):
+def check_config_and_names(meg, native):
+    """The config's gpt-oss flags; the GPTModel's names are the converter's; Megatron -> HF gives
+    the native model's tensors back, bit for bit."""
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
+    from moe_rl.model import iter_local_hf_tensors
     from moe_rl.train.megatron.convert import megatron_param_specs
 
-    meg, native = build_gpt_oss()
     tc = meg.tconfig
     assert (tc.softmax_type, tc.window_size, tc.window_attn_skip_freq) == ("learnable", (W - 1, 0), [1, 0, 1])
     assert tc.add_bias_linear and tc.activation_func is quick_gelu and tc.gated_linear_unit
@@ -55,19 +57,18 @@ def test_gpt_oss_transformer_config_and_names(cpu_megatron):
     assert meg.model.position_embedding_type == "yarn"
     built = {n: tuple(p.shape) for n, p in meg.model.named_parameters()}
     assert built == dict(megatron_param_specs(meg.arch, meg.layout))
-    back = dict(meg.hf_tensors())  # Megatron -> HF gives the native model's tensors back, bit for bit
-    from moe_rl.model import iter_local_hf_tensors
-
-    want = dict(iter_local_hf_tensors(native.model))
+    back, want = dict(meg.hf_tensors()), dict(iter_local_hf_tensors(native.model))
     assert back.keys() == want.keys() and all(torch.equal(back[n], want[n]) for n in want)
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["SequentialMLP", "TorchGroupedMLP"])
 def test_gpt_oss_hidden_routing_and_logprobs_equal_native(cpu_megatron, grouped):
-    """megatron's own routing (softmax over the top-k biased logits) picks the native model's
-    experts in the same order; hidden states and log-probs agree, routed and replayed."""
+    """The config and names (``check_config_and_names``); megatron's own routing (softmax over the
+    top-k biased logits) picks the native model's experts in the same order; hidden states and
+    log-probs agree, routed and replayed."""
     meg, native = build_gpt_oss(megatron_grouped_gemm=grouped)
     assert meg.opts.experts == ("TorchGroupedMLP" if grouped else "SequentialMLP")
+    check_config_and_names(meg, native)
     mb = make_mb(GPT_OSS["vocab_size"], LENGTHS)
     rec_native = native_record(native, mb)
     rec_meg = []
@@ -130,7 +131,10 @@ def test_megatrons_own_attention_counts_the_window_and_sinks_as_hf(cpu_megatron,
             return torch.ones(*a, **k)
 
     monkeypatch.setattr(mutils, "torch", CpuTorch())
-    meg, _ = build_gpt_oss()
+    from moe_rl.model import MoEArch
+    from moe_rl.train.megatron.model import MegatronOptions, transformer_config
+
+    tconfig = transformer_config(MoEArch(**GPT_OSS), MegatronOptions(use_te=False, grouped_gemm=False))
     g = torch.Generator().manual_seed(0)
     T, D = 13, 12
     q, k, v = (torch.randn(T, 1, n, D, generator=g) for n in (4, 2, 2))
@@ -138,8 +142,8 @@ def test_megatrons_own_attention_counts_the_window_and_sinks_as_hf(cpu_megatron,
     want = sdpa(q[:, 0].transpose(0, 1)[None], k[:, 0].transpose(0, 1)[None], v[:, 0].transpose(0, 1)[None],
                 is_causal=True, sinks=sinks, window=W)[0].transpose(0, 1).reshape(T, 1, -1)
     for window, equal in (((W - 1, 0), True), ((W, 0), False)):
-        cfg = dataclasses.replace(meg.tconfig, window_size=window, masked_softmax_fusion=False)
-        for k_, v_ in vars(meg.tconfig).items():
+        cfg = dataclasses.replace(tconfig, window_size=window, masked_softmax_fusion=False)
+        for k_, v_ in vars(tconfig).items():
             if k_.startswith("yarn_"):
                 setattr(cfg, k_, v_)
         attn = DotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")

@@ -49,9 +49,9 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None)
 
 def sdpa(q, k, v, mask=None, is_causal=False, scale=None, *, sinks=None, window=None):
     """q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] (grouped K/V
-    heads: query head h reads kv head h // (Hq / Hkv)). ``mask`` (bool, True: attend) or ``is_causal`` (query i sees keys
-    j <= i); ``window`` narrows ``is_causal`` (an explicit mask carries its own, ``visible``);
-    ``sinks`` [Hq]: see the module docstring."""
+    heads: query head h reads kv head h // (Hq / Hkv)). ``mask`` (bool, True: attend) or
+    ``is_causal`` (query i sees keys j <= i); ``window`` narrows ``is_causal`` (an explicit mask
+    carries its own, ``visible``); ``sinks`` [Hq]: see the module docstring."""
     if window is not None:
         if not is_causal:
             raise ValueError("sdpa: window applies to is_causal; put it in an explicit mask (visible())")
@@ -99,8 +99,8 @@ def _with_sink_key(q, k, v, mask, sinks, scale):
     gpt-oss appends the logit column and drops it after the softmax). The query heads of a kv
     group share that key, so each query head gets a one-hot feature (its index r in the group)
     and the sink key holds ``sinks[g * rep + r] / scale`` in feature r: q . k_sink * scale =
-    sinks[h]. Features are padded to a multiple of 8 for the fused kernels; the real keys have
-    zeros there. q [B, Hq, T, D], k [B, Hkv, S, D], mask broadcastable to [B, Hq, T, S] (bool)
+    sinks[h]. The one-hot features are padded to a multiple of 8 (the fused kernels' alignment);
+    the real keys have zeros there. q [B, Hq, T, D], k [B, Hkv, S, D], mask broadcastable to [B, Hq, T, S] (bool)
     -> (q, k, v) with S + 1 keys and D + pad features, and the mask with a True column."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
