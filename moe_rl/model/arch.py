@@ -94,10 +94,12 @@ _BY_ARCHITECTURE = {f.architecture: t for t, f in FAMILIES.items()}
 
 
 class MoEArch(BaseModel):
-    """The fields of HF's ``Qwen3MoeConfig`` / ``Glm4MoeConfig`` that define the computation.
+    """The fields of HF's ``Qwen3MoeConfig`` / ``Glm4MoeConfig`` / ``GptOssConfig`` that define
+    the computation.
 
     Names are HF's, so ``config.json`` round-trips (GLM's ``n_routed_experts`` is
-    ``num_experts`` here, HF's ``num_local_experts`` for both). Defaults give the tiny CPU model.
+    ``num_experts`` here, HF's ``num_local_experts`` for all; gpt-oss's ``intermediate_size``, its
+    experts' width, is ``moe_intermediate_size``). Defaults give the tiny CPU model.
     """
 
     model_config = ConfigDict(extra="forbid")
