@@ -33,9 +33,10 @@ class Family:
     """What one HF model family fixes.
 
     ``router``: "softmax" (softmax over all experts, top-k, optional renormalisation; Qwen3-MoE,
-    Mixtral) or "sigmoid" (sigmoid scores, a correction bias used only to choose experts,
+    Mixtral), "sigmoid" (sigmoid scores, a correction bias used only to choose experts,
     group-limited top-k, weights from the unbiased scores times ``routed_scaling_factor``;
-    GLM-4.5, DeepSeek-V3). ``experts_key``: the config.json key of the routed-expert count.
+    GLM-4.5, DeepSeek-V3) or "topk_softmax" (logits with a bias, top-k, softmax over those k;
+    gpt-oss). ``experts_key``: the config.json key of the routed-expert count.
     ``fixed``: fields the family has no knob for, with the only value it supports.
     ``attention``: the attention kind of a layer, a key of ``moe_rl.model.attention.MIXERS``
     (families that mix kinds read them from the arch, e.g. HF's ``layer_types``).
