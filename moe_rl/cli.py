@@ -18,6 +18,7 @@ from .config import ConfigError, dump_config, load_config
 # bench name -> module with ``main(argv: list[str]) -> int``
 BENCHES = {
     "logprobs": "moe_rl.kernels.bench.logprobs",
+    "exact": "moe_rl.kernels.bench.exact",
     "replay": "moe_rl.bench.replay",
     "engine": "moe_rl.bench.engine",
     "sync": "moe_rl.bench.sync",
@@ -38,6 +39,9 @@ def cmd_validate(argv: list[str]) -> int:
     from .tasks.plugins import check_plugins
 
     checked = check_plugins(cfg)  # plug-ins named by import path must import (PluginError otherwise)
+    from .train.trackers import check_trackers
+
+    check_trackers(cfg.logging)  # logging.wandb / logging.mlflow need their packages (ConfigError naming the extra)
     print(dump_config(cfg), end="")
     if checked:
         print("# plug-ins import: " + ", ".join(checked))
@@ -69,8 +73,15 @@ def _launch(cfg, argv: list[str]) -> int:
     from .rundir import LAUNCHER_ENV, RunDirError, prepare_output_dir
     from .tasks import DatasetError, task_from_config
 
+    from .train.trackers import check_trackers
+
+    check_trackers(cfg.logging)  # ... or a tracker whose package is missing (ConfigError naming the extra) ...
     try:
         task_from_config(cfg)  # ... or a bad dataset (reported with its file and line)
+        if cfg.eval.data:
+            from .rollout.evaluation import eval_task
+
+            eval_task(cfg)  # ... or a bad held-out dataset
     except (DatasetError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -106,6 +117,11 @@ def _launch(cfg, argv: list[str]) -> int:
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         print(f"error: the run failed: rank {rank} ({role}) ended first, with {how}; the other ranks were "
               f"stopped. Its log is above; resume=true continues from the latest checkpoint.", file=sys.stderr)
+        for r, f in sorted(e.failures.items()):  # what each rank that failed (not killed) recorded
+            if f.error_file and f.error_file != "<N/A>":  # torch elastic's mark of a rank without an error file
+                why = f.message.get("message", f.message) if isinstance(f.message, dict) else f.message
+                r_role = "trainer" if Layout.from_config(cfg).role(r) == "trainer" else "engine host"
+                print(f"error: rank {r} ({r_role}): {why}", file=sys.stderr)
         return 1
     return 0
 

@@ -29,6 +29,10 @@ class ModelConfig(MoEArch):
     """Architecture (HF field names; ``model_type`` picks the family) plus where the weights come from."""
 
     path: str | None = None  # HF checkpoint dir; its config.json overrides the fields above
+    tokenizer_path: str | None = Field(None, description="HF tokenizer directory (tokenizer files, chat template, "
+                                       "generation_config.json) used instead of model.path's, e.g. for a random-init "
+                                       "model: engines serve text and the OpenAI API with it, plug-in tasks with a "
+                                       "tokenizer_path parameter receive it, checkpoints copy it into hf/")
     init_seed: int = 0  # seeded random init when path is unset
     init_std: float = Field(0.02, gt=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -71,6 +75,21 @@ class EngineConfig(Strict):
     static_decode: bool | None = Field(None, description="decode-only steps padded to batch-size and context-length "
                                        "buckets, inputs in preallocated buffers (what a graph captures); "
                                        "null = as engine.cuda_graph")
+    # the HTTP server of an embedded engine (moe_rl/engine/limits.py, docs/serving.md)
+    max_request_bytes: int | None = Field(None, ge=1024, description="largest request body an embedded engine's "
+                                          "server reads; a larger one gets HTTP 413. null = sized from the model: "
+                                          "1 MiB plus the larger of a /generate batch of max_running_requests prompts "
+                                          "of max_context tokens at 32 bytes a token, and twice a weight update that "
+                                          "lists every tensor of the model (docs/serving.md)")
+    read_timeout_s: float = Field(30.0, gt=0, le=3600, description="seconds an embedded engine's server gives a "
+                                  "client to send a request's headers (from connecting, or from its previous "
+                                  "answer) and then its body (HTTP 408) before it closes the connection; also how "
+                                  "long an idle keep-alive connection is kept. Keep it above the clients' keep-alive "
+                                  "(15 s in aiohttp, EngineClient's library)")
+    max_waiting_requests: int | None = Field(4096, ge=0, description="requests queued beyond max_running_requests "
+                                             "(waiting for a KV slot) before /generate answers HTTP 503 with "
+                                             "Retry-After; passed to a launched SGLang server as "
+                                             "--max-queued-requests; null = no bound")
     # kind=sglang, launched by moe-rl: arguments passed to `python -m sglang.launch_server`
     sglang_model_path: str | None = None
     sglang_ep_size: int = Field(1, ge=1)
@@ -103,6 +122,9 @@ class ReplayConfig(Strict):
     # decoupled objective's proximal policy would be ("trainer"); docs/algorithms.md
     stale: Literal["engine", "trainer"] = "engine"
     dir: str | None = None  # default: <output_dir>/routing
+    retention: bool = Field(True, description="drop the routing records no sample can still use (trained on or "
+                            "dropped, and not in the buffer of the latest checkpoint): the log then holds a few "
+                            "steps' worth however long the run (docs/run_safety.md); false keeps every record")
 
 
 class SyncConfig(Strict):
@@ -203,6 +225,17 @@ class DataConfig(Strict):
     path: str | None = None  # JSONL file for file-backed tasks
     seed: int = 0
     task_args: dict[str, Any] = {}
+    # file-backed tasks (data.task: jsonl) read datasets as verl and slime users have them (docs/coming_from_verl_slime.md)
+    format: Literal["auto", "jsonl", "parquet", "hf_disk"] = Field(
+        "auto", description="how data.path is read: jsonl (one JSON object per line), parquet (verl's files), hf_disk "
+        "(a directory written by datasets' save_to_disk); auto = hf_disk for a directory, parquet for a .parquet "
+        "file, else jsonl")
+    prompt_key: str | None = Field(None, description="the field holding each row's prompt, a string or a list of "
+                                   "chat messages (slime's --input-key); dotted for a nested field; null = the first "
+                                   "of prompt, question, problem")
+    answer_key: str | None = Field(None, description="the field holding each row's reference answer (slime's "
+                                   "--label-key); dotted for a nested field (reward_model.ground_truth); null = the "
+                                   "first of answer, solution, reward_model.ground_truth")
 
 
 _PLUGIN_HELP = "an import path 'package.module:name'"
@@ -237,8 +270,12 @@ class EnvConfig(Strict):
     max_episode_tokens: int | None = Field(None, ge=2, description="prompt + all turns; default: engine.max_context")
     episode_timeout_s: float = Field(300.0, gt=0, description="an episode running longer is marked failed")
     max_concurrent_episodes: int = Field(64, ge=1, description="episodes in flight at once (all groups)")
+    openai_agent: str | None = Field(None, description=f"agent plug-in, {_PLUGIN_HELP}: an async function "
+                                     "agent(client, prompt, **env.args) called once per episode with an "
+                                     "openai.AsyncOpenAI client scoped to the episode; returns the reward (a float, "
+                                     "or a dict with 'reward' and numeric metrics). docs/environments.md, 'Agents'")
 
-    _check = field_validator("factory")(classmethod(lambda cls, v: _check_plugin_path(v)))
+    _check = field_validator("factory", "openai_agent")(classmethod(lambda cls, v: _check_plugin_path(v)))
 
 
 class LoggingConfig(Strict):
@@ -246,6 +283,15 @@ class LoggingConfig(Strict):
     tensorboard: bool = True
     log_every: int = Field(1, ge=1)
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # trackers beside TensorBoard (moe_rl/train/tracking.py): trainer rank 0 logs what metrics.jsonl holds
+    wandb: bool = Field(False, description="also log to Weights & Biases (pip install 'moe-rl[wandb]'); W&B's own "
+                        "environment variables apply (WANDB_MODE=offline, WANDB_DIR, WANDB_API_KEY, WANDB_BASE_URL, ...)")
+    mlflow: bool = Field(False, description="also log to MLflow (pip install 'moe-rl[mlflow]'); the store is "
+                         "MLFLOW_TRACKING_URI, MLflow's own default when unset")
+    project: str | None = Field(None, description="W&B project and MLflow experiment; null = WANDB_PROJECT / "
+                                "MLFLOW_EXPERIMENT_NAME when set, else the config's name")
+    run_name: str | None = Field(None, description="the run's name in W&B and MLflow; null = output_dir's last part")
+    tags: list[str] = Field([], description="tags of the run in W&B and MLflow")
 
 
 class CheckpointConfig(Strict):
@@ -262,8 +308,12 @@ class LoraConfig(Strict):
     dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapter dropout is not implemented")
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
                           "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
-                          "shared_experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                   "experts.gate_up_proj", "experts.down_proj"]
+                          "shared_experts.down_proj",
+                          # multi-head latent attention (deepseek_v3, glm4_moe_lite)
+                          "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"],
+        description="weights to adapt; attention targets are the projections of the model's attention (MLA models: "
+                    "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)")
     layers: list[int] | None = None  # decoder layers to adapt; None = all
     seed: int = 0
     sync: Literal["adapter", "merged"] = Field("merged", description="what a weight sync sends: the adapter "
@@ -307,9 +357,29 @@ class SweepConfig(Strict):
     parallel: int = Field(1, ge=1, description="runs at a time (each is a whole torchrun world)")
     output_dir: str | None = None  # default: <output_dir>/sweep
     overrides: list[str] = []  # key=value applied to every run (e.g. the bench's long_tail task)
-    eval_prompts: int = Field(0, ge=0, description="score each run's final checkpoint on this many fixed prompts "
-                              "(moe_rl/experiments/evaluate.py); 0 = off")
-    eval_samples: int = Field(4, ge=1, description="samples per evaluation prompt")
+    final_eval: bool = Field(False, description="score each run's final checkpoint as the eval section says "
+                             "(eval.prompts, eval.samples, eval.temperature, eval.data; moe_rl/experiments/evaluate.py)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and {"eval_prompts", "eval_samples"} & set(data):
+            raise ValueError("sweep.eval_prompts and sweep.eval_samples are now the eval section's: set "
+                             "sweep.final_eval=true with eval.prompts and eval.samples")
+        return data
+
+
+class DistConfig(Strict):
+    """How long the ranks of the torchrun world wait for one another (docs/run_safety.md, "Long runs")."""
+
+    timeout_s: float = Field(1800.0, gt=0, description="timeout of the trainer pool's collectives whose ranks "
+                             "arrive together (gradient all-reduce, expert all-to-all): its process groups' timeout")
+    wait_timeout_s: float = Field(86400.0, gt=0, description="bound of the collectives where ranks wait long for "
+                                  "one of them: every rank at the start while the models load (the world's default "
+                                  "group), the trainer ranks for rank 0's rollouts, checkpoint writes and weight "
+                                  "syncs (groups of their own). A frozen rank ends the run sooner (peer_timeout_s)")
+    peer_timeout_s: float = Field(300.0, gt=0, description="a rank whose heartbeat stops this long is frozen "
+                                  "(stopped or hung): the rank watching it ends the run with an error naming it")
 
 
 class FaultConfig(Strict):
@@ -317,12 +387,29 @@ class FaultConfig(Strict):
     named point is reached the ``at``-th time in a process (of ``rank``, or any), ``action``
     happens there. Off (``point: null``) in every real run."""
 
-    point: Literal["engine.generate", "sync.bucket", "checkpoint.write", "routing.append"] | None = None
+    point: Literal["engine.generate", "sync.bucket", "engine.update", "checkpoint.write", "routing.append"] | None = None
     at: int = Field(1, ge=1, description="fire on the at-th time the point is reached in a process")
-    action: Literal["kill_tree", "kill", "enospc"] = Field(
+    action: Literal["kill_tree", "kill", "stop", "enospc"] = Field(
         "kill_tree", description="kill_tree: SIGKILL the launcher and every process under it at once; kill: SIGKILL "
-        "this process; enospc: fail the write with OSError(ENOSPC) (checkpoint.write only)")
+        "this process; stop: SIGSTOP this process (it freezes); enospc: fail the write with OSError(ENOSPC) "
+        "(checkpoint.write only)")
     rank: int | None = Field(None, ge=0, description="the global rank where it fires; None = any rank reaching it")
+
+
+class EvalConfig(Strict):
+    """Evaluation on held-out prompts (moe_rl/rollout/evaluation.py, docs/experiments.md): during training
+    on the rollout engines at the current weights, and the sweeps' final-checkpoint evaluation."""
+
+    every: int = Field(0, ge=0, description="evaluate after every this many steps, and after the last; 0 = never "
+                       "during training")
+    prompts: int = Field(64, ge=1, description="prompts per evaluation (all of eval.data's when it holds fewer)")
+    samples: int = Field(4, ge=1, description="responses per prompt: pass@1 and pass@{samples} are reported")
+    temperature: float | None = Field(None, ge=0, description="sampling temperature; null = rollout.temperature, "
+                                      "0 = greedy")
+    data: str | None = Field(None, description="held-out dataset for data.task=jsonl, read like data.path (same "
+                             "data.format, prompt_key, answer_key); null = the training task's prompts drawn with a "
+                             "seed no training run draws with")
+    pass_threshold: float = Field(1.0, description="a response passes (pass@k) when its reward is at least this")
 
 
 class ExperimentConfig(Strict):
@@ -347,7 +434,9 @@ class ExperimentConfig(Strict):
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+    dist: DistConfig = DistConfig()
     fault: FaultConfig = FaultConfig()
+    eval: EvalConfig = EvalConfig()
 
     sweep: SweepConfig = SweepConfig()
 
@@ -396,6 +485,15 @@ class ExperimentConfig(Strict):
         if self.sync.backend == "ipc" and self.engine.kind != "embedded":
             raise ValueError("sync.backend=ipc is moe-rl's own same-machine transfer: it needs engine.kind=embedded")
 
+        if self.env.openai_agent and self.env.factory:
+            raise ValueError("env.openai_agent and env.factory: an episode is played either by an OpenAI-API agent or "
+                             "by a token-level environment; set one of them")
+        if self.env.openai_agent and self.engine.kind != "embedded":
+            raise ValueError("env.openai_agent needs engine.kind=embedded: the per-episode recording of OpenAI-API "
+                             "calls (exact ids, log-probs, routing) is the embedded engine's")
+        if self.reward.fn and self.env.openai_agent:
+            raise ValueError("reward.fn and env.openai_agent: the agent returns the episode's reward; score inside "
+                             "the agent (or drop env.openai_agent)")
         if self.reward.fn and self.env.factory:
             raise ValueError("reward.fn and env.factory: an episode's reward is the sum of its environment's step "
                              "rewards; score inside the environment (or drop env.factory)")
@@ -416,6 +514,17 @@ class ExperimentConfig(Strict):
             self._check_sglang_lora()
         if self.data.task == "jsonl" and not self.data.path:
             raise ValueError("data.task=jsonl needs data.path")
+        file_keys = [f"data.{k}" for k, unset in (("format", "auto"), ("prompt_key", None), ("answer_key", None))
+                     if getattr(self.data, k) != unset]
+        if file_keys and self.data.task != "jsonl":
+            raise ValueError(f"{', '.join(file_keys)} set, but they apply to data.task=jsonl (a dataset file), "
+                             f"not {self.data.task!r}")
+        if self.eval.data and self.data.task != "jsonl":
+            raise ValueError(f"eval.data is a held-out dataset for data.task=jsonl; data.task is {self.data.task!r} "
+                             "(its evaluation draws the task's own prompts: leave eval.data unset)")
+        if self.eval.every and self.env.factory:
+            raise ValueError("eval.every with env.factory: evaluation runs single-turn prompts; multi-turn episodes "
+                             "are not evaluated (set eval.every=0)")
         return self
 
     def _check_sglang_lora(self) -> None:
@@ -432,6 +541,10 @@ class ExperimentConfig(Strict):
         if experts and self.model.model_type == "gpt_oss":
             raise ValueError(f"{where}: lora.targets has {experts}; gpt-oss's experts are one [E, in, out] tensor, "
                              "which SGLang's per-expert adapter files cannot carry (use lora.sync=merged)")
+        mla = [t for t in self.lora.targets if t in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
+        if mla:
+            raise ValueError(f"{where}: lora.targets has {mla}; serving latent-attention adapters through SGLang's "
+                             "LoRA files is not checked against SGLang (use lora.sync=merged)")
         qkv = {"q_proj", "k_proj", "v_proj"} & set(self.lora.targets)
         if qkv and not {"q_proj", "v_proj"} <= qkv:
             raise ValueError(f"{where}: lora.targets has {sorted(qkv)}; SGLang stacks q/k/v adapters into qkv_proj "

@@ -33,7 +33,8 @@ from pathlib import Path
 LOCK = "run.lock"
 WRITERS = "writers.lock"
 # what a run writes into output_dir (moe_rl/train): overwrite_output_dir deletes exactly these
-RUN_FILES = ("metrics.jsonl", "checkpoints", "routing", "tensorboard", "reward_curve.png", "lora_sync")
+RUN_FILES = ("metrics.jsonl", "checkpoints", "routing", "tensorboard", "reward_curve.png", "lora_sync", "trackers.json",
+             "wandb")
 # env var the `moe-rl train` launcher sets for its workers: it holds the claim (and is their parent)
 LAUNCHER_ENV = "MOE_RL_LAUNCHER_PID"
 
@@ -147,6 +148,29 @@ def latest_step(output_dir: str | os.PathLike) -> str | None:
     layout), or None."""
     pointer = Path(output_dir) / "checkpoints" / "latest"
     return pointer.read_text().strip() if pointer.exists() else None
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """The HF model directory ``path`` names: itself (it has config.json), a checkpoint step
+    directory (its ``hf/``), a run directory or its ``checkpoints/`` (the latest checkpoint's
+    ``hf/``). FileNotFoundError, one line naming what was looked for, otherwise."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"{p}: no such directory")
+    if (p / "config.json").is_file():
+        return p
+    if (p / "hf" / "config.json").is_file():
+        return p / "hf"
+    run = p.parent if p.name == "checkpoints" else p
+    name = latest_step(run)
+    if name is not None:
+        hf = run / "checkpoints" / name / "hf"
+        if (hf / "config.json").is_file():
+            return hf
+        raise FileNotFoundError(f"{run / 'checkpoints' / 'latest'} names {name}, which holds no model ({hf}/config.json "
+                                "is missing)")
+    raise FileNotFoundError(f"{p} holds no model: no config.json (an HF model directory), no hf/config.json (a "
+                            "checkpoint step directory) and no checkpoints/latest (a run directory)")
 
 
 def claim_output_dir(cfg) -> list[RunLock]:

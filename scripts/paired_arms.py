@@ -32,8 +32,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--threshold", type=float, default=0.3)
-    ap.add_argument("--eval-prompts", type=int, default=64)
-    ap.add_argument("--eval-samples", type=int, default=4)
     ap.add_argument("arms", nargs="+", type=Path)
     a = ap.parse_args()
     by_arm = {d: read_runs(d) for d in a.arms}
@@ -41,7 +39,7 @@ def main() -> None:
     configs = {dict(r.values)["config"] for r in runs}
     if len(configs) != 1:
         raise SystemExit(f"the arms ran different config files {sorted(configs)}; compare arms of one experiment")
-    summarise(runs, a.out, a.threshold, (configs.pop(), a.eval_prompts, a.eval_samples))
+    summarise(runs, a.out, a.threshold, configs.pop())  # final-policy eval by the config's eval section
     print((a.out / "summary.md").read_text())
     for d, arm_runs in by_arm.items():
         st = [np.mean([r["staleness_mean"] for r in read_metrics(run.dir / "metrics.jsonl")]) for run in arm_runs]

@@ -33,7 +33,6 @@ from moe_rl.experiments.evaluate import evaluate_run
 from moe_rl.experiments.sweep import reward_in_versions, version_window
 from moe_rl.train.tracking import read_metrics
 
-EVAL_PROMPTS, EVAL_SAMPLES = 64, 4
 
 
 def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[str],
@@ -54,7 +53,7 @@ def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[s
     q = max(1, len(rows) // 4)
     cfg = load_config(config, args[args.index(config) + 1:])
     # single-turn tasks only: a multi-turn episode's reward needs its environment
-    ev = None if cfg.env.factory else evaluate_run(out_dir, cfg, EVAL_PROMPTS, EVAL_SAMPLES)
+    ev = None if cfg.env.factory else evaluate_run(out_dir, cfg)  # eval.prompts x eval.samples (64 x 4)
     return {
         "eta": eta,
         "steps": len(rows),
@@ -66,7 +65,7 @@ def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[s
         "busy_rollout": rows[-1]["busy_rollout"],
         "reward_first": float(np.mean([row["reward_mean"] for row in rows[:q]])),
         "final_reward": float(np.mean([row["reward_mean"] for row in rows[-q:]])),
-        "final_eval_reward": ev["eval_reward"] if ev else None,
+        "final_eval_reward": ev["eval/reward_mean"] if ev else None,
         "staleness_max": max(row["staleness_max"] for row in rows),
         "staleness_mean": float(np.mean([row["staleness_mean"] for row in rows])),
         "dropped_stale_groups": rows[-1]["dropped_stale_groups"],

@@ -144,17 +144,20 @@ class Engine:
         cuda_graph: bool | None = False,
         cuda_graph_max_bs: int | None = None,
         graphs=None,
+        max_waiting_requests: int | None = None,
     ):
         """``static_decode``: decode-only steps of up to ``cuda_graph_max_bs`` requests
         (default: all) run with static shapes (``moe_rl.engine.decode``); ``cuda_graph``: and
         are captured as CUDA graphs at ``start`` (a CUDA model), or by ``graphs``, a capture
         backend with ``CudaGraphs``' interface. None (the config's unset): ``cuda_graph`` on
         where graphs can be made (a GPU, or ``graphs``) and the step can be captured (checked
-        at ``start``), ``static_decode`` as ``cuda_graph``."""
+        at ``start``), ``static_decode`` as ``cuda_graph``. ``max_waiting_requests``: requests
+        queued beyond the free KV slots before ``submit`` raises ``QueueFull`` (None: no bound)."""
         self.model = model.eval()
         self.arch = model.arch
         self.model_path = model_path
         self.max_running = max_running_requests
+        self.max_waiting = max_waiting_requests
         self.max_context = min(max_context, self.arch.max_position_embeddings)
         self.threads = threads
         self.weight_version = str(weight_version)
@@ -176,8 +179,10 @@ class Engine:
         # each layer's decode state (its kind's spec: K/V for softmax attention), per cache slot;
         # a static decode batch pads with rows that write one spare slot, owned by no request
         slots = self.max_running + (1 if self.static_decode else 0)
-        self.states = [spec.allocate(slots, self.max_context, self.dtype, self.device)
-                       for spec in state_specs(self.arch)]
+        specs = state_specs(self.arch)
+        self.states = [spec.allocate(slots, self.max_context, self.dtype, self.device) for spec in specs]
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.state_bytes = slots * sum(spec.bytes_per_slot(self.max_context, elem) for spec in specs)
         self.static_decoder: StaticDecoder | None = None
         if self.static_decode:
             if self.cuda_graph and graphs is None:
@@ -256,6 +261,10 @@ class Engine:
                 raise RuntimeError(f"engine is not running: {self.error}")
             if rid in self.by_rid:
                 raise RequestError("rid", f"a request with rid {rid!r} is already in flight")
+            queued = len(self.waiting) - len(self.free_slots)  # those no free slot awaits
+            if self.max_waiting is not None and queued >= self.max_waiting:
+                raise P.QueueFull(f"The request queue is full. {queued} requests wait for one of the "
+                                  f"{self.max_running} KV slots (engine.max_waiting_requests={self.max_waiting})")
             self.by_rid[rid] = r
             self.waiting.append(r)
             self.stats["submitted"] += 1
@@ -339,6 +348,11 @@ class Engine:
                 "running_requests": len(self.running),
                 "waiting_requests": len(self.waiting),
                 "max_running_requests": self.max_running,
+                "max_waiting_requests": self.max_waiting,
+                # KV cache: slots not held by a request, tokens held by running ones
+                "kv_slots_free": len(self.free_slots),
+                "kv_tokens_used": sum(r.kv_len for r in self.running),
+                "waiting_tokens": sum(len(r.req.input_ids) + len(r.output_ids) for r in self.waiting),
                 "max_context": self.max_context,
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "static_decode": self.static_decode,

@@ -16,6 +16,8 @@ from aiohttp import web
 
 from moe_rl.model.lora import AdapterServing, read_peft
 
+from .protocol import RequestError, json_body
+
 log = logging.getLogger(__name__)
 
 
@@ -51,6 +53,13 @@ def register_routes(server, app: web.Application) -> None:
     r.add_post("/unload_lora_adapter", lambda req: _unload(server, req))
 
 
+def _body(request: web.Request) -> dict:
+    body = json_body(request)  # parsed by the server's limits middleware
+    if not isinstance(body, dict):
+        raise RequestError("body", "expected a JSON object")
+    return body
+
+
 def _fail(msg: str, status: int = 400) -> web.Response:
     return web.json_response({"success": False, "error_message": msg}, status=status)
 
@@ -58,10 +67,12 @@ def _fail(msg: str, status: int = 400) -> web.Response:
 async def _load(server, request: web.Request) -> web.Response:
     """SGLang's LoadLoRAAdapterReqInput: {lora_name, lora_path, pinned?}; a PEFT directory."""
     engine = server.engine
-    body = await request.json()
+    body = _body(request)
     name, path = body.get("lora_name"), body.get("lora_path")
     if not name or not path:
         return _fail("lora_name and lora_path are required")
+    if not isinstance(name, str) or not isinstance(path, str):
+        return _fail("lora_name and lora_path must be strings")
     adapter = getattr(engine, "adapter", None)
     if adapter is None:
         return _fail("this engine was started without LoRA (lora.enabled=true, lora.sync=adapter)")
@@ -83,8 +94,7 @@ async def _load(server, request: web.Request) -> web.Response:
 
 async def _unload(server, request: web.Request) -> web.Response:
     engine = server.engine
-    body = await request.json()
-    name = body.get("lora_name")
+    name = _body(request).get("lora_name")
     if getattr(engine, "adapter", None) is not None and name in engine.retired_adapters:
         # replaced by a later load (the trainer's versioned swap: load new, then unload old):
         # nothing serves it any more, so there is nothing to undo

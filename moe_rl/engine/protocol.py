@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+from aiohttp import web
 
 GREEDY_EPS = 1e-6  # temperature below this means greedy, as SGLang's _SAMPLING_EPS
 MAX_STOP_COUNT = 32  # SGLang's limit on stop strings per request
@@ -46,6 +47,25 @@ class RequestError(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field, self.message = field_name, message
+
+
+# where the server's limits middleware leaves a request's parsed body (aiohttp >= 3.12 types the key)
+BODY = web.RequestKey("moe_rl.json_body", object) if hasattr(web, "RequestKey") else "moe_rl.json_body"
+
+
+def json_body(request, *, optional: bool = False) -> Any:
+    """The JSON value of an aiohttp request's body, as the server's middleware parsed it
+    (``moe_rl.engine.limits``); ``{}`` when the request has none and ``optional``."""
+    if BODY in request:
+        return request[BODY]
+    if optional:
+        return {}
+    raise RequestError("body", "required: a JSON object")
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is at ``engine.max_waiting_requests``: the request is refused
+    (HTTP 503 with Retry-After), as SGLang refuses one past ``--max-queued-requests``."""
 
 
 # --- small typed readers that name the field on error ---------------------------------------
@@ -475,6 +495,42 @@ class UpdateWeightsRequest:
             load_format=_str(body, "load_format"),
             checksum=body.get("checksum"),
         )
+
+
+@dataclass
+class UpdateFromDiskRequest:
+    """SGLang's ``UpdateWeightFromDiskReqInput``: the weights of an HF checkpoint directory."""
+
+    model_path: str
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+    # fields with no effect on the embedded engine: it has no prefix cache to flush, copies
+    # the weights in place (captured decode graphs read them there) and never stays paused
+    _NO_EFFECT = {"is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "flush_cache"}
+    LOAD_FORMATS = (None, "auto", "safetensors")
+
+    @classmethod
+    def parse(cls, body: Any) -> "UpdateFromDiskRequest":
+        if not isinstance(body, dict):
+            raise RequestError("body", "expected a JSON object")
+        for key in body:
+            if key in cls._NO_EFFECT:
+                _bool(body, key)
+            elif key == "token_step":
+                _int(body, key, 0, lo=0)
+            elif key == "manifest" and body[key] is not None:
+                raise RequestError(key, "not supported by the embedded engine (only null)")
+            elif key not in ("model_path", "load_format", "abort_all_requests", "weight_version", "manifest"):
+                raise RequestError(key, "unknown field (not in SGLang's UpdateWeightFromDiskReqInput)")
+        path = _str(body, "model_path")
+        if not path:
+            raise RequestError("model_path", "required: the HF checkpoint directory to load")
+        fmt = _str(body, "load_format")
+        if fmt not in cls.LOAD_FORMATS:
+            raise RequestError("load_format", f"the embedded engine reads HF safetensors only (auto, safetensors), got {fmt!r}")
+        return cls(model_path=path, abort_all_requests=_bool(body, "abort_all_requests"),
+                   weight_version=_str(body, "weight_version", numbers=True))
 
 
 # --- request bodies encoded once ---------------------------------------------------------------

@@ -6,8 +6,11 @@
 ``moe-rl engine listening on http://HOST:PORT`` (stdout, flushed), which tests and launchers
 parse. Endpoints and fields are SGLang's (see ``protocol``); errors are
 ``{"error": {"message": ...}}`` with 400 (malformed request, naming the field) or 401 (bad or
-missing ``Authorization: Bearer K`` when an api key is set; every endpoint needs it).
-Weight-sync endpoints answer ``{"success": bool, "message": str}`` like SGLang.
+missing ``Authorization: Bearer K`` when an api key is set; every endpoint needs it); the
+limits on size, time and queue (413, 408, 503) are ``limits``'.
+Weight-sync endpoints answer ``{"success": bool, "message": str}`` like SGLang. The
+OpenAI-compatible ``/v1`` endpoints and the per-episode recording: ``moe_rl.engine.openai_api``.
+``CONFIG`` may also be a model, checkpoint step or run directory (``rundir.resolve_model_dir``).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import json
 import logging
 import signal
 import sys
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +32,17 @@ from moe_rl import faults
 from moe_rl.gc_control import freeze_gc, paused_gc
 from moe_rl.model.arch import FAMILIES
 
-from . import lora
+from . import lora, openai_api
 from . import protocol as P
 from .engine import Engine
-from .protocol import RequestError
+from .limits import ServerLimits
+from .limits import error_response as _error
+from .protocol import RequestError, json_body
 from .text import TextCodec, load_tokenizer
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}  # SGLang's LoadSnapshot.VALID_SECTIONS
 
 
 # --- building an engine from the config ------------------------------------------------------
@@ -84,23 +92,16 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
         static_decode=e.static_decode if static_decode is None else static_decode,
         cuda_graph=e.cuda_graph if cuda_graph is None else cuda_graph,
         cuda_graph_max_bs=e.cuda_graph_max_bs,
+        max_waiting_requests=e.max_waiting_requests,
     )
     lora.attach(engine, cfg)  # LoRA serving: moe_rl.engine.lora
+    engine.tokenizer_path = cfg.model.tokenizer_path  # the server's tokenizer when set (else model.path's)
     return engine
 
 
 # --- the HTTP application --------------------------------------------------------------------
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
 async def _json(request: web.Request, *, optional: bool = False) -> Any:
-    if optional and not request.can_read_body:
-        return {}
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("body", "not valid JSON") from None
+    return json_body(request, optional=optional)  # parsed by the limits middleware
 
 
 def model_eos_ids(path: str | None) -> frozenset[int]:
@@ -118,21 +119,23 @@ def model_eos_ids(path: str | None) -> frozenset[int]:
 class EngineServer:
     """Handlers of one engine. ``app()`` returns the aiohttp application."""
 
-    def __init__(self, engine: Engine, api_key: str | None = None):
+    def __init__(self, engine: Engine, api_key: str | None = None, limits: ServerLimits | None = None):
         self.engine = engine
         self.api_key = api_key
+        self.limits = limits if limits is not None else ServerLimits.for_engine(engine)
         self.receiver = None  # moe_rl.sync.receiver.WeightReceiver, made on the first init
         self._update_lock = asyncio.Lock()
         self.session_open = False  # between /begin_weight_update and /end_weight_update
-        self.eos_token_ids = model_eos_ids(engine.model_path)
-        tokenizer = load_tokenizer(engine.model_path)
+        tokenizer_path = getattr(engine, "tokenizer_path", None) or engine.model_path  # model.tokenizer_path first
+        self.eos_token_ids = model_eos_ids(engine.model_path) | model_eos_ids(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path)
         # None: answers as SGLang with --skip-tokenizer-init (no "text"; a text prompt is a 400)
         self.text = TextCodec(tokenizer) if tokenizer is not None else None
         if self.text is not None:
             engine.decode = self.text.decode  # stop strings
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._middleware, self.limits.middleware()], **self.limits.app_kwargs())
         r = app.router
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
@@ -146,6 +149,7 @@ class EngineServer:
         r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_get("/get_weight_version", self.get_weight_version)
         r.add_get("/weight_version", self.get_weight_version)
         r.add_get("/get_server_info", self.get_server_info)
@@ -158,6 +162,7 @@ class EngineServer:
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
         lora.register_routes(self, app)
+        openai_api.register_routes(self, app)  # /v1/chat/completions, /v1/completions, /v1/models, /episodes
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -201,7 +206,14 @@ class EngineServer:
             reqs = P.parse_batch(body, **limits)
             if not self.engine.alive:
                 return _error(503, f"engine is not running: {self.engine.error}")
-            outs = await asyncio.gather(*(self.engine.generate(r) for r in reqs))
+            tasks = [asyncio.ensure_future(self.engine.generate(r)) for r in reqs]
+            try:
+                outs = await asyncio.gather(*tasks)
+            except BaseException:  # e.g. one refused (queue full): the others are aborted, not left running
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
             return web.json_response([self._finish(o, r) for o, r in zip(outs, reqs)])
         req = P.GenerateRequest.parse(body, **limits)
         if not self.engine.alive:
@@ -223,15 +235,15 @@ class EngineServer:
 
         rid = self.engine.submit(req, lambda res: push(res, True), on_update=push)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)
             while True:
                 item, final = await queue.get()
                 await resp.write(b"data: " + json.dumps(self._finish(item, req)).encode() + b"\n\n")
                 if final:
                     break
             await resp.write(b"data: [DONE]\n\n")
-        except (asyncio.CancelledError, ConnectionResetError):
+        except BaseException:  # the client went away (from the first byte on): free its KV slot
             self.engine.abort(rid, "client disconnected")
             raise
         return resp
@@ -357,8 +369,46 @@ class EngineServer:
         })
 
     async def loads(self, request: web.Request) -> web.Response:
-        info = self.engine.info()
-        return web.json_response({"loads": [{"dp_rank": 0, **info}]})
+        """SGLang's /v1/loads: one load (this engine is DP rank 0) with its core keys, the
+        ``memory`` and ``queues`` sections, and ours: ``kv_slots_free``/``kv_slots`` (a request
+        holds one KV slot while it runs; all free when nothing runs) and ``paused``."""
+        q = request.query
+        include = {s.strip() for s in q.get("include", "all").split(",")}
+        if not include <= LOAD_SECTIONS:
+            raise RequestError("include", f"sections are {', '.join(sorted(LOAD_SECTIONS))}, got {q['include']!r}")
+        if q.get("dp_rank") not in (None, "0"):
+            return web.json_response(self._loads_envelope([]))
+        info, e = self.engine.info(), self.engine
+        capacity = e.max_running * e.max_context
+        used, pending = info["kv_tokens_used"], info["waiting_tokens"]
+        load = {
+            "timestamp": time.time(), "dp_rank": 0,
+            "num_running_reqs": info["running_requests"], "num_waiting_reqs": info["waiting_requests"],
+            "num_waiting_uncached_tokens": pending,  # no prefix cache: every waiting token is uncached
+            "num_used_tokens": used, "num_total_tokens": used + pending, "num_active_tokens": used + pending,
+            "num_prealloc_ready_tokens": 0, "max_total_num_tokens": capacity,
+            "max_running_requests": e.max_running, "token_usage": round(used / capacity, 4),
+            # not measured by the embedded engine
+            "gen_throughput": 0.0, "cache_hit_rate": 0.0, "utilization": 0.0,
+            "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
+            "kv_slots_free": info["kv_slots_free"], "kv_slots": e.max_running, "paused": info["paused"],
+        }
+        if include & {"all", "memory"}:
+            nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts) / 2**30  # noqa: E731
+            load["memory"] = {"weight_gb": round(nbytes(e.model.parameters()), 3),
+                              "kv_cache_gb": round(e.state_bytes / 2**30, 3),
+                              "graph_gb": 0.0, "token_capacity": capacity}
+        if include & {"all", "queues"}:
+            load["queues"] = {"waiting": info["waiting_requests"], "grammar": 0,
+                              "paused": info["waiting_requests"] if info["paused"] else 0,
+                              "retracted": 0, "prealloc_ready": 0}
+        return web.json_response(self._loads_envelope([load]))
+
+    def _loads_envelope(self, loads: list) -> dict:
+        dev = self.engine.device
+        return {"timestamp": datetime.now(timezone.utc).isoformat(), "version": "moe-rl-embedded",
+                "accelerator": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+                "num_accelerators": 1, "loads": loads}
 
     async def not_supported(self, request: web.Request) -> web.Response:
         # these act on GPU memory (CUDA IPC tensors, memory saver): nothing to honour on the
@@ -366,7 +416,48 @@ class EngineServer:
         return web.json_response({"success": False, "message": f"{request.path} is not supported by the embedded "
                                   "engine (moe-rl serve); use engine.kind: sglang"}, status=400)
 
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """SGLang's update from an HF checkpoint directory: read into a staging copy (a missing
+        directory, tensor or a wrong shape is a 400 and the engine keeps its weights), then
+        copied into the live weights between two steps, like a distributed update."""
+        from ..model import MoEArch, MoEForCausalLM, hf_param_specs, iter_local_hf_tensors, load_hf_weights
+
+        req = P.UpdateFromDiskRequest.parse(await _json(request))
+        if req.abort_all_requests:
+            self.engine.abort(abort_all=True, message="Aborted for a weight update")
+        engine = self.engine
+
+        def load_and_commit():
+            if (Path(req.model_path) / "config.json").is_file():  # of another model: say which tensor differs
+                theirs, ours = hf_param_specs(MoEArch.from_hf_dir(req.model_path)), hf_param_specs(engine.arch)
+                if theirs != ours:
+                    a, b = next(((a, b) for a, b in zip(theirs + [None], ours + [None]) if a != b))
+                    raise ValueError(f"its config.json is of another model (tensor {a} where this engine has {b})")
+            staged = load_hf_weights(MoEForCausalLM(engine.arch).to(engine.dtype), req.model_path)
+
+            @torch.no_grad()
+            def commit():
+                live = dict(iter_local_hf_tensors(engine.model))
+                for name, t in iter_local_hf_tensors(staged):
+                    live[name].copy_(t)
+            engine.commit_weights(commit, req.weight_version)
+
+        async with self._update_lock:
+            try:
+                await asyncio.to_thread(load_and_commit)
+            except Exception as e:  # the checkpoint is missing, unreadable or of another model
+                log.warning("update_weights_from_disk failed: %s: %s", type(e).__name__, e)
+                msg = (f"Failed to update weights from {req.model_path}: {type(e).__name__}: {e}; "
+                       f"the engine keeps serving weight_version {self.engine.weight_version}")
+                return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)
+        self.engine.model_path = req.model_path
+        msg = "Succeeded to update model weights."
+        if req.weight_version is not None:
+            msg += f" Weight version updated to {req.weight_version}."
+        return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
+
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        faults.point("engine.update")  # a test run's engine stuck in a weight sync
         with paused_gc():  # the request's thousands of lists are freed before it ends: see moe_rl.gc_control
             return await self._update_weights(request)
 
@@ -429,11 +520,13 @@ class EngineServer:
 
 
 # --- running it ------------------------------------------------------------------------------
-async def start_server(engine: Engine, host: str, port: int, api_key: str | None = None):
+async def start_server(engine: Engine, host: str, port: int, api_key: str | None = None,
+                       limits: ServerLimits | None = None):
     """Starts the engine thread and the HTTP site; returns (runner, url)."""
     engine.start()
+    server = EngineServer(engine, api_key, limits)
     # handler_cancellation: a client that disconnects aborts its request (frees its KV slot)
-    runner = web.AppRunner(EngineServer(engine, api_key).app(), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, **server.limits.runner_kwargs())
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -445,7 +538,7 @@ async def start_server(engine: Engine, host: str, port: int, api_key: str | None
 async def _serve(cfg, host: str, port: int, api_key: str | None) -> None:
     engine = build_engine(cfg)
     freeze_gc()  # weight updates decode thousands of small lists: see moe_rl.gc_control
-    runner, url = await start_server(engine, host, port, api_key)
+    runner, url = await start_server(engine, host, port, api_key, ServerLimits.for_engine(engine, cfg.engine))
     print(f"moe-rl engine listening on {url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -462,10 +555,11 @@ async def _serve(cfg, host: str, port: int, api_key: str | None) -> None:
 
 
 def serve_main(argv: list[str]) -> int:
-    from ..config import ConfigError, load_config
+    from ..config import ConfigError
 
     ap = argparse.ArgumentParser(prog="moe-rl serve", description="Serve an embedded engine over SGLang's HTTP API.")
-    ap.add_argument("config", help="experiment YAML (its model and engine sections are used)")
+    ap.add_argument("config", help="experiment YAML (its model and engine sections are used), or a model directory: "
+                    "an HF model, a checkpoint step directory (its hf/) or a run directory (its latest checkpoint)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     ap.add_argument("--host", default=None, help="bind address (default engine.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, default=None, help="port (default engine.port; 0 = a free port)")
@@ -473,8 +567,8 @@ def serve_main(argv: list[str]) -> int:
     ap.add_argument("--dry-run", action="store_true", help="engine.kind=sglang: print the SGLang command, do not run it")
     args = ap.parse_intermixed_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+        cfg = _serve_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     e = cfg.engine
@@ -489,6 +583,21 @@ def serve_main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _serve_config(config: str, overrides: list[str]):
+    """The config of ``moe-rl serve CONFIG``: a YAML file, or a directory holding a model (the
+    defaults with model.path set to it); a model.path naming a checkpoint or run directory is
+    resolved to its model (``rundir.resolve_model_dir``)."""
+    from ..config import load_config
+    from ..rundir import resolve_model_dir
+
+    if Path(config).is_dir():
+        return load_config(None, [f"model.path={resolve_model_dir(config)}", *overrides])
+    cfg = load_config(config, overrides)
+    if cfg.model.path:
+        cfg.model.path = str(resolve_model_dir(cfg.model.path))
+    return cfg
 
 
 def _exec_sglang(cfg, args) -> int:

@@ -9,6 +9,7 @@ config's ``engine`` section; ``moe-rl serve CONFIG`` execs it when ``engine.kind
 * ``--skip-tokenizer-init``: token ids in, token ids out, as the stack sends them;
 * ``--ep-size`` / ``--tp-size``: expert (and tensor) parallelism over the server's GPUs;
 * ``--weight-version``: the version reported before the first update (``engine.weight_version``).
+* ``--max-queued-requests``: past it a request is refused with 503 (``engine.max_waiting_requests``).
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def sglang_command(cfg, *, host: str | None = None, port: int | None = None, pyt
         "--enable-return-routed-experts",
         "--skip-tokenizer-init",
     ]
+    if e.max_waiting_requests is not None:
+        cmd += ["--max-queued-requests", str(e.max_waiting_requests)]
     if e.api_key:
         cmd += ["--api-key", e.api_key]
     return cmd + list(e.sglang_extra_args)

@@ -8,7 +8,7 @@ re-running the same command (a run cut short is continued from its checkpoint, o
 without one: docs/run_safety.md). The summary is read back from each run's ``metrics.jsonl``:
 ``summary.md``, ``summary.csv``, ``summary.json``, ``reward.png`` (reward against samples
 trained, mean and min-max band over seeds per arm) and ``mismatch_kl.png``. With
-``sweep.eval_prompts`` each run's final checkpoint is also scored on a fixed prompt set
+``sweep.final_eval`` each run's final checkpoint is also scored as the ``eval`` section says
 (moe_rl/experiments/evaluate.py; cached in the run's ``eval.json``), and arms are compared
 seed by seed against the first arm.
 """
@@ -206,16 +206,18 @@ FIGURES = ("final_reward", "final_reward_by_version", "eval_reward", "steps_to_t
 PAIRED = ("final_reward", "final_reward_by_version", "eval_reward", "samples_per_s")
 
 
-def run_eval(config: str, run: Run, prompts: int, samples: int) -> dict | None:
-    """The run's final-policy evaluation, computed once and kept in ``<run>/eval.json``."""
-    from .evaluate import evaluate_run
+def run_eval(config: str, run: Run) -> dict | None:
+    """The run's final-policy evaluation (its config's ``eval`` section), computed once and
+    kept in ``<run>/eval.json``."""
+    from .evaluate import eval_settings, evaluate_run
 
+    cfg = load_config(config, list(run.overrides))
     path = run.dir / "eval.json"
     if path.exists():
         got = json.loads(path.read_text())
-        if got.get("eval_prompts") == prompts and got.get("eval_samples") == samples:
+        if all(got.get(k) == v for k, v in eval_settings(cfg).items()):
             return got
-    got = evaluate_run(run.dir, load_config(config, list(run.overrides)), prompts, samples)
+    got = evaluate_run(run.dir, cfg)
     if got is not None:
         path.write_text(json.dumps(got, indent=1))
     return got
@@ -239,8 +241,9 @@ def paired(arms: dict[str, list[dict]], seeds: dict[str, list[int]]) -> list[dic
     return out
 
 
-def summarise(runs: list[Run], out: Path, threshold: float, evaluate: tuple[str, int, int] | None = None) -> list[dict]:
-    """``evaluate``: (config, prompts, samples) to score each run's final checkpoint (run_eval)."""
+def summarise(runs: list[Run], out: Path, threshold: float, evaluate: str | None = None) -> list[dict]:
+    """``evaluate``: the config file whose ``eval`` section scores each run's final checkpoint
+    (run_eval); None: no final-policy evaluation."""
     arms: dict[str, list[dict]] = {}
     seeds: dict[str, list[int]] = {}
     curves: dict[str, list[list[dict]]] = {}
@@ -251,8 +254,8 @@ def summarise(runs: list[Run], out: Path, threshold: float, evaluate: tuple[str,
         rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
         if rows:
             st = run_stats(rows, threshold)
-            ev = run_eval(evaluate[0], r, evaluate[1], evaluate[2]) if evaluate else None
-            st["eval_reward"] = ev["eval_reward"] if ev else None
+            ev = run_eval(evaluate, r) if evaluate else None
+            st["eval_reward"] = ev["eval/reward_mean"] if ev else None
             arms.setdefault(r.arm, []).append(st)
             seeds.setdefault(r.arm, []).append(r.seed)
             curves.setdefault(r.arm, []).append(rows)
@@ -422,7 +425,7 @@ def main(argv: list[str]) -> int:
 
         with ThreadPoolExecutor(max_workers=parallel) as pool:
             list(pool.map(one, todo))
-    table = summarise(runs, out, threshold, (a.config, sw.eval_prompts, sw.eval_samples) if sw.eval_prompts else None)
+    table = summarise(runs, out, threshold, a.config if sw.final_eval else None)
     print((out / "summary.md").read_text())
     print(f"written: {out}/summary.md, summary.csv, summary.json, reward.png, reward_by_version.png, mismatch_kl.png", file=sys.stderr)
     if failures:

@@ -84,11 +84,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden, inter))
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """x [rows, H] grouped by expert (``offs``: int32 end row of each expert's group)."""
-        gate_up = grouped_mm(x, torch.cat((self.gate_proj, self.up_proj), dim=1), offs)
+        """x [rows, H] grouped by expert (``offs``: int32 end row of each expert's group).
+
+        Gate and up are two grouped GEMMs over the same rows, not one over the two weights
+        concatenated: a concatenation would copy every expert's gate and up weights on each
+        forward (and inside every captured decode graph), for the same FLOPs."""
+        gate = grouped_mm(x, self.gate_proj, offs)
+        up = grouped_mm(x, self.up_proj, offs)
         if self.lora is not None:
-            gate_up = self.lora.add_gate_up(gate_up, x, offs)
-        gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = self.lora.add_gate_up(gate, up, x, offs)
         h = F.silu(gate) * up
         out = grouped_mm(h, self.down_proj, offs)
         return out if self.lora is None else self.lora.add_down(out, h, offs)
@@ -138,14 +142,16 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [rows, H] grouped by expert (``offs``: int32 end row of each expert's group)."""
+        # each row's expert; rows after the last group (a padded buffer's tail) get index E_local,
+        # a zero bias row outside the parameters, so nothing there reaches the biases' gradients
         expert = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
-        gate_up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs) + self.gate_up_proj_bias[expert]
+        gate_up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs) + F.pad(self.gate_up_proj_bias, (0, 0, 0, 1))[expert]
         if self.lora is not None:
-            gate_up = self.lora.add_gate_up(gate_up, x, offs)
+            gate_up = self.lora.add_fused_gate_up(gate_up, x, offs)
         gate = gate_up[:, 0::2].clamp(max=self.limit)
         up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
         h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        out = grouped_mm(h, self.down_proj.transpose(1, 2), offs) + self.down_proj_bias[expert]
+        out = grouped_mm(h, self.down_proj.transpose(1, 2), offs) + F.pad(self.down_proj_bias, (0, 0, 0, 1))[expert]
         return out if self.lora is None else self.lora.add_down(out, h, offs)
 
     @classmethod
@@ -282,8 +288,8 @@ class SparseMoE(nn.Module):
     """Router + experts (+ shared experts), the experts optionally sharded over an
     expert-parallel group.
 
-    The (token, slot) rows are sorted by expert once per layer, run through one grouped GEMM
-    for gate+up and one for down, and brought back with one gather and a weighted sum over
+    The (token, slot) rows are sorted by expert once per layer, run through grouped GEMMs
+    (gate, up, down), and brought back with one gather and a weighted sum over
     the k slots (a batched [1, k] x [k, H] product, deterministic unlike an atomic scatter-add).
     Shared experts (GLM) are one dense MLP of ``n_shared_experts x moe_intermediate_size``
     over every token, added to the routed output (HF: ``mlp.shared_experts``).

@@ -9,7 +9,8 @@ name           what                                                             
 ``echo``       tiny-model task: repeat the prompt's symbol (:mod:`.synthetic`)      endless
 ``copy``       repeat the prompt's k symbols cyclically                             endless
 ``reverse``    repeat the prompt's k symbols reversed, cyclically                   endless
-``jsonl``      math-style JSONL at ``data.path``, rule-based 0/1 reward              the file's
+``jsonl``      math problems at ``data.path`` (JSONL, Parquet, ``datasets`` dir),   the file's
+               0/1 reward by math-verify (:mod:`.jsonl`)
 ``arith``      ``jsonl`` on the shipped ``data/arith_example.jsonl`` (48 problems)   48
 ``guess``      guess the number, multi-turn with ``env.factory:                     endless
                moe_rl.tasks.guess:GuessEnv`` (:mod:`.guess`)
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, DataConfig
-from .answers import answers_match, extract_answer, math_reward, reference_answer
+from .answers import math_reward, reference_answer
 from .base import DatasetError, Prompt, Task, cut_at_stop
 from .guess import GuessEnv, GuessTask
 from .plugins import PluginError, PluginRewardTask, RewardError, is_plugin_path, load_task, reward_value
@@ -65,7 +66,8 @@ def _jsonl(path_override: Path | None, name: str) -> _Factory:
         path = path_override or data.path
         if not path:
             raise ConfigError(f"data.task={name} needs data.path (a JSONL file)")
-        return JsonlMathTask(path, seed=data.seed, name=name, model_path=model_path, **args)
+        return JsonlMathTask(path, seed=data.seed, name=name, model_path=model_path, format=data.format,
+                             prompt_key=data.prompt_key, answer_key=data.answer_key, **args)
 
     return make
 
@@ -77,16 +79,17 @@ register_task("guess", lambda data, model_path, max_new_tokens, **args: GuessTas
               GuessTask.__init__)
 register_task("arith", _jsonl(ARITH_EXAMPLE, "arith"), JsonlMathTask.__init__)
 
-_NOT_TASK_ARGS = {"self", "name", "seed", "path", "model_path"}
+_NOT_TASK_ARGS = {"self", "name", "seed", "path", "model_path", "format", "prompt_key", "answer_key"}  # data.*
 
 
-def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens: int = 16) -> Task:
+def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens: int = 16,
+             tokenizer_path: str | None = None) -> Task:
     """The task ``data.task`` with ``data.task_args``; ``model_path`` is where an HF
     tokenizer is found (``model.path``), ``max_new_tokens`` the default response budget
     (``rollout.max_new_tokens``) for tasks whose reward depends on it. A ``data.task`` of the
     form ``package.module:factory`` is a plug-in (:mod:`.plugins`)."""
     if is_plugin_path(data.task):
-        return load_task(data, model_path=model_path, max_new_tokens=max_new_tokens)
+        return load_task(data, model_path=model_path, max_new_tokens=max_new_tokens, tokenizer_path=tokenizer_path)
     if data.task not in _REGISTRY:
         close = difflib.get_close_matches(data.task, list(_REGISTRY), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -113,7 +116,8 @@ def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens:
 
 def task_from_config(cfg: Any) -> Task:
     """``get_task`` for a whole ``ExperimentConfig``, its reward replaced by ``reward.fn`` if set."""
-    task = get_task(cfg.data, model_path=cfg.model.path, max_new_tokens=cfg.rollout.max_new_tokens)
+    task = get_task(cfg.data, model_path=cfg.model.path, max_new_tokens=cfg.rollout.max_new_tokens,
+                    tokenizer_path=cfg.model.tokenizer_path)
     fn = getattr(getattr(cfg, "reward", None), "fn", None)
     return PluginRewardTask(task, fn) if fn else task
 
@@ -131,9 +135,7 @@ __all__ = [
     "ByteTokenizer",
     "load_examples",
     "long_tail_length",
-    "extract_answer",
     "reference_answer",
-    "answers_match",
     "math_reward",
     "cut_at_stop",
     "ARITH_EXAMPLE",

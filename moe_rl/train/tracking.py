@@ -7,15 +7,26 @@ import math
 import os
 from pathlib import Path
 
+from .trackers import scalars
+
 log = logging.getLogger(__name__)
 
 
 class Tracker:
     """One JSON object per step in ``<run>/metrics.jsonl`` (appended, flushed each step), the
-    same scalars in TensorBoard, and ``reward_curve.png`` at the end."""
+    same scalars in TensorBoard and in the trackers ``logging`` turns on (W&B, MLflow:
+    moe_rl/train/trackers.py, given as ``trackers``), and ``reward_curve.png`` at the end."""
+
+    @classmethod
+    def from_config(cls, cfg, start_step: int = 0) -> "Tracker":
+        from .trackers import start_trackers
+
+        lc = cfg.logging
+        return cls(cfg.output_dir, tensorboard=lc.tensorboard, progress=lc.progress, total_steps=cfg.train.steps,
+                   start_step=start_step, trackers=start_trackers(cfg, start_step))
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
-                 total_steps: int = 0, start_step: int = 0):
+                 total_steps: int = 0, start_step: int = 0, trackers=None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -24,6 +35,7 @@ class Tracker:
         elif start_step > 0 and self.path.exists():
             self._truncate_after(start_step)
         self._file = open(self.path, "a")
+        self._trackers = trackers  # a TrackerThread, or None
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -62,13 +74,14 @@ class Tracker:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars(metrics).items():
+                self._tb.add_scalar(k, v, step)
             for k, values in (histograms or {}).items():
                 if len(values):
                     self._tb.add_histogram(k, values, step)
             self._tb.flush()
+        if self._trackers is not None:
+            self._trackers.log(step, scalars(metrics))
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(
@@ -83,7 +96,19 @@ class Tracker:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
-        return plot_reward_curve(self.path, self.run_dir / "reward_curve.png")
+        # the curve is a convenience: a plotting failure (matplotlib missing or broken) must not
+        # turn a finished, checkpointed run into a failed one, nor hide the error that ended it
+        try:
+            curve = plot_reward_curve(self.path, self.run_dir / "reward_curve.png")
+        except Exception:
+            log.exception("could not plot %s (the run's metrics are in %s)", self.run_dir / "reward_curve.png",
+                          self.path)
+            curve = None
+        if self._trackers is not None:
+            if curve is not None:
+                self._trackers.log_image("reward_curve", curve)
+            self._trackers.close()
+        return curve
 
 
 def _clean(v):

@@ -145,3 +145,26 @@ async def start_long(c, prompts, n=900, **kw):
     while (await c.get_model_info())["stats"].get("output_tokens", 0) < base + 8 * len(prompts):
         await asyncio.sleep(0.01)
     return tasks
+
+
+class InProcessServer:
+    """An engine of ``CFG`` (plus ``overrides``) and its HTTP server on a free port of this process,
+    the server's loop in a thread (as moe_rl.engine.host runs it): no subprocess to start."""
+
+    def __init__(self, overrides=(), limits=None):
+        from moe_rl.engine.server import build_engine, start_server
+
+        cfg = load_config(CONFIG, OVERRIDES + list(overrides))
+        self.engine = build_engine(cfg)
+        self.loop = asyncio.new_event_loop()
+        self.runner, self.url = self.loop.run_until_complete(
+            start_server(self.engine, "127.0.0.1", 0, None, limits))
+        self.host, self.port = "127.0.0.1", int(self.url.rsplit(":", 1)[1])
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.engine.stop()

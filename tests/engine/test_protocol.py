@@ -44,6 +44,9 @@ def test_sglang_command_has_ep_and_routed_experts():
                         ("--port", "30000"), ("--api-key", "k")]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enable-return-routed-experts" in cmd and "--skip-tokenizer-init" in cmd
+    assert cmd[cmd.index("--max-queued-requests") + 1] == "4096"  # engine.max_waiting_requests
+    cfg.engine.max_waiting_requests = None  # no bound: SGLang's default, no flag
+    assert "--max-queued-requests" not in sglang_command(cfg)
 
 
 def test_frozen_list_encodes_once_and_stays_a_list():

@@ -16,6 +16,7 @@ from moe_rl.engine import EngineClient, EngineHTTPError, output_logprobs, token_
 from moe_rl.model import iter_local_hf_tensors  # noqa: E402
 from moe_rl.sync.group import SyncGroup, free_port  # noqa: E402
 
+from moe_rl.config import load_config  # noqa: E402
 from moe_rl.engine.server import build_model  # noqa: E402
 
 from .helpers import CFG, ROOT, ServerProc, start_long, check_against_native, recompute, run  # noqa: E402
@@ -153,3 +154,61 @@ def test_weight_sender_drives_the_server_over_http():
     assert info["weight_version"] == "3" and info["paused"] is None
     assert after["meta_info"]["weight_version"] == "3"
     check_against_native(new_model, prompt, after, 0.0)
+
+
+def test_update_weights_from_disk(tmp_path):
+    """SGLang's /update_weights_from_disk: a request in flight goes on with the new weights
+    (its tokens tagged with the new version), later ones run them; a missing checkpoint or one
+    of another model is a 400 and the engine keeps its weights."""
+    from moe_rl.model import save_hf
+
+    from .helpers import InProcessServer
+
+    new_model = build_model(CFG).init_weights(seed=4242)
+    save_hf(new_model, tmp_path / "new")
+    other = load_config(str(ROOT / "configs" / "tiny.yaml"), ["model.num_hidden_layers=2"])
+    save_hf(build_model(other), tmp_path / "other_arch")
+    (tmp_path / "empty").mkdir()
+    prompt = [4, 8, 15, 16, 23, 42]
+    greedy = {"temperature": 0.0, "max_new_tokens": 12}
+    s = InProcessServer()
+
+    async def main():
+        async with EngineClient(s.url, timeout_s=60) as c:
+            before = await c.generate(prompt, greedy)
+            refused = []
+            for bad in ("empty", "other_arch", "missing"):
+                with pytest.raises(EngineHTTPError) as e:
+                    await c.request("POST", "/update_weights_from_disk", payload={"model_path": str(tmp_path / bad),
+                                                                                  "weight_version": "9"})
+                refused.append(e.value)
+            unchanged = await c.generate(prompt, greedy)
+            tasks = await start_long(c, [prompt], n=150, return_logprob=True)
+            reply = await c.request("POST", "/update_weights_from_disk",
+                                    payload={"model_path": str(tmp_path / "new"), "weight_version": "7"})
+            spanning = await tasks[0]
+            after = await c.generate(prompt, greedy, return_routed_experts=True)
+            tasks = await start_long(c, [prompt], n=900)
+            await c.request("POST", "/update_weights_from_disk", payload={
+                "model_path": str(tmp_path / "new"), "weight_version": "8", "abort_all_requests": True})
+            aborted = await tasks[0]
+            return before, refused, unchanged, reply, spanning, after, aborted, await c.get_model_info()
+
+    try:
+        before, refused, unchanged, reply, spanning, after, aborted, info = run(main())
+    finally:
+        s.stop()
+    for e in refused:
+        assert e.status == 400 and e.body["success"] is False and "keeps serving weight_version 0" in e.body["message"]
+    assert unchanged["output_ids"] == before["output_ids"]
+    assert output_logprobs(unchanged["meta_info"]) == output_logprobs(before["meta_info"])
+    assert reply == {"success": True, "message": "Succeeded to update model weights. Weight version updated to 7.",
+                     "num_paused_requests": 0}
+    versions = token_weight_versions(spanning["meta_info"])
+    k = versions.index("7")
+    assert 0 < k and versions == ["0"] * k + ["7"] * (150 - k)
+    assert after["meta_info"]["weight_version"] == "7"
+    check_against_native(new_model, prompt, after, 0.0)
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert aborted["meta_info"]["finish_reason"]["message"] == "Aborted for a weight update"
+    assert info["weight_version"] == "8" and info["model_path"] == str(tmp_path / "new")

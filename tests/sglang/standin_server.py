@@ -21,6 +21,7 @@ import torch
 from aiohttp import web
 
 from moe_rl.config import load_config
+from moe_rl.engine.protocol import json_body
 from moe_rl.engine.server import EngineServer, build_engine
 from moe_rl.model import iter_local_hf_tensors
 
@@ -40,7 +41,7 @@ class StandInServer(EngineServer):
         self.log.flush()
 
     async def _body(self, request, cls: str) -> dict:
-        body = await request.json() if request.can_read_body else {}
+        body = json_body(request, optional=True)  # as the server's middleware parsed it
         check_request(cls, body or {})
         return body or {}
 

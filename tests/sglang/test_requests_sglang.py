@@ -352,3 +352,51 @@ def test_serve_knows_every_generate_req_input_field():
             pytest.fail(f"SamplingParams.{p}: {e}")
     with pytest.raises(RequestError, match="unknown"):  # the check can fail
         GenerateRequest.parse({"input_ids": [1, 2], "not_a_field": None}, vocab_size=ARCH.vocab_size, max_context=64)
+
+
+def test_v1_loads_has_sglang_keys(server):
+    """/v1/loads answers with the keys of SGLang's (entrypoints/v1_loads.py: the envelope;
+    managers/load_snapshot.py: LoadSnapshot's core keys and its memory and queues sections)."""
+    import ast
+
+    async def run():
+        async with EngineClient(server.url, timeout_s=60) as c:
+            return (await c.request("GET", "/v1/loads"), await c.request("GET", "/v1/loads?include=core"),
+                    await c.request("GET", "/v1/loads?dp_rank=1"))
+
+    loads, core, other_rank = asyncio.run(run())
+    fn = next(n for n in ast.walk(ast.parse(sglang_source("srt/entrypoints/v1_loads.py").read_text()))
+              if isinstance(n, ast.AsyncFunctionDef) and n.name == "get_loads")
+    envelope = next(n.value for n in ast.walk(fn) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict))
+    assert set(loads) == {k.value for k in envelope.keys}
+    schema = sglang_schema("srt/managers/load_snapshot.py")
+    sections = {"memory": "MemoryMetrics", "speculative": "SpeculativeMetrics", "lora": "LoRAMetrics",
+                "disaggregation": "DisaggregationMetrics", "queues": "QueueMetrics"}
+    core_keys = set(schema["LoadSnapshot"]) - set(sections)
+    (load,) = loads["loads"]
+    ours = {"kv_slots_free", "kv_slots", "paused"}  # the embedded engine's additions
+    assert set(load) - ours == core_keys | {"memory", "queues"}
+    for key in ("memory", "queues"):
+        assert set(load[key]) == set(schema[sections[key]])
+    assert set(core["loads"][0]) - ours == core_keys and other_rank["loads"] == []
+    assert load["num_running_reqs"] == load["num_waiting_reqs"] == load["num_used_tokens"] == 0
+    assert load["kv_slots_free"] == load["kv_slots"] == load["max_running_requests"]
+
+
+def test_update_from_disk_and_queue_full_speak_sglang(tmp_path):
+    """The /update_weights_from_disk body the soak sends is an SGLang UpdateWeightFromDiskReqInput
+    on an SGLang route, and the engine refuses a request past its queue with SGLang's message."""
+    from moe_rl.engine.engine import Engine
+    from moe_rl.engine.protocol import GenerateRequest, QueueFull
+    from moe_rl.engine.server import build_model
+
+    _check([("POST", "/update_weights_from_disk", {"model_path": "/ckpt", "weight_version": "3",
+                                                   "abort_all_requests": False, "flush_cache": True})])
+    src = sglang_source("srt/managers/scheduler.py").read_text()
+    message = re.search(r'message = "(The request queue is full\.)"', src).group(1)
+    engine = Engine(build_model(CFG), max_running_requests=1, max_context=64, max_waiting_requests=0)
+    req = GenerateRequest.parse({"input_ids": [1, 2]}, vocab_size=ARCH.vocab_size, max_context=64)
+    engine.submit(req, lambda r: None)  # a free KV slot awaits it
+    with pytest.raises(QueueFull) as e:
+        engine.submit(req, lambda r: None)
+    assert str(e.value).startswith(message) and "engine.max_waiting_requests=0" in str(e.value)

@@ -54,13 +54,21 @@ def test_train_world_runs_and_reports(tmp_path, eta, pause):
     torch.testing.assert_close(hf.lm_head.weight, state["lm_head.weight"], rtol=0, atol=0)
 
 
-def test_resume_continues_without_losing_or_repeating_groups(tmp_path):
-    out, _ = train(tmp_path, "train.steps=4", "checkpoint.every=2")
+# evaluation between steps and a tracker ride along the resume test's two worlds (one pair of worlds for both)
+EVAL = ["eval.every=2", "eval.prompts=6", "eval.samples=3", "eval.pass_threshold=0.0625", "logging.wandb=true"]
+EVAL_KEYS = ("eval/reward_mean", "eval/pass@1", "eval/pass@3", "eval/response_len_mean")
+
+
+def test_resume_continues_without_losing_or_repeating_groups(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")  # noqa: F841
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    out, _ = train(tmp_path, "train.steps=3", "checkpoint.every=2", *EVAL)
     first = read_metrics(out / "metrics.jsonl")
-    out, _ = train(tmp_path, "train.steps=7", "checkpoint.every=2", "resume=true")
+    out, _ = train(tmp_path, "train.steps=7", "checkpoint.every=2", "resume=true", *EVAL)
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 8))
-    assert rows[:4] == first  # the resumed run kept the first run's lines
+    assert rows[:3] == first  # the resumed run kept the first run's lines
     consumed = [g for r in rows for g in r["groups"]]
     assert len(consumed) == len(set(consumed)), "a prompt group was trained on twice"
     # every prompt drawn so far is accounted for: consumed, in the buffer, or in flight
@@ -69,6 +77,36 @@ def test_resume_continues_without_losing_or_repeating_groups(tmp_path):
     buffered = [g["group_id"] for g in rollout["buffer"]["groups"]]
     accounted = consumed + buffered + rollout["pending"] + rollout["buffer"]["dropped_ids"]
     assert sorted(accounted) == list(range(rollout["next_index"]))
+    _check_evaluations(out, first, rows)
+
+
+def _check_evaluations(out, first, rows):
+    """eval.every=2: evaluated at steps 2 and 3 (the last) by the first run, 4, 6 and 7 by the
+    resumed one; the evaluation after the last step, run on the rollout engines, equals the
+    final checkpoint scored apart (an embedded engine in this process, the same prompts and
+    sampling seeds); W&B got the same from trainer rank 0 alone, one run continued by the resume."""
+    from moe_rl.config import load_config
+    from moe_rl.experiments.evaluate import evaluate_run
+    from moe_rl.train.trackers import read_ids
+    from tests.train.wandb_records import offline_run, read_run
+
+    assert [r["step"] for r in first if "eval/reward_mean" in r] == [2, 3]
+    assert [r["step"] for r in rows if "eval/reward_mean" in r] == [2, 3, 4, 6, 7]
+    for r in rows:
+        if "eval/reward_mean" in r:
+            assert r["eval/prompts"] == 6 and r["eval/samples"] == 3 and r["eval/failed_samples"] == 0
+            assert 0 <= r["eval/pass@1"] <= r["eval/pass@3"] <= 1 and r["eval/time_s"] > 0
+    assert 0 < rows[-1]["eval/pass@1"] < 1  # a measure that tells these policies apart
+    apart = evaluate_run(out, load_config("configs/tiny.yaml", [f"output_dir={out}", *EVAL]))
+    assert apart["checkpoint"].endswith("step_7/hf")
+    assert {k: rows[-1][k] for k in EVAL_KEYS} == pytest.approx({k: apart[k] for k in EVAL_KEYS}, abs=1e-12)
+    wandb_id = read_ids(out)["wandb"]
+    files = offline_run(out, wandb_id)
+    assert len(files) == 2 and len(list((out / "wandb").glob("offline-run-*"))) == 2
+    logged = [h for f in files for h in read_run(f)["history"] if "reward_mean" in h]
+    assert [h["step"] for h in logged] == [1, 2, 3, 4, 5, 6, 7]
+    assert {h["step"]: h["eval/pass@3"] for h in logged if "eval/pass@3" in h} == \
+        {r["step"]: r["eval/pass@3"] for r in rows if "eval/pass@3" in r}
 
 
 def test_bad_config_fails_before_launch(tmp_path):
