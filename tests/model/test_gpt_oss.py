@@ -387,3 +387,34 @@ def test_peft_loads_the_adapter_on_transformers_gpt_oss(tmp_path):
     load_peft(back, tmp_path / "adapter")
     for n, p in ad.named_parameters():
         assert torch.equal(dict(back.named_parameters())[n], p)
+
+
+@pytest.mark.parametrize("lora", [None, "per_expert", "shared_outer"])
+def test_rows_after_the_last_group_reach_nothing(monkeypatch, lora):
+    """CUDA's padded expert groups (align 8) leave rows in no group after the last one: with what
+    the grouped GEMMs leave undefined there made NaN, the experts' biases (indexed by each row's
+    expert) and the expert LoRA keep it out of the logits and every gradient."""
+    import contextlib
+
+    from moe_rl.model import grouped as grouped_ops
+    from moe_rl.model import lora as lora_mod
+    from moe_rl.model import transformer
+    from tests.model.test_grouped_experts import _nan_tail
+
+    def run():
+        model, ad = lora_model(lora == "shared_outer") if lora else (gpt_oss_model(), None)
+        with ad.in_forward() if ad else contextlib.nullcontext():
+            out = model(ids_of(2, 7, 40))
+            out.square().mean().backward()
+        params = ad.parameters() if ad else model.parameters()
+        return out.detach(), [p.grad for p in params]
+
+    want, want_grads = run()
+    monkeypatch.setattr(transformer, "group_align", lambda x: 8)
+    monkeypatch.setattr(transformer, "grouped_mm", _nan_tail(grouped_ops.grouped_mm))
+    monkeypatch.setattr(lora_mod, "grouped_mm", _nan_tail(grouped_ops.grouped_mm))
+    got, grads = run()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(grads) == len(want_grads) and all(g is not None for g in want_grads)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
