@@ -677,6 +677,9 @@ class ExperimentConfig(Strict):
         if self.lora.enabled and self.lora.sync != "adapter":
             raise ValueError(f"{where} with LoRA needs lora.sync=adapter: merged weights (W + s*B@A in one matrix) "
                              "round differently from the trainer's unmerged adapter")
+        if self.model.model_type == "gpt_oss":
+            raise ValueError(f"{where}: model.model_type=gpt_oss has no exact path (attention sinks, sliding windows, "
+                             "biased experts with a clamped GLU are torch's arithmetic)")
         if not self.model.path:
             from .model.attention import MIXERS
 
@@ -695,6 +698,10 @@ class ExperimentConfig(Strict):
         if shared:
             raise ValueError(f"{where}: lora.targets has {shared}; serving shared-expert adapters through SGLang's "
                              "LoRA files is not checked against SGLang yet (use lora.sync=merged)")
+        experts = [t for t in self.lora.targets if t.startswith("experts.")]
+        if experts and self.model.model_type == "gpt_oss":
+            raise ValueError(f"{where}: lora.targets has {experts}; gpt-oss's experts are one [E, in, out] tensor, "
+                             "which SGLang's per-expert adapter files cannot carry (use lora.sync=merged)")
         mla = [t for t in self.lora.targets if t in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
         if mla:
             raise ValueError(f"{where}: lora.targets has {mla}; serving latent-attention adapters through SGLang's "

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_rl.model.attention import decode_sdpa
+from moe_rl.model.attention import KVCache, decode_sdpa, visible
 from moe_rl.model.attention.layouts import cached_sdpa
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,10 @@ def pad_to_bucket(n: int, buckets: list[int]) -> int:
 
 class DecodeAttention:
     """Attention of a decode batch: row i is the token at position ``pos[i]`` of the request
-    in cache slot ``slots[i]``; it writes its K/V there and attends to positions <= pos[i]
-    of that slot, over the first ``ctx`` positions (masked). ``states``: each layer's decode
-    state (``moe_rl.model.attention.state``)."""
+    in cache slot ``slots[i]``; it writes its K/V there and attends to the keys of that slot it
+    sees (``layouts.visible``: positions <= pos[i], within a sliding window), over the first
+    ``ctx`` positions (masked; a sliding-window layer's ring holds at most its window).
+    ``states``: each layer's decode state (``moe_rl.model.attention.state``)."""
 
     def __init__(self, states: list, slots: torch.Tensor, pos: torch.Tensor, ctx: int):
         self.states, self.slots, self.pos, self.ctx = states, slots, pos, ctx
@@ -120,11 +121,15 @@ class DecodeAttention:
     def state(self, layer: int):
         return self.states[layer]
 
-    def __call__(self, layer, q, k, v, *, scale=None):
+    def __call__(self, layer, q, k, v, *, scale=None, sinks=None, window=None):
         cache = self.states[layer]
         cache.write_rows(self.slots, self.pos, k, v)
-        ks, vs = cache.gather(self.slots, self.ctx)  # [B, Hkv, ctx, D]
-        return decode_sdpa(q, ks, vs, self.mask, scale)
+        ks, vs = cache.gather(self.slots, self.ctx)  # [B, Hkv, S, D]
+        if isinstance(cache, KVCache) and window is None:
+            mask = self.mask  # every layer of a plain K/V cache shares it
+        else:
+            mask = visible(self.pos[:, None], cache.key_positions(self.pos, ks.shape[2]), window)
+        return decode_sdpa(q, ks, vs, mask, scale, sinks=sinks)
 
 
 class ExactStepAttention:

@@ -44,10 +44,9 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import protocol as P
-from moe_rl.model.attention import state_specs
+from moe_rl.model.attention import sdpa, state_specs, visible
 from moe_rl.model.ops import tempered
 
 from .decode import CudaGraphs, DecodeAttention, ExactStepAttention, StaticDecoder
@@ -119,23 +118,21 @@ class _StepAttention:
     def state(self, layer: int):
         return self.states[layer]
 
-    def __call__(self, layer, q, k, v, *, scale=None):
+    def __call__(self, layer, q, k, v, *, scale=None, sinks=None, window=None):
         cache = self.states[layer]
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         for slot, start, n, off in self.prefill:
-            cache.write_span(slot, start, k[off : off + n], v[off : off + n])
+            ks, vs, kpos = cache.span(slot, start, k[off : off + n], v[off : off + n])
             qs = q[off : off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            ks, vs = cache.prefix(slot, start + n)
-            if start == 0:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
+            if start == 0 and window is None:  # the keys are exactly this segment's
+                o = sdpa(qs, ks, vs, is_causal=True, scale=scale, sinks=sinks)
             else:
                 qpos = torch.arange(start, start + n, device=q.device)
-                mask = qpos[:, None] >= torch.arange(start + n, device=q.device)[None, :]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=scale)
+                o = sdpa(qs, ks, vs, mask=visible(qpos[:, None], kpos[None, :], window), scale=scale, sinks=sinks)
             out[off : off + n] = o.squeeze(0).transpose(0, 1)
         if self.decode is not None:
             rows = self.dec_rows
-            out[rows] = self.decode(layer, q[rows], k[rows], v[rows], scale=scale)
+            out[rows] = self.decode(layer, q[rows], k[rows], v[rows], scale=scale, sinks=sinks, window=window)
         return out
 
 

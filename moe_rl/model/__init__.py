@@ -1,4 +1,4 @@
-"""Torch-native MoE models (Qwen3-MoE, GLM-4.5) with routing record/replay and expert parallelism."""
+"""Torch-native MoE models (Qwen3-MoE, GLM-4.5, gpt-oss) with routing record/replay and expert parallelism."""
 from .arch import MoEArch
 from .hf_io import (
     expert_owner,
@@ -6,12 +6,14 @@ from .hf_io import (
     hf_param_specs,
     hf_state_dict,
     bind_hf_views,
+    dequantize_mxfp4,
     iter_local_hf_tensors,
     load_hf,
     load_hf_weights,
     local_hf_tensor,
     parse_expert_name,
     save_hf,
+    stacked_expert_rows,
 )
 from .attention import PackedCausal, PaddedCausal, packed_positions
 from .transformer import MoEForCausalLM, RoutingError
@@ -34,4 +36,6 @@ __all__ = [
     "expert_owner",
     "hf_dtype",
     "parse_expert_name",
+    "stacked_expert_rows",
+    "dequantize_mxfp4",
 ]

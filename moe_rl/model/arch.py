@@ -22,6 +22,12 @@ def all_mha(arch: "MoEArch", layer: int) -> str:
     return "mha"
 
 
+def by_layer_types(arch: "MoEArch", layer: int) -> str:
+    """HF's ``layer_types``: "sliding_attention" layers attend within ``sliding_window`` keys
+    (kind "swa"), "full_attention" layers to all (kind "mha")."""
+    return "swa" if arch.layer_types[layer] == "sliding_attention" else "mha"
+
+
 def all_mla(arch: "MoEArch", layer: int) -> str:
     """Every layer multi-head latent attention (``moe_rl.model.attention.mla``)."""
     return "mla"
@@ -48,20 +54,36 @@ class Family:
     """What one HF model family fixes.
 
     ``router``: "softmax" (softmax over all experts, top-k, optional renormalisation; Qwen3-MoE,
-    Mixtral) or "sigmoid" (sigmoid scores, a correction bias used only to choose experts,
+    Mixtral), "sigmoid" (sigmoid scores, a correction bias used only to choose experts,
     group-limited top-k, weights from the unbiased scores times ``routed_scaling_factor``;
-    GLM-4.5, DeepSeek-V3). ``experts_key``: the config.json key of the routed-expert count.
+    GLM-4.5, DeepSeek-V3) or "topk_softmax" (logits with a bias, top-k, softmax over those k;
+    gpt-oss). ``experts_key``: the config.json key of the routed-expert count.
     ``fixed``: fields the family has no knob for, with the only value it supports.
     ``attention``: the attention kind of a layer, a key of ``moe_rl.model.attention.MIXERS``
     (families that mix kinds read them from the arch, e.g. HF's ``layer_types``).
+
+    What the family always has (HF's config has no key for it): ``attention_sinks``, a learned
+    sink logit per query head in the softmax (gpt-oss); ``o_proj_bias``, o_proj carries a bias
+    when ``attention_bias`` does (gpt-oss; GLM's bias is on q/k/v only); ``norm_scale_fp32``,
+    RMSNorm multiplies its weight in fp32 before casting (gpt-oss); ``experts``, the experts'
+    layout and activation (a key of ``moe_rl.model.transformer.EXPERTS``); ``expert_width_key``,
+    the config.json key of the experts' width; ``own_keys``, config.json keys (``MoEArch``
+    fields) only this family reads: other families ignore them in a config.json and refuse them
+    set in a config.
     """
 
     architecture: str
-    router: Literal["softmax", "sigmoid"]
+    router: Literal["softmax", "sigmoid", "topk_softmax"]
     experts_key: str
     defaults: dict
     fixed: dict
     attention: Callable[["MoEArch", int], str] = all_mha
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    norm_scale_fp32: bool = False
+    experts: str = "swiglu"
+    expert_width_key: str = "moe_intermediate_size"
+    own_keys: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {
@@ -90,23 +112,41 @@ FAMILIES: dict[str, Family] = {
         fixed={"use_qk_norm": False, "partial_rotary_factor": 1.0, "mlp_only_layers": [], "decoder_sparse_step": 1},
         attention=all_mla,
     ),
+    # gpt-oss (transformers' GptOssConfig): every layer MoE, router logits with a bias, softmax
+    # over the top-k of them; experts [E, H, 2I] with gate/up interleaved, biases, a clamped
+    # SwiGLU; sliding-window layers by layer_types; attention sinks; yarn rope
+    "gpt_oss": Family(
+        "GptOssForCausalLM", "topk_softmax", "num_local_experts",
+        defaults={"use_qk_norm": False, "partial_rotary_factor": 1.0, "rope_interleave": False, "swiglu_alpha": 1.702,
+                  "swiglu_limit": 7.0},
+        fixed={"use_qk_norm": False, "partial_rotary_factor": 1.0, "n_shared_experts": 0, "n_group": 1,
+               "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "mlp_only_layers": [],
+               "decoder_sparse_step": 1, "norm_topk_prob": True, **_NO_MLA},
+        attention=by_layer_types, attention_sinks=True, o_proj_bias=True, norm_scale_fp32=True,
+        experts="clamped_swiglu", expert_width_key="intermediate_size",
+        own_keys=("sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit"),
+    ),
 }
 _BY_ARCHITECTURE = {f.architecture: t for t, f in FAMILIES.items()}
 
 
 class MoEArch(BaseModel):
-    """The fields of HF's ``Qwen3MoeConfig`` / ``Glm4MoeConfig`` that define the computation.
+    """The fields of HF's ``Qwen3MoeConfig`` / ``Glm4MoeConfig`` / ``GptOssConfig`` that define
+    the computation.
 
     Names are HF's, so ``config.json`` round-trips (GLM's ``n_routed_experts`` is
-    ``num_experts`` here, HF's ``num_local_experts`` for both). Defaults give the tiny CPU model.
+    ``num_experts`` here, HF's ``num_local_experts`` for all; gpt-oss's ``intermediate_size``, its
+    experts' width, is ``moe_intermediate_size``). Defaults give the tiny CPU model.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    model_type: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite"] = Field("qwen3_moe", description=(
-        "the model family, as HF's config.json names it: qwen3_moe (Qwen3-MoE), glm4_moe (GLM-4.5, GLM-4.5-Air, "
-        "GLM-4.6), deepseek_v3 (DeepSeek-V3, Kimi-K2, Moonlight), glm4_moe_lite (GLM-4.7-Flash); it fixes the router "
-        "and which fields below apply (docs/models.md). With model.path set, its config.json decides"))
+    model_type: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gpt_oss"] = Field(
+        "qwen3_moe", description=(
+            "the model family, as HF's config.json names it: qwen3_moe (Qwen3-MoE), glm4_moe (GLM-4.5, GLM-4.5-Air, "
+            "GLM-4.6), deepseek_v3 (DeepSeek-V3, Kimi-K2, Moonlight), glm4_moe_lite (GLM-4.7-Flash), gpt_oss "
+            "(gpt-oss-20b/120b); it fixes the router and which fields below apply (docs/models.md). With "
+            "model.path set, its config.json decides"))
     vocab_size: int = Field(64, description="vocabulary size: rows of the embedding and of the LM head")
     hidden_size: int = Field(64, description="width of the residual stream")
     intermediate_size: int = Field(128, description="hidden width of the MLP of a dense layer (a layer without "
@@ -160,10 +200,24 @@ class MoEArch(BaseModel):
     max_position_embeddings: int = Field(512, description="the model's context length: an embedded engine serves "
                                          "at most min(engine.max_context, this) tokens per sequence")
     tie_word_embeddings: bool = Field(False, description="the LM head shares the embedding's weight")
+    # gpt-oss (HF's names; other families refuse them)
+    sliding_window: int | None = Field(
+        None, description="gpt_oss: keys a sliding_attention layer attends to, the query's own included (HF's "
+                          "count: key j is seen from query i when i - sliding_window < j <= i)")
+    layer_types: list[Literal["sliding_attention", "full_attention"]] | None = Field(
+        None, description="gpt_oss: each layer's attention, one entry per layer (null: HF's default, even layers "
+                          "sliding)")
+    swiglu_alpha: float | None = Field(
+        None, description="gpt_oss experts: out = (clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g) with "
+                          "g = min(gate, limit) (null: 1.702)")
+    swiglu_limit: float | None = Field(None, description="gpt_oss experts: the clamp 'limit' above (null: 7.0)")
 
     @model_validator(mode="after")
     def _check(self) -> "MoEArch":
         fam = FAMILIES[self.model_type]
+        for k in {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys):
+            if getattr(self, k) is not None:
+                raise ValueError(f"{k} is a field of another family; model_type={self.model_type!r} has none")
         for k, v in fam.defaults.items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
@@ -201,12 +255,29 @@ class MoEArch(BaseModel):
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} x head_dim={self.head_dim} "
                              "must give an even rotary width >= 2")
         self.rope()  # rope_scaling is one we compute (raises naming it otherwise)
+        if fam.expert_width_key == "intermediate_size":  # one MLP width, the experts' (gpt-oss)
+            self.intermediate_size = self.moe_intermediate_size
+        if "layer_types" in fam.own_keys:
+            if self.layer_types is None:  # HF's default: even layers slide
+                self.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                    for i in range(self.num_hidden_layers)]
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers="
+                                 f"{self.num_hidden_layers}")
+            if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+                raise ValueError(f"layer_types has sliding_attention layers: sliding_window must be >= 1, "
+                                 f"got {self.sliding_window}")
         return self
 
     # --- what the model code reads -------------------------------------------------------
     @property
     def router(self) -> str:
         return FAMILIES[self.model_type].router
+
+    @property
+    def family(self) -> Family:
+        """What the family fixes beyond the fields (``Family``: sinks, o_proj bias, norm, experts)."""
+        return FAMILIES[self.model_type]
 
     @property
     def rotary_dim(self) -> int:
@@ -288,10 +359,14 @@ class MoEArch(BaseModel):
                                                                                    "partial_rotary_factor")}}
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
-        experts = d.get(FAMILIES[model_type].experts_key)
+        fam = FAMILIES[model_type]
+        experts = d.get(fam.experts_key)
         if experts is None:
             experts = d.get("num_local_experts")  # transformers v5 spelling
         d["num_experts"] = experts
+        d["moe_intermediate_size"] = d.get(fam.expert_width_key)
+        for k in {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys):
+            d.pop(k, None)  # e.g. Qwen3-MoE's sliding_window (off), which moe-rl does not model
         if model_type == "qwen3_moe":
             d.pop("use_qk_norm", None)  # Qwen3-MoE always normalises q and k; HF has no such key
         if FAMILIES[model_type].attention is all_mla:
@@ -322,12 +397,19 @@ class MoEArch(BaseModel):
             for k in (*MLA_FIELDS, "rope_interleave"):
                 d.pop(k)
         rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
+        for k in {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys):
+            d.pop(k)
         if self.model_type == "qwen3_moe":  # HF's Qwen3MoeConfig has none of GLM's keys
             for k in ("use_qk_norm", "partial_rotary_factor", "n_shared_experts", "n_group", "topk_group",
                       "routed_scaling_factor", "first_k_dense_replace"):
                 d.pop(k)
             d.update(output_router_logits=False, router_aux_loss_coef=0.0, sliding_window=None,
                      use_sliding_window=False)
+        elif self.model_type == "gpt_oss":  # GptOssConfig's keys only; intermediate_size is the experts'
+            for k in tuple(fam.fixed) + ("moe_intermediate_size",):
+                d.pop(k, None)
+            d.update(intermediate_size=self.moe_intermediate_size, output_router_logits=False,
+                     router_aux_loss_coef=0.0)
         else:
             for k in fam.fixed:  # keys of other families
                 d.pop(k, None)

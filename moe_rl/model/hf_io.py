@@ -1,8 +1,15 @@
 """HuggingFace checkpoint I/O and the HF <-> native parameter-name map (every family).
 
-HF names experts one tensor each: ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``
-(transformers v5 checkpoints may instead hold stacked ``experts.gate_up_proj`` /
-``experts.down_proj``; both load). Natively each layer's local experts are stacked.
+Qwen3-MoE and GLM name experts one tensor each:
+``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (transformers v5 checkpoints may
+instead hold stacked ``experts.gate_up_proj`` / ``experts.down_proj``; both load). Natively each
+layer's local experts are stacked. gpt-oss names a layer's experts as four stacked tensors
+(``experts.gate_up_proj`` [E, H, 2I], ``gate_up_proj_bias``, ``down_proj``, ``down_proj_bias``),
+which are the native parameters themselves; under expert parallelism a rank holds rows
+[ep_rank * E_local, (ep_rank + 1) * E_local) of each (``stacked_expert_rows``). Its released
+checkpoints store ``gate_up_proj`` / ``down_proj`` in MXFP4 (``*_blocks`` + ``*_scales``,
+``quantization_config.quant_method: mxfp4``): they load dequantized (``dequantize_mxfp4``), and
+what is saved is plain bf16/fp32.
 """
 from __future__ import annotations
 
@@ -22,13 +29,15 @@ from safetensors.torch import save_file
 
 from .arch import MoEArch
 from .attention import mixer_class
-from .transformer import MoEForCausalLM
+from .transformer import EXPERTS, GATES, MoEForCausalLM
 
 log = logging.getLogger(__name__)
 
 _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
+# gpt-oss's MXFP4 experts on disk: <stacked name>_blocks / _scales
+_MXFP4_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # kept in fp32 whatever the model's dtype (HF's _keep_in_fp32_modules_strict; SGLang's parameter
 # is fp32): a rounded expert-score correction bias chooses other experts
@@ -66,18 +75,11 @@ def hf_param_specs(arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
         specs += [(f"{p}{mixer.hf_name}.{name}", shape) for name, shape in mixer.hf_specs(arch, i)]
         specs.append((p + "post_attention_layernorm.weight", (H,)))
         if arch.is_moe_layer(i):
-            I = arch.moe_intermediate_size
-            specs.append((p + "mlp.gate.weight", (arch.num_experts, H)))
-            if arch.router == "sigmoid":
-                specs.append((p + "mlp.gate.e_score_correction_bias", (arch.num_experts,)))
-            for e in range(arch.num_experts):
-                specs += [
-                    (expert_name(i, e, "gate_proj"), (I, H)),
-                    (expert_name(i, e, "up_proj"), (I, H)),
-                    (expert_name(i, e, "down_proj"), (H, I)),
-                ]
+            gate = GATES[arch.router]
+            specs += [(f"{p}mlp.{gate.hf_name}.{name}", shape) for name, shape in gate.hf_specs(arch)]
+            specs += [(f"{p}mlp.experts.{name}", shape) for name, shape in EXPERTS[arch.family.experts].hf_specs(arch)]
             if arch.n_shared_experts:
-                specs += mlp(p + "mlp.shared_experts.", I * arch.n_shared_experts)
+                specs += mlp(p + "mlp.shared_experts.", arch.moe_intermediate_size * arch.n_shared_experts)
         else:
             specs += mlp(p + "mlp.", arch.intermediate_size)
     specs.append(("model.norm.weight", (H,)))
@@ -86,8 +88,17 @@ def hf_param_specs(arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
     return specs
 
 
+def stacked_expert_rows(name: str, arch: MoEArch) -> int | None:
+    """For an HF tensor that stacks a layer's experts along dim 0 (gpt-oss's ``experts.*``),
+    the number of experts (its rows, which EP ranks hold in equal consecutive blocks); else None."""
+    if ".mlp.experts." not in name or parse_expert_name(name) is not None or EXPERTS[arch.family.experts].per_expert_hf:
+        return None
+    return arch.num_experts
+
+
 def expert_owner(name: str, arch: MoEArch, ep_size: int) -> int | None:
-    """EP rank that holds an HF expert tensor, or None for a tensor every rank holds."""
+    """EP rank that holds an HF expert tensor, or None for a tensor every rank holds (a stacked
+    expert tensor, ``stacked_expert_rows``, is held in parts by every rank: None too)."""
     parsed = parse_expert_name(name)
     if parsed is None:
         return None
@@ -95,7 +106,8 @@ def expert_owner(name: str, arch: MoEArch, ep_size: int) -> int | None:
 
 
 def local_hf_tensor(model: MoEForCausalLM, name: str) -> torch.Tensor | None:
-    """A view of this rank's tensor for an HF name; None if another EP rank holds it."""
+    """A view of this rank's tensor for an HF name; None if another EP rank holds it (of a
+    stacked expert tensor, this rank's rows)."""
     parsed = parse_expert_name(name)
     if parsed is None:
         if name == "lm_head.weight" and model.arch.tie_word_embeddings:
@@ -127,6 +139,11 @@ def _stacked_expert_names(model: MoEForCausalLM, pname: str) -> list[str]:
     return [expert_name(layer, lo + e, proj) for e in range(moe.num_local)]
 
 
+def _per_expert_stack(model: MoEForCausalLM, pname: str) -> bool:
+    """A stacked expert parameter whose experts HF names one tensor each (Qwen3-MoE, GLM)."""
+    return ".experts." in pname and getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "per_expert_hf", False)
+
+
 def hf_named_tensors(model: MoEForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's parameters and the buffers that are HF tensors (the correction bias)."""
     yield from model.named_parameters()
@@ -137,7 +154,7 @@ def _binding_anchors(model: MoEForCausalLM) -> list[str]:
     """Per parameter, the HF names that pin where its views lie (first and last expert)."""
     names = []
     for pname, _ in hf_named_tensors(model):
-        if ".experts." in pname:
+        if _per_expert_stack(model, pname):
             experts = _stacked_expert_names(model, pname)
             names += [experts[0], experts[-1]]
         else:
@@ -170,7 +187,7 @@ def bind_hf_views(model: MoEForCausalLM, views: dict[str, torch.Tensor]) -> dict
         return None
     plan = []
     for pname, p in hf_named_tensors(model):
-        if ".experts." in pname:
+        if _per_expert_stack(model, pname):
             vs = [views.get(n) for n in _stacked_expert_names(model, pname)]
             if any(v is None or v.dtype != p.dtype or tuple(v.shape) != tuple(p.shape[1:]) or not v.is_contiguous()
                    for v in vs):
@@ -211,12 +228,14 @@ def _checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
-    """Loads an HF safetensors checkpoint into ``model`` (this rank's experts only). Block-FP8
-    weights (``weight_scale_inv`` beside them, DeepSeek-V3's format) are dequantized; layers
-    past ``num_hidden_layers`` (a multi-token-prediction block) are skipped, with a warning."""
+    """Loads an HF safetensors checkpoint into ``model`` (this rank's experts only). MXFP4
+    experts (``*_blocks`` + ``*_scales``, gpt-oss's format) are dequantized into the model's
+    dtype, as are block-FP8 weights (``weight_scale_inv`` beside them, DeepSeek-V3's format);
+    layers past ``num_hidden_layers`` (a multi-token-prediction block) are skipped, with a warning."""
     path = Path(path)
     specs = {n for n, _ in hf_param_specs(model.arch)}
     missing = set(specs)
+    mxfp4: dict[str, dict[str, tuple[torch.Tensor, Path]]] = {}  # name -> {"blocks"/"scales": (rows, file)}
     files = _checkpoint_files(path)
     scales = _fp8_scales(files)
     block = _fp8_block(path) if scales else None
@@ -233,8 +252,23 @@ def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
                         continue  # read with its weight
                     if key not in specs and 0 in sf.get_slice(key).get_shape():
                         continue  # HF's GLM with n_shared_experts=0 saves a zero-width shared MLP
+                    quant = _MXFP4_RE.match(key)
+                    if quant and quant.group(1) in specs:
+                        name, part = quant.group(1), quant.group(2)
+                        mxfp4.setdefault(name, {})[part] = (_local_rows(model, name, sf.get_slice(key)), f)
+                        if len(mxfp4[name]) == 2:
+                            _assign(model, name, dequantize_mxfp4(**{k: t for k, (t, _) in mxfp4[name].items()},
+                                                                 name=name, where=f), missing, f, local=True)
+                        continue
+                    if key in specs and stacked_expert_rows(key, model.arch) is not None:
+                        rows = sf.get_slice(key)
+                        if rows.get_shape()[0] != model.arch.num_experts:
+                            raise ValueError(f"{f}: {key} has shape {tuple(rows.get_shape())}, the model expects "
+                                             f"{model.arch.num_experts} experts in dim 0")
+                        _assign(model, key, _local_rows(model, key, rows), missing, f, local=True)
+                        continue
                     stacked = _STACKED_RE.match(key)
-                    if stacked:  # transformers v5 layout: [E, 2I, H] / [E, H, I]
+                    if stacked and key not in specs:  # transformers v5 layout: [E, 2I, H] / [E, H, I]
                         layer, kind = int(stacked.group(1)), stacked.group(2)
                         full = sf.get_tensor(key)
                         for e in range(full.shape[0]):
@@ -252,6 +286,12 @@ def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
                     if tensor.dtype in FP8_DTYPES:
                         tensor = _dequantize_fp8(key, tensor, scales, block, f)
                     _assign(model, key, tensor, missing, f)
+    half = {n: parts for n, parts in mxfp4.items() if len(parts) == 1}
+    if half:
+        name, parts = next(iter(half.items()))
+        (have, (_, f)), = parts.items()
+        lacks = "scales" if have == "blocks" else "blocks"
+        raise KeyError(f"{f}: {name}_{have} has no {name}_{lacks} in {path} (an MXFP4 tensor needs both)")
     if skipped:
         log.warning("%s: skipped the multi-token-prediction layer %s (layers past num_hidden_layers=%d are not "
                     "modelled; moe-rl trains and serves without MTP)", path, ", ".join(map(str, sorted(skipped))),
@@ -299,7 +339,16 @@ def _dequantize_fp8(name: str, w: torch.Tensor, scales: dict[str, Path], block, 
     return w.float() * full
 
 
-def _assign(model, name, tensor, missing, f):
+def _local_rows(model: MoEForCausalLM, name: str, rows) -> torch.Tensor:
+    """This EP rank's experts of a stacked expert tensor (a safetensors slice: only they are read)."""
+    moe = model.model.layers[int(name.split(".")[2])].mlp
+    lo = moe.ep_rank * moe.num_local
+    return rows[lo : lo + moe.num_local]
+
+
+def _assign(model, name, tensor, missing, f, local=False):
+    """Copies a checkpoint tensor into the model; ``local``: already this rank's rows of a
+    stacked expert tensor."""
     try:
         dst = local_hf_tensor(model, name)
     except AttributeError:
@@ -308,20 +357,53 @@ def _assign(model, name, tensor, missing, f):
         missing.discard(name)
         return
     if tuple(dst.shape) != tuple(tensor.shape):
-        raise ValueError(f"{f}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
+        want = tuple(dst.shape)
+        if local:  # name the full shapes
+            want, got = (model.arch.num_experts,) + want[1:], (model.arch.num_experts,) + tuple(tensor.shape[1:])
+        else:
+            got = tuple(tensor.shape)
+        raise ValueError(f"{f}: {name} has shape {got}, the model expects {want}")
     dst.copy_(tensor)
     missing.discard(name)
 
 
+# E2M1 (FP4) code -> value: sign bit 3, then 2 exponent bits and 1 mantissa bit
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, name: str = "tensor", where="",
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """gpt-oss's MXFP4 experts as released -> HF's [E, in, out] layout.
+
+    ``blocks`` uint8 [E, out, G, 16]: each byte two FP4 (E2M1) codes, the low nibble the even
+    column; a group of 32 columns shares one ``scales`` byte (uint8 [E, out, G], E8M0: the
+    value 2^(s - 127)). The dequantized [E, out, G * 32] is transposed to [E, G * 32, out]
+    (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H]). One expert at a time, so the
+    temporaries stay one expert's size. A tensor that does not fit is an error naming it."""
+    at = f"{where}: " if where else ""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 4 or blocks.shape[-1] != 16:
+        raise ValueError(f"{at}{name}_blocks: expected uint8 [experts, rows, groups, 16] (32 FP4 values per group), "
+                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ValueError(f"{at}{name}_scales: expected uint8 {tuple(blocks.shape[:-1])} (one E8M0 scale per group of "
+                         f"{name}_blocks {tuple(blocks.shape)}), got {scales.dtype} {tuple(scales.shape)}")
+    E, R, G, _ = blocks.shape
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    out = torch.empty(E, G * 32, R, dtype=dtype, device=blocks.device)
+    for e in range(E):  # loading, not a hot path: bounds the temporaries
+        codes = torch.stack((blocks[e] & 0x0F, blocks[e] >> 4), dim=-1).view(R, G, 32)
+        values = torch.ldexp(lut[codes.int()], scales[e].to(torch.int32)[..., None] - 127)
+        out[e] = values.view(R, G * 32).t()
+    return out
 def load_hf(path: str | Path, dtype: torch.dtype | None = None, ep_group=None) -> MoEForCausalLM:
     """Builds a model from an HF directory (config.json + safetensors) of a supported family
     (``model_type``: see ``moe_rl.model.arch.FAMILIES``)."""
     arch = MoEArch.from_hf_dir(path)
-    model = MoEForCausalLM(arch, ep_group=ep_group)
-    load_hf_weights(model, path)
-    if dtype is not None:
-        model.to(dtype)
-    return model
+    if dtype is None:
+        return load_hf_weights(MoEForCausalLM(arch, ep_group=ep_group), path)
+    with torch.device("meta"):  # allocated in ``dtype`` at once: no float32 copy of a large model
+        model = MoEForCausalLM(arch, ep_group=ep_group).to(dtype)
+    return load_hf_weights(model.to_empty(device="cpu"), path)
 
 
 # --- writing ----------------------------------------------------------------------------

@@ -26,7 +26,11 @@ Names: HF (transformers >= 5) fuses an expert's gate and up projections into
 and one A per expert shared by gate and up. The native model keeps gate and up apart, so the
 ``experts.gate_up_proj`` target holds one A [E, r, H] and one B [E, 2I, r], whose first I rows
 adapt ``gate_proj`` and last I rows ``up_proj``: the same function as PEFT's adapter, so it
-saves and loads losslessly in PEFT's file format (``save_peft`` / ``load_peft``).
+saves and loads losslessly in PEFT's file format (``save_peft`` / ``load_peft``). gpt-oss's
+experts are HF's [E, in, out] parameters themselves (``gate_up_proj`` [E, H, 2I], gate and up
+interleaved): the adapter is A [E, r, in], B [E, out, r] with B's rows in the parameter's column
+order, and the adapted weight W + s (B A)^T per expert, as PEFT adapts a transposed expert
+parameter. Biases (attention, router, experts) are never adapted: they stay frozen.
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ class _Site:
     module: nn.Module
     attrs: tuple[str, ...]  # parameter names on ``module`` this adapter changes
     split: int | None  # for gate_up: rows of B for the first attr
+    transposed: bool = False  # experts stored [E, in, out] (gpt-oss), not [E, out, in]
 
 
 def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) -> list[_Site]:
@@ -91,7 +96,11 @@ def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) 
                     proj = t.split(".")[1]
                     sites.append(_Site(p + "mlp." + t, t, i, getattr(layer.mlp.shared_experts, proj), ("weight",), None))
             elif t == ROUTER_TARGET:
-                sites.append(_Site(p + "mlp.gate", t, i, layer.mlp.gate, ("weight",), None))
+                gate = layer.mlp.gate
+                sites.append(_Site(f"{p}mlp.{gate.hf_name}", t, i, gate, ("weight",), None))
+            elif t in EXPERT_TARGETS and not layer.mlp.experts.per_expert_hf:  # HF's [E, in, out] parameter itself
+                proj = t.split(".")[1]
+                sites.append(_Site(f"{p}mlp.{t}", t, i, layer.mlp.experts, (proj,), None, transposed=True))
             elif t == "experts.gate_up_proj":
                 ex = layer.mlp.experts
                 sites.append(_Site(p + "mlp.experts.gate_up_proj", t, i, ex, ("gate_proj", "up_proj"),
@@ -112,8 +121,11 @@ def _ab_shapes(site: _Site, rank: int, shared_outer: bool = False) -> tuple[tupl
     if ws[0].dim() == 2:
         out, inp = ws[0].shape
         return (rank, inp), (out, rank)
-    E, _, inp = ws[0].shape
-    out = sum(w.shape[1] for w in ws)
+    if site.transposed:
+        E, inp, out = ws[0].shape
+    else:
+        E, _, inp = ws[0].shape
+        out = sum(w.shape[1] for w in ws)
     gate_up = site.target == "experts.gate_up_proj"
     return ((1 if shared_outer and gate_up else E, rank, inp),
             (1 if shared_outer and not gate_up else E, out, rank))
@@ -248,6 +260,10 @@ class LoraAdapters(nn.Module):
             yield s.module, "weight", torch.addmm(w("weight"), B, A, alpha=self.scaling)
             return
         A, B = per_expert(A, B)
+        if s.transposed:  # W [E, in, out] + s (B A)^T
+            yield s.module, s.attrs[0], torch.baddbmm(w(s.attrs[0]), A.transpose(1, 2), B.transpose(1, 2),
+                                                      alpha=self.scaling)
+            return
         parts = (B[:, : s.split], B[:, s.split:]) if s.split is not None else (B,)
         for attr, Bp in zip(s.attrs, parts):
             yield s.module, attr, torch.baddbmm(w(attr), Bp, A, alpha=self.scaling)
@@ -359,6 +375,10 @@ class LoraAdapters(nn.Module):
         _require_full(self.model)
         if shared_3d and not self.shared_outer:
             raise LoraError("SGLang's shared-outer adapter form needs lora.experts_shared_outer=true")
+        if any(s.transposed for s in self.sites):
+            raise LoraError("the per-expert adapter layout has no modules for this model's experts (gpt-oss stores "
+                            "them as one [E, in, out] parameter): save it in PEFT's fused layout (target_parameters), "
+                            "or drop the experts.* targets")
         out, modules = {}, set()
         for s in self.sites:
             A, B = self.A[_pkey(s.key)].detach(), self.B[_pkey(s.key)].detach()
@@ -515,6 +535,12 @@ class ExpertLora:
             return gate, up
         d_gate, d_up = self._rows(self.gate_up, x, offs, ops).chunk(2, dim=-1)
         return gate + d_gate, up + d_up
+
+    def add_fused_gate_up(self, gate_up: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
+                          ops=TORCH) -> torch.Tensor:
+        """gate_up plus the adapter's rows in gate_up's own column order (experts whose gate and
+        up are one tensor, e.g. gpt-oss's interleaved [E, H, 2I])."""
+        return gate_up if self.gate_up is None else gate_up + self._rows(self.gate_up, x, offs, ops)
 
     def add_down(self, out: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, ops=TORCH) -> torch.Tensor:
         return out if self.down is None else out + self._rows(self.down, h, offs, ops)

@@ -1,9 +1,11 @@
-"""A torch-native MoE decoder, numerically HF's ``Qwen3MoeForCausalLM`` / ``Glm4MoeForCausalLM``.
+"""A torch-native MoE decoder, numerically HF's ``Qwen3MoeForCausalLM`` / ``Glm4MoeForCausalLM`` /
+``GptOssForCausalLM``.
 
-The family's differences are read from the ``MoEArch`` fields in a few places: the router
-(``SoftmaxGate`` / ``SigmoidGate``), the shared-expert MLP of a MoE block, which layers are
-dense, and each layer's attention kind (a ``moe_rl.model.attention`` mixer, chosen by
-``MoEArch.layer_kinds``).
+The family's differences are read from the ``MoEArch`` fields (and its ``Family``) in a few
+places: the router (``GATES``: ``SoftmaxGate`` / ``SigmoidGate`` / ``TopKSoftmaxGate``), the
+experts' layout and activation (``EXPERTS``), the shared-expert MLP of a MoE block, which layers
+are dense, the norms, and each layer's attention kind (a ``moe_rl.model.attention`` mixer, chosen
+by ``MoEArch.layer_kinds``).
 
 Tokens travel flat ([N, H]) through the layers; attention is delegated to an ``Attention``
 layout (causal over [B, T], packed by ``cu_seqlens``, or the engine's per-slot decode state),
@@ -105,14 +107,88 @@ class Experts(nn.Module):
         out = ops.grouped_mm(h, self.down_proj, offs)
         return out if self.lora is None else self.lora.add_down(out, h, offs, ops)
 
+    # HF names each expert's projections apart: ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+    per_expert_hf = True
+
+    @classmethod
+    def build(cls, arch: MoEArch, num_local: int) -> "Experts":
+        return cls(num_local, arch.hidden_size, arch.moe_intermediate_size)
+
+    @classmethod
+    def hf_specs(cls, arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
+        """HF tensors of a layer's experts (names relative to ``mlp.experts.``, full shapes)."""
+        H, I = arch.hidden_size, arch.moe_intermediate_size
+        return [spec for e in range(arch.num_experts)
+                for spec in ((f"{e}.gate_proj.weight", (I, H)), (f"{e}.up_proj.weight", (I, H)),
+                             (f"{e}.down_proj.weight", (H, I)))]
+
+
+class ClampedSwiGLUExperts(nn.Module):
+    """gpt-oss's experts, in HF's layout, which is also HF's names: ``gate_up_proj`` [E_local,
+    H, 2I] with gate and up *interleaved* along the last dim (column 2i is gate i, 2i + 1 up
+    i), ``gate_up_proj_bias`` [E_local, 2I], ``down_proj`` [E_local, I, H], ``down_proj_bias``
+    [E_local, H]. Per row of expert e: ``gu = x @ gate_up_proj[e] + bias``, ``g = min(gate,
+    limit)``, ``u = clamp(up, -limit, limit)``, ``h = (u + 1) * g * sigmoid(alpha * g)``,
+    ``out = h @ down_proj[e] + down_proj_bias[e]``.
+
+    The [E, in, out] weights are the grouped GEMM's [E, out, in] operand transposed (a view,
+    no copy). A LoRA adapter (``lora``) adds its rows to ``gu`` in HF's column order, so the
+    adapter is PEFT's on this parameter."""
+
+    lora = None
+    per_expert_hf = False
+
+    def __init__(self, num_local: int, hidden: int, inter: int, alpha: float, limit: float):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, hidden, 2 * inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_local, 2 * inter))
+        self.down_proj = nn.Parameter(torch.empty(num_local, inter, hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_local, hidden))
+        self.alpha, self.limit = alpha, limit
+
+    @classmethod
+    def build(cls, arch: MoEArch, num_local: int) -> "ClampedSwiGLUExperts":
+        return cls(num_local, arch.hidden_size, arch.moe_intermediate_size, arch.swiglu_alpha, arch.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x [rows, H] grouped by expert (``offs``: int32 end row of each expert's group)."""
+        # each row's expert; rows after the last group (a padded buffer's tail) get index E_local,
+        # a zero bias row outside the parameters, so nothing there reaches the biases' gradients
+        expert = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
+        gate_up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs) + F.pad(self.gate_up_proj_bias, (0, 0, 0, 1))[expert]
+        if self.lora is not None:
+            gate_up = self.lora.add_fused_gate_up(gate_up, x, offs)
+        gate = gate_up[:, 0::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        out = grouped_mm(h, self.down_proj.transpose(1, 2), offs) + F.pad(self.down_proj_bias, (0, 0, 0, 1))[expert]
+        return out if self.lora is None else self.lora.add_down(out, h, offs)
+
+    @classmethod
+    def hf_specs(cls, arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
+        E, H, I = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        return [("gate_up_proj", (E, H, 2 * I)), ("gate_up_proj_bias", (E, 2 * I)), ("down_proj", (E, I, H)),
+                ("down_proj_bias", (E, H))]
+
+
+# the experts' layout and activation of each family (``Family.experts``)
+EXPERTS = {"swiglu": Experts, "clamped_swiglu": ClampedSwiGLUExperts}
+
 
 class SoftmaxGate(Linear):
     """Qwen3-MoE / Mixtral router: softmax over all experts (fp32), top-k, optionally
     renormalised. HF name: ``mlp.gate.weight``."""
 
+    hf_name = "gate"  # the router's module name in HF's MoE block
+
     def __init__(self, arch: MoEArch):
         super().__init__(arch.hidden_size, arch.num_experts, bias=False)
         self.top_k, self.norm_topk_prob = arch.num_experts_per_tok, arch.norm_topk_prob
+
+    @classmethod
+    def hf_specs(cls, arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
+        """The router's HF tensors (relative to ``mlp.<hf_name>.``, full shapes)."""
+        return [("weight", (arch.num_experts, arch.hidden_size))]
 
     def route(self, x: torch.Tensor, ids: torch.Tensor | None):
         """(expert ids [N, k], weights [N, k] fp32); ``ids`` given (replay): the weights are the
@@ -140,6 +216,8 @@ class SigmoidGate(Linear):
     track_expert_load``), sums the tokens routed to each expert in forwards that build a graph,
     for ``MoEForCausalLM.update_expert_bias``."""
 
+    hf_name = "gate"
+
     def __init__(self, arch: MoEArch):
         super().__init__(arch.hidden_size, arch.num_experts, bias=False)
         self.top_k, self.norm_topk_prob = arch.num_experts_per_tok, arch.norm_topk_prob
@@ -147,6 +225,10 @@ class SigmoidGate(Linear):
         self.scaling = arch.routed_scaling_factor
         self.register_buffer("e_score_correction_bias", torch.zeros(arch.num_experts))
         self.load: torch.Tensor | None = None  # tokens per expert since the last bias update
+
+    @classmethod
+    def hf_specs(cls, arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
+        return [("weight", (arch.num_experts, arch.hidden_size)), ("e_score_correction_bias", (arch.num_experts,))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x.float(), self.weight.float())
@@ -186,7 +268,30 @@ class SigmoidGate(Linear):
         return self
 
 
-GATES = {"softmax": SoftmaxGate, "sigmoid": SigmoidGate}
+class TopKSoftmaxGate(nn.Linear):
+    """gpt-oss router: logits ``x W^T + b``, the top-k logits chosen, the weights a softmax over
+    those k (fp32), which equals softmax over all experts, top-k, renormalised; the bias shifts
+    both the choice and the weights. HF names: ``mlp.router.weight``, ``mlp.router.bias``."""
+
+    hf_name = "router"
+
+    def __init__(self, arch: MoEArch):
+        super().__init__(arch.hidden_size, arch.num_experts, bias=True)
+        self.top_k = arch.num_experts_per_tok
+
+    @classmethod
+    def hf_specs(cls, arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
+        return [("weight", (arch.num_experts, arch.hidden_size)), ("bias", (arch.num_experts,))]
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor | None):
+        """``ids`` given (replay): the softmax over this router's current logits at those ids."""
+        logits = self(x)
+        if ids is None:
+            ids = logits.topk(self.top_k, dim=-1).indices
+        return ids, F.softmax(logits.gather(1, ids), dim=-1, dtype=torch.float)
+
+
+GATES = {"softmax": SoftmaxGate, "sigmoid": SigmoidGate, "topk_softmax": TopKSoftmaxGate}
 
 
 class SparseMoE(nn.Module):
@@ -213,8 +318,11 @@ class SparseMoE(nn.Module):
         if self.num_experts % self.ep_size:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}")
         self.num_local = self.num_experts // self.ep_size
-        self.gate = GATES[arch.router](arch)  # HF: mlp.gate.weight
-        self.experts = Experts(self.num_local, arch.hidden_size, arch.moe_intermediate_size)
+        gate = GATES[arch.router](arch)
+        self.add_module(gate.hf_name, gate)  # HF's name: mlp.gate, or gpt-oss's mlp.router
+        if gate.hf_name != "gate":
+            self.__dict__["gate"] = gate  # the same module as ``self.gate`` (not registered twice)
+        self.experts = EXPERTS[arch.family.experts].build(arch, self.num_local)
         self.shared_experts = (DenseMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts)
                                if arch.n_shared_experts else None)
 
@@ -302,8 +410,8 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(arch, layer, ep_group)
         else:
             self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention,
                 replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -330,7 +438,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, ep_group) for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32)
 
 
 class MoEForCausalLM(nn.Module):

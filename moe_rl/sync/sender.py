@@ -4,8 +4,8 @@ Roles in the trainer pool (``moe_rl.dist`` layout):
 
 - the *source* (trainer rank 0 = EP rank 0 of EP block 0) talks to the engines, owns the
   weight-sync group (rank 0 of it) and broadcasts each bucket;
-- the other ranks of EP block 0 (*helpers*) contribute the expert tensors they own, bucket by
-  bucket: for each bucket the source broadcasts its index over the EP group, every EP rank
+- the other ranks of EP block 0 (*helpers*) contribute the expert tensors they own (and their
+  rows of a tensor that stacks a layer's experts, gpt-oss's), bucket by bucket: for each bucket the source broadcasts its index over the EP group, every EP rank
   packs its own tensors of that bucket, and the helpers send them to the source point to
   point, straight into the bucket buffer (one message per run of consecutive tensors). Only
   one bucket (two while double buffering) is ever gathered, never the whole model;
@@ -32,7 +32,7 @@ from moe_rl import faults
 from moe_rl.engine.client import EngineError, EngineHTTPError, EngineTimeoutError
 from moe_rl.kernels.bucket_pack import pack
 
-from ..model.hf_io import bind_hf_views, expert_owner
+from ..model.hf_io import bind_hf_views, expert_owner, stacked_expert_rows
 from .engines import EngineCallError, as_engine
 from .group import DEFAULT_TIMEOUT_S, SyncGroup, free_port
 from .plan import Bucket, Plan, checksum, plan_buckets
@@ -214,17 +214,26 @@ class WeightSender:
         return 0 if o is None else o
 
     def _bucket_layout(self, b: Bucket):
-        """(my slots, remote runs): slots this rank packs; for the source, the runs of
-        consecutive slots each helper sends, as (ep_rank, element offset, numel)."""
+        """(my pieces, remote runs). A piece is (slot, element offset in the bucket, numel): a
+        whole tensor, packed by its owner (EP rank 0 for a tensor every rank holds), or, for a
+        tensor that stacks a layer's experts (``stacked_expert_rows``), each EP rank's block of
+        rows, packed by that rank. For the source, the runs of consecutive pieces each helper
+        sends, as (ep_rank, element offset, numel)."""
         numels = b.numels()
-        owners = [self._owner(n) for n in b.names]
-        mine = [j for j, o in enumerate(owners) if o == self.ep_rank]
-        runs = []  # (owner, offset, numel) for maximal runs of one owner
-        for j, o in enumerate(owners):
-            if runs and runs[-1][0] == o and runs[-1][1] + runs[-1][2] == b.offsets[j]:
-                runs[-1] = (o, runs[-1][1], runs[-1][2] + numels[j])
+        pieces = []  # (owner, slot, offset, numel) in bucket order
+        for j, name in enumerate(b.names):
+            if self.ep_size > 1 and stacked_expert_rows(name, self.arch) is not None:
+                n = numels[j] // self.ep_size
+                pieces += [(r, j, b.offsets[j] + r * n, n) for r in range(self.ep_size)]
             else:
-                runs.append((o, b.offsets[j], numels[j]))
+                pieces.append((self._owner(name), j, b.offsets[j], numels[j]))
+        mine = [(j, off, n) for o, j, off, n in pieces if o == self.ep_rank]
+        runs = []  # (owner, offset, numel) for maximal runs of one owner
+        for o, _, off, n in pieces:
+            if runs and runs[-1][0] == o and runs[-1][1] + runs[-1][2] == off:
+                runs[-1] = (o, runs[-1][1], runs[-1][2] + n)
+            else:
+                runs.append((o, off, n))
         return mine, runs
 
     def _cast(self, t: torch.Tensor | None, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -257,14 +266,16 @@ class WeightSender:
         else:
             self._mem.free(buf.numel() * buf.element_size())
 
-    def _local_tensors(self, i: int, slots: list[int]) -> list[torch.Tensor]:
-        """This rank's tensors of bucket i, as views (cached; rebuilt if a parameter moved)."""
+    def _local_tensors(self, i: int, pieces: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """This rank's pieces of bucket i (``_bucket_layout``), as views (cached; rebuilt if a
+        parameter moved)."""
         key = self.source.cache_key()
         if key is None or key != self._views_key:
             self._views, self._views_key = {}, key
         views = self._views.get(i)
         if views is None:
             b = self.plan.buckets[i]
+            slots = [j for j, _, _ in pieces]
             originals = [self.source.tensor(b.names[j]) for j in slots]
             views = [self._cast(t, b.names[j], b.dtype) for t, j in zip(originals, slots)]
             if key is not None and all(v.data_ptr() == t.data_ptr() for v, t in zip(views, originals)):
@@ -296,7 +307,7 @@ class WeightSender:
             if owner != 0:
                 works.append(dist.irecv(buf[off : off + n], group=self.ep_group, group_src=owner, tag=tag))
                 tag += 1
-        pack(self._local_tensors(i, mine), buf, [b.offsets[j] for j in mine], use_triton=self.use_triton)
+        pack(self._local_tensors(i, mine), buf, [off for _, off, _ in mine], use_triton=self.use_triton)
         for w in works:
             w.wait()
         cs = checksum(buf) if self.verify else None
@@ -318,7 +329,7 @@ class WeightSender:
             mine, runs = self._layout[i]
             if not mine:
                 continue
-            send = self._alloc(sum(b.numels()[j] for j in mine), b.dtype)
+            send = self._alloc(sum(n for _, _, n in mine), b.dtype)
             try:
                 pack(self._local_tensors(i, mine), send, use_triton=self.use_triton)
                 works, pos, tag = [], 0, 0

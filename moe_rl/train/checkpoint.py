@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moe_rl import faults
 from moe_rl.rundir import latest_step
-from moe_rl.model import hf_param_specs, save_hf
+from moe_rl.model import hf_param_specs, save_hf, stacked_expert_rows
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ def _atomic_torch_save(obj, path: Path) -> None:
 
 def gather_hf_state(backend, groups) -> dict[str, torch.Tensor] | None:
     """The full HF state dict on trainer rank 0 (None elsewhere). Experts held by other EP
-    ranks are broadcast from their owner inside EP block 0, one tensor at a time."""
+    ranks are broadcast from their owner inside EP block 0, one tensor at a time; a tensor that
+    stacks a layer's experts (gpt-oss) is gathered from every EP rank's rows."""
     ep_group = groups.ep if groups is not None and backend.ep_size > 1 else None
     local = dict(backend.hf_tensors())
     if ep_group is None:
@@ -98,6 +99,13 @@ def gather_hf_state(backend, groups) -> dict[str, torch.Tensor] | None:
     ep_rank = dist.get_rank(ep_group)
     out = {}
     for name, shape in hf_param_specs(backend.arch):
+        if stacked_expert_rows(name, backend.arch) is not None:  # every EP rank holds a block of its experts
+            part = local[name].detach().contiguous()
+            parts = [torch.empty_like(part) for _ in range(dist.get_world_size(ep_group))]
+            dist.all_gather(parts, part, group=ep_group)
+            if ep_rank == 0:
+                out[name] = torch.cat(parts).cpu()
+            continue
         if name in local and backend.owner_ep_rank(name) in (None, ep_rank):
             t = local[name].detach().contiguous()
         else:

@@ -200,3 +200,19 @@ def test_tool_call_parsers_match_sglang(fmt):
         assert content == ref.normal_text, text
         assert [(c.name, json.loads(c.arguments)) for c in calls] == \
             [(c.name, json.loads(c.parameters)) for c in ref.calls], text
+
+
+def test_a_family_without_a_tool_parser_serves_chat_and_refuses_tools():
+    """gpt-oss, whose tool calls (its own channel format) are not parsed here: the server starts
+    and answers chat; a request with tools is a 400 naming ``tools`` and the family."""
+    s = InProcessServer(["model.model_type=gpt_oss", "model.mlp_only_layers=[]", "model.sliding_window=4",
+                         "model.attention_bias=true"])
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        out = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=3)
+        assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens >= 1
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="x", messages=MESSAGES, tools=_tools(), max_tokens=3)
+        assert e.value.body["param"] == "tools" and "gpt_oss" in e.value.body["message"]
+    finally:
+        s.stop()

@@ -172,3 +172,53 @@ def test_glm_names(glm):
     assert names["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == (64, 32)  # [gate; up] of 2 x 16
     assert names["decoder.layers.0.self_attention.linear_qkv.bias"] == (64,)  # (4 q + 2 k + 2 v heads) x 8
     assert not any("layernorm.weight" in n and "_attention.q" in n for n in names)  # use_qk_norm=False
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    """A tiny gpt-oss made by transformers: sinks, biases everywhere, stacked [E, H, 2I] experts
+    with gate/up interleaved (HF's names are the stacks)."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=3)
+    torch.manual_seed(0)
+    ref = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for t in ref.state_dict().values():
+            t.normal_(0, 0.15)
+    arch = MoEArch.from_hf_dict(cfg.to_dict())
+    state = {n: t.clone() for n, t in ref.state_dict().items()}
+    assert set(state) == {n for n, _ in hf_param_specs(arch)}
+    return arch, state
+
+
+@pytest.mark.parametrize("kind", LAYOUTS, ids=["local", "te", "te-grouped", "torch-grouped"])
+@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 2)])
+def test_gpt_oss_round_trip(gpt_oss, kind, tp, ep):
+    """HF -> Megatron -> HF, bit for bit: each EP rank yields its rows of the stacked experts
+    (their concatenation is HF's stack), TP shards of the fused QKV and the sinks are joined; fc1
+    is the de-interleaved [gate; up] of HF's columns."""
+    arch, hf = gpt_oss
+    rows: dict[str, list] = {}
+    for er in range(ep):
+        states = [hf_to_megatron(hf, arch, MegatronLayout(**kind, tp_size=tp, tp_rank=r, ep_size=ep, ep_rank=er))
+                  for r in range(tp)]
+        gather = lambda name, local, dim: torch.cat([s[name] for s in states], dim=dim)  # noqa: E731
+        layout = MegatronLayout(**kind, tp_size=tp, ep_size=ep, ep_rank=er)
+        assert {n: tuple(t.shape) for n, t in states[0].items()} == dict(megatron_param_specs(arch, layout))
+        for name, t in megatron_to_hf(states[0], arch, layout, gather=gather if tp > 1 else None):
+            rows.setdefault(name, []).append(t)
+    for name, parts in rows.items():
+        got = torch.cat(parts) if ".mlp.experts." in name else parts[0]
+        assert torch.equal(got, hf[name]), name
+    fc1 = hf_to_megatron(hf, arch, MegatronLayout())[expert_names(MegatronLayout(), 0, 1)[0]]
+    W = hf["model.layers.0.mlp.experts.gate_up_proj"][1]  # [H, 2I], gate in the even columns
+    assert torch.equal(fc1, torch.cat([W[:, 0::2].T, W[:, 1::2].T]))
+
+
+def test_gpt_oss_refusals():
+    with pytest.raises(ValueError, match="gpt_oss with attention_bias=False"):
+        megatron_param_specs(MoEArch(model_type="gpt_oss", sliding_window=4), MegatronLayout())
+    with pytest.raises(ValueError, match="swiglu_alpha=1.5"):
+        megatron_param_specs(MoEArch(model_type="gpt_oss", sliding_window=4, attention_bias=True, swiglu_alpha=1.5),
+                             MegatronLayout())

@@ -2,8 +2,8 @@
 model run eagerly: no graph break (MoE routing, grouped GEMM, routing replay, LoRA adapters on
 attention, router, routed and shared experts), one graph per kind of packed batch rather than
 per batch, and inductor's code equal to eager within fp32 rounding, values and gradients, for
-both families (Qwen3-MoE's softmax router; GLM-4.5's sigmoid group-limited router with shared
-experts, partial rotary and q/k/v bias).
+the families (Qwen3-MoE's softmax router; GLM-4.5's sigmoid group-limited router with shared
+experts, partial rotary and q/k/v bias; gpt-oss's sliding window, sinks and clamped experts).
 
 Inductor compiles take ~30-45 s per graph (forward and backward) on two shared cores, so inductor
 (the real thing) compiles one graph by default: Qwen3-MoE replaying a record with LoRA adapters
@@ -36,10 +36,13 @@ ARCHS = {
                            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                                          "mscale": 1.0, "mscale_all_dim": 1.0}, **COMMON),
+    # gpt-oss: a sliding-window layer with sinks, biases, the biased top-k-softmax router, clamped experts
+    "gpt_oss": MoEArch(model_type="gpt_oss", sliding_window=3, attention_bias=True, swiglu_limit=0.5, **COMMON),
 }
 LORA_TARGETS = {"qwen3_moe": ["q_proj", "o_proj", "router", "experts.gate_up_proj", "experts.down_proj"],
                 "glm4_moe": ["v_proj", "router", "experts.gate_up_proj", "experts.down_proj", "shared_experts.up_proj"],
-                "deepseek_v3": ["q_b_proj", "kv_b_proj", "router", "experts.down_proj"]}
+                "deepseek_v3": ["q_b_proj", "kv_b_proj", "router", "experts.down_proj"],
+                "gpt_oss": ["q_proj", "router", "experts.gate_up_proj", "experts.down_proj"]}
 
 
 def make(family: str, lora: bool, seed: int = 0):
@@ -102,7 +105,7 @@ CHEAP = "inductor" if ALL_CASES else "aot_eager"
 
 @pytest.mark.parametrize("family, lora, replay, backend", [
     ("qwen3_moe", True, True, "inductor"), ("qwen3_moe", False, False, CHEAP),
-    ("glm4_moe", True, False, CHEAP), ("glm4_moe", False, True, CHEAP)])
+    ("glm4_moe", True, False, CHEAP), ("glm4_moe", False, True, CHEAP), ("gpt_oss", False, True, CHEAP)])
 def test_compiled_block_equals_eager(compiled_models, family, lora, replay, backend):
     """fp32 logits within 1e-5, every gradient at cosine >= 0.99999 (and within 1e-4), the same
     experts chosen; under replay the record's experts, not the router's."""
@@ -127,12 +130,12 @@ def _block_inputs(model, lens, replay):
     return h, cos, sin, PackedCausal(cu, T, max(lens)), None if rec is None else rec[0]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_no_graph_break(family):
     """torch._dynamo.explain of a decoder block: one graph, no break, with and without replay,
     LoRA and a sigmoid router that counts its experts' load (train.expert_bias_update_rate);
     on the padded attention path and the block-mask one."""
-    for lora in (False, True):
+    for lora in (True,) if family == "gpt_oss" else (False, True):  # gpt-oss: its own parts, with LoRA
         model, _ = make(family, lora)
         if model.arch.router == "sigmoid":
             model.track_expert_load()

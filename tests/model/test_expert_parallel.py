@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors
+from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors, stacked_expert_rows
 from tests.distributed import run_distributed
 
 ARCHS = {
@@ -14,6 +14,10 @@ ARCHS = {
                     num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
                     routed_scaling_factor=2.0, moe_intermediate_size=16, q_lora_rank=12, kv_lora_rank=16,
                     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    # gpt-oss: stacked expert tensors with biases (each rank holds a block of their rows), biased router
+    "gpt_oss": MoEArch(model_type="gpt_oss", vocab_size=48, hidden_size=32, num_hidden_layers=2, num_experts=8,
+                       num_experts_per_tok=3, sliding_window=3, attention_bias=True, moe_intermediate_size=16,
+                       head_dim=8),
 }
 
 
@@ -56,15 +60,21 @@ def _ep_equals_reference(rank, world, use_replay, arch):
         if name.endswith("e_score_correction_bias"):
             continue  # a buffer: no gradient (checked below)
         grad = _grad_of(ep, name)
-        if expert_owner(name, ARCH, world) is None:  # replicated: sum the data-parallel parts
-            dist.all_reduce(grad)
         expected = _grad_of(ref, name)
+        if stacked_expert_rows(name, ARCH) is not None:  # this rank's rows of a stacked expert tensor
+            rows = slice(rank * 4, rank * 4 + 4)
+            expected, want = expected[rows], ref_named[name][rows]
+        else:
+            want = ref_named[name]
+            if expert_owner(name, ARCH, world) is None:  # replicated: sum the data-parallel parts
+                dist.all_reduce(grad)
         torch.testing.assert_close(grad, expected, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
-        assert torch.equal(t, ref_named[name])
+        assert torch.equal(t, want)
         checked += 1
     assert checked > 0
     if use_replay:
-        assert _grad_of(ep, f"model.layers.{ep.moe_layers[0]}.mlp.gate.weight").abs().sum() > 0
+        router = ep.model.layers[ep.moe_layers[0]].mlp.gate
+        assert router.weight.grad.abs().sum() > 0
     if ARCH.router == "sigmoid":  # the bias update sees the loads of both ranks' tokens
         ref.update_expert_bias(0.05)
         ep.update_expert_bias(0.05, group=dist.group.WORLD)
@@ -90,3 +100,41 @@ def _grad_of(model, hf_name):
                          ids=["routed", "replayed", "dsv3-replayed"])
 def test_ep2_equals_ep1(use_replay, arch):
     run_distributed(_ep_equals_reference, 2, use_replay, arch)
+
+
+def _gpt_oss_ep(rank, world, path):
+    """gpt-oss under EP=2 (one spawn for all of it): the forward, backward and replay equal the
+    single-process model's; the checkpoint's gather (train/checkpoint.gather_hf_state) brings the
+    stacked expert tensors back whole, equal to the EP=1 model's; and each rank loads only its
+    experts' rows of an MXFP4 checkpoint, dequantized as the whole model's rows."""
+    from types import SimpleNamespace
+
+    from moe_rl.model import hf_state_dict, load_hf
+    from moe_rl.train.checkpoint import gather_hf_state
+
+    _ep_equals_reference(rank, world, True, "gpt_oss")
+    ARCH = ARCHS["gpt_oss"]
+    ep = _build(ARCH, dist.group.WORLD)
+    backend = SimpleNamespace(arch=ARCH, ep_size=world, hf_tensors=lambda: iter_local_hf_tensors(ep),
+                              owner_ep_rank=lambda name: expert_owner(name, ARCH, world))
+    got = gather_hf_state(backend, SimpleNamespace(ep=dist.group.WORLD, dp_rank=0))
+    if rank == 0:
+        want = hf_state_dict(_build(ARCH))
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    else:
+        assert got is None
+    full, part = load_hf(path), load_hf(path, ep_group=dist.group.WORLD)
+    rows = slice(rank * 2, rank * 2 + 2)
+    for layer in range(2):
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            n = f"model.layers.{layer}.mlp.experts.{name}"
+            assert torch.equal(part.get_parameter(n), full.get_parameter(n)[rows]), n
+
+
+def test_gpt_oss_ep2_equals_ep1_and_its_stacked_experts_gather_and_load(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.model.test_gpt_oss import mxfp4_checkpoint
+
+    path, _ = mxfp4_checkpoint(tmp_path)
+    run_distributed(_gpt_oss_ep, 2, str(path))

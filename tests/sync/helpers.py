@@ -58,11 +58,11 @@ def receiver_main(conns, seed: int, arch_kw: dict, rebind: bool = False):
     serve_receiver(conns, rx, extra)
 
 
-def trainer_sync(rank, world, conn, seed, version, verify, kill_after):
+def trainer_sync(rank, world, conn, seed, version, verify, kill_after, arch_kw=None):
     """A trainer rank (EP=world): model with init seed ``seed``, syncs once to the engine.
     ``kill_after``: rank 0 dies (os._exit) right after posting that bucket's request."""
     ep = dist.new_group(list(range(world))) if world > 1 else None
-    model = MoEForCausalLM(arch(), ep_group=ep).init_weights(seed)
+    model = MoEForCausalLM(arch(**(arch_kw or {})), ep_group=ep).init_weights(seed)
     engines = []
     if rank == 0:
         engines = [LocalEngine(conn, timeout_s=60)]

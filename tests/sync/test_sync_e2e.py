@@ -140,3 +140,16 @@ def test_glm_sync_carries_the_correction_bias_through_bound_buffers():
         assert ctl.call("hashes")["result"] == H.model_hashes(model)
         state = ctl.call("state")["result"]
         assert state["version"] == "g2" and state["zero_copy_commits"] == 2
+
+
+GPT_OSS = dict(model_type="gpt_oss", mlp_only_layers=[], sliding_window=3, attention_bias=True)
+
+
+def test_gpt_oss_stacked_experts_sync_from_ep2_ranks():
+    """gpt-oss names a layer's experts as stacked tensors ([E, H, 2I] ...): under EP=2 each rank
+    sends its rows of each into the same bucket; the engine gets every tensor bit for bit."""
+    with H.spawn_receiver(0, arch_kw=GPT_OSS) as (tr, ctl, _p):
+        run_distributed(H.trainer_sync, 2, tr, 2, "2", True, None, GPT_OSS, timeout=90)
+        want = H.model_hashes(MoEForCausalLM(H.arch(**GPT_OSS)).init_weights(2))
+        assert any(n.endswith("mlp.experts.gate_up_proj") for n in want)
+        assert ctl.call("hashes")["result"] == want

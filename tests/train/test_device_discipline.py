@@ -36,6 +36,8 @@ import torch
 
 from tests import fake_device as fd
 
+# a gpt-oss model on the same tiny shape: a sliding layer (a ring state in the engine), sinks, biases
+GPT_OSS = ["model.model_type=gpt_oss", "model.mlp_only_layers=[]", "model.sliding_window=3", "model.attention_bias=true"]
 TINY = ["model.vocab_size=32", "model.hidden_size=32", "model.intermediate_size=64", "model.moe_intermediate_size=16",
         "model.num_hidden_layers=3", "model.mlp_only_layers=[1]", "model.num_attention_heads=4",
         "model.num_key_value_heads=2", "model.head_dim=8", "model.num_experts=4", "model.num_experts_per_tok=2",
@@ -189,7 +191,9 @@ def _train_step(overrides: list[str]):
     ["lora.rank=4", "lora.targets=[q_proj,router,experts.gate_up_proj,experts.down_proj]"],
     # the general loss path (log-probs, then policy_loss) with per-sequence aggregation
     ["train.fused_loss=false", "algo.loss_agg=sequence"],
-], ids=["stale-kl-entropy-2updates", "defaults", "lora", "general-loss-path"])
+    # gpt-oss, with LoRA on its [E, in, out] experts
+    [*GPT_OSS, "lora.rank=4", "lora.targets=[q_proj,router,experts.gate_up_proj,experts.down_proj]"],
+], ids=["stale-kl-entropy-2updates", "defaults", "lora", "general-loss-path", "gpt-oss-lora"])
 def test_one_train_step_on_a_second_device(fakedev, overrides):
     """The step on fakedev computes what it computes on the CPU, with one host sync: the read of
     its metrics at the end."""
@@ -292,15 +296,15 @@ def _engine(cfg):
     _assert_same_outputs(outs["cpu"], outs["fakedev"], arch)
 
 
-def _static_engine_on_both():
+def _static_engine_on_both(extra=()):
     inference_mode, torch.inference_mode = torch.inference_mode, torch.no_grad
     try:
-        _static_engine()
+        _static_engine(extra)
     finally:
         torch.inference_mode = inference_mode
 
 
-def _static_engine():
+def _static_engine(extra=()):
     """The engine's static decode step on fakedev gives the dynamic step's tokens,
     log-probs and routing on the CPU. The host syncs of the run: one read per step (d2h), no
     blocking copy, no data-dependent shape, no scalar read (the fp32 experts' grouped GEMM is
@@ -311,7 +315,7 @@ def _static_engine():
     from moe_rl.model.transformer import MoEForCausalLM
     from tests.engine.test_static_decode import StandInGraphs
 
-    arch = load_config(None, TINY).model.arch()
+    arch = load_config(None, [*TINY, *extra]).model.arch()
     prompts = [[(5 * i + 3 * j + 1) % arch.vocab_size for j in range(3 + 7 * i)] for i in range(4)]
     cpu = Engine(MoEForCausalLM(arch).init_weights(0, std=0.3), max_running_requests=3, max_context=64).start()
     try:
@@ -400,6 +404,12 @@ def test_static_decode_on_a_second_device(fakedev):
     """The static decode step on fakedev: the CPU's outputs, one read per step and no blocking
     copy; graphs stay off where the step reads the host."""
     fakedev(_static_engine_on_both)
+
+
+def test_gpt_oss_static_decode_on_a_second_device(fakedev):
+    """gpt-oss's static decode step on fakedev (ring states of the sliding layer, sinks, biased
+    experts): the CPU's outputs, one read per step, nothing that keeps a CUDA graph from capturing."""
+    fakedev(_static_engine_on_both, GPT_OSS)
 
 
 def test_weight_sync_on_a_second_device(fakedev):

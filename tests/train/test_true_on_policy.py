@@ -137,3 +137,22 @@ def test_the_key_refuses_what_has_no_exact_path(overrides, words):
         config(*QWEN, *overrides)
     assert words in str(err.value)
     config(*QWEN, *overrides, exact=False)  # valid without the key
+
+
+def test_gpt_oss_has_no_exact_path_and_is_refused():
+    """Sinks, sliding windows and the biased clamped-GLU experts are torch's arithmetic: the
+    config refuses the key for gpt_oss, and a gpt-oss model (one loaded from a path, which the
+    config check cannot see) refuses the exact ops."""
+    from moe_rl.model.arch import MoEArch
+    from moe_rl.model.ops import EXACT
+    from moe_rl.model.transformer import MoEForCausalLM
+
+    with pytest.raises(ValueError, match="gpt_oss has no exact path"):
+        config("model.model_type=gpt_oss", "model.sliding_window=4")
+    config("model.model_type=gpt_oss", "model.sliding_window=4", exact=False)
+    model = MoEForCausalLM(MoEArch(model_type="gpt_oss", sliding_window=4, layer_types=["sliding_attention",
+                                                                                        "full_attention"]))
+    with pytest.raises(ValueError, match=r"without an exact \(batch-invariant\) path: \['mha', 'swa'\]"):
+        model.use_ops(EXACT)
+    qwen = MoEForCausalLM(MoEArch())
+    assert qwen.use_ops(EXACT) is qwen  # the same check passes a family with an exact path

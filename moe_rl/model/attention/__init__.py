@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from .base import Mixer
 from .layouts import (Attention, PackedCausal, PaddedCausal, decode_sdpa, longest_sequence, packed_positions,
-                      sdpa)
-from .mha import MHAttention
+                      sdpa, visible)
+from .mha import MHAttention, SlidingAttention
 from .mla import MLAttention
 from .rope import Rope, apply_rope, rope_cos_sin
-from .state import KVCache, KVSpec
+from .state import KVCache, KVSpec, RingKVCache, RingKVSpec
 
 MIXERS: dict[str, type[Mixer]] = {
     "mha": MHAttention,
+    "swa": SlidingAttention,
     "mla": MLAttention,
 }
 
@@ -38,3 +39,4 @@ def state_specs(arch: MoEArch) -> list:
 __all__ = ["MIXERS", "Mixer", "MHAttention", "MLAttention", "mixer_class", "state_specs", "Attention", "PaddedCausal",
            "PackedCausal", "sdpa", "decode_sdpa", "longest_sequence", "packed_positions", "Rope", "apply_rope",
            "rope_cos_sin", "KVSpec", "KVCache"]
+__all__ += ["SlidingAttention", "RingKVSpec", "RingKVCache", "visible"]

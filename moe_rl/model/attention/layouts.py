@@ -6,9 +6,12 @@ in one row, ``cu_seqlens``). The engine's layouts (``moe_rl.engine``) attend ove
 per-slot decode state that each layer's kind declares (``moe_rl.model.attention.state``).
 
 Every layout answers two questions for a layer:
-* ``attend(layer, q, k, v, scale=None)``: causal softmax attention of q [N, Hq, Dk] over the
-  keys k [N, Hkv, Dk] / values v [N, Hkv, Dv] of the same sequence (Hq a multiple of Hkv, Dv
-  may differ from Dk; ``scale`` None: 1/sqrt(Dk)) -> [N, Hq, Dv];
+* ``attend(layer, q, k, v, scale=None, sinks=None, window=None)``: causal softmax attention of
+  q [N, Hq, Dk] over the keys k [N, Hkv, Dk] / values v [N, Hkv, Dv] of the same sequence (Hq a
+  multiple of Hkv, Dv may differ from Dk; ``scale`` None: 1/sqrt(Dk)) -> [N, Hq, Dv];
+  ``window``: only the last ``window`` keys, the query's own included (HF's sliding window);
+  ``sinks`` [Hq]: a learned logit per query head that joins each softmax's denominator and
+  attends to nothing (gpt-oss's attention sinks);
 * ``attend.state(layer)``: the layer's per-slot decode state in an engine step (a kind that
   caches something other than K/V, or keeps a recurrent state, works on it directly), None in
   training.
@@ -19,7 +22,8 @@ under ``true_on_policy`` (the model's ops exact) in two more, ``packed_sdpa`` (a
 batch: ``ExactPacked``) and ``cached_sdpa`` (an engine step over its KV cache, the step's
 keys written first: ``moe_rl.engine.decode.ExactStepAttention``), both the batch-invariant
 kernel of ``moe_rl.kernels.exact``, which reduces a query's keys in one order in a prefill, a
-decode step and the trainer's forward.
+decode step and the trainer's forward. Which key a query sees is ``visible``'s rule, for every
+layout.
 """
 from __future__ import annotations
 
@@ -36,32 +40,88 @@ class Attention(Protocol):
     """The ``attend`` object of one forward (see the module docstring)."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 scale: float | None = None) -> torch.Tensor: ...
+                 scale: float | None = None, sinks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor: ...
 
     def state(self, layer: int): ...
 
 
-def sdpa(q, k, v, mask=None, is_causal=False, scale=None):
-    """q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]; GQA by repeating kv heads."""
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Which keys each query sees (True), from positions that broadcast (e.g. [T, 1] and
+    [1, S]): the key is written (position >= 0), not ahead of the query, and within the
+    query's ``window`` (HF's count: ``q - window < k <= q``)."""
+    seen = (k_pos <= q_pos) & (k_pos >= 0)
+    return seen if window is None else seen & (k_pos > q_pos - window)
+
+
+def sdpa(q, k, v, mask=None, is_causal=False, scale=None, *, sinks=None, window=None):
+    """q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] (grouped K/V
+    heads: query head h reads kv head h // (Hq / Hkv)). ``mask`` (bool, True: attend) or
+    ``is_causal`` (query i sees keys j <= i); ``window`` narrows ``is_causal`` (an explicit mask
+    carries its own, ``visible``); ``sinks`` [Hq]: see the module docstring."""
+    if window is not None:
+        if not is_causal:
+            raise ValueError("sdpa: window applies to is_causal; put it in an explicit mask (visible())")
+        T, S = q.shape[2], k.shape[2]
+        mask = visible(torch.arange(T, device=q.device)[:, None], torch.arange(S, device=q.device)[None, :], window)
+        is_causal = False
+    if sinks is not None:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if mask is None and is_causal:
+            T, S = q.shape[2], k.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+        q, k, v, mask = _with_sink_key(q, k, v, mask, sinks, scale)
+        is_causal = False
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:
+    if mask is None:  # causal: the flash kernels take grouped K/V heads as they are
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=rep > 1)
+    if rep > 1:  # with a mask, the kernels that take one (memory-efficient, cuDNN) need K/V per query head
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale=None) -> torch.Tensor:
+def decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale=None, *,
+                sinks=None) -> torch.Tensor:
     """One query row per sequence: q [B, Hq, Dk] over k [B, Hkv, S, Dk] / v [B, Hkv, S, Dv],
-    mask [B, S] (True: attend) -> [B, Hq, Dv].
+    mask [B, S] (True: attend; ``visible``) -> [B, Hq, Dv]; ``sinks`` [Hq] as in ``sdpa``.
 
     The query heads of a kv group are folded into the query-length dimension (head h reads kv
     head h // (Hq / Hkv), as a repeat would give), so K/V are never repeated and SDPA's
     fused kernels that take a mask but no GQA (memory-efficient, cuDNN) can run."""
-    B, Hq, D = q.shape
+    B, Hq, Dv = q.shape[0], q.shape[1], v.shape[-1]
     Hkv = k.shape[1]
-    o = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), k, v, attn_mask=mask[:, None, None, :],
-                                       scale=scale)
-    return o.reshape(B, Hq, v.shape[-1])
+    q = q[:, :, None]  # [B, Hq, 1, D]
+    mask = mask[:, None, None, :]
+    if sinks is not None:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        q, k, v, mask = _with_sink_key(q, k, v, mask, sinks, scale)
+    o = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, q.shape[-1]), k, v, attn_mask=mask, scale=scale)
+    return o.reshape(B, Hq, Dv)
+
+
+def _with_sink_key(q, k, v, mask, sinks, scale):
+    """Attention sinks as one more key that every query sees, with a zero value: its logit for
+    query head h is ``sinks[h]``, so it only joins the softmax's denominator (exact; HF's eager
+    gpt-oss appends the logit column and drops it after the softmax). The query heads of a kv
+    group share that key, so each query head gets a one-hot feature (its index r in the group)
+    and the sink key holds ``sinks[g * rep + r] / scale`` in feature r: q . k_sink * scale =
+    sinks[h]. The one-hot features are padded to a multiple of 8 (the fused kernels' alignment);
+    the real keys have zeros there. q [B, Hq, T, D], k [B, Hkv, S, D], mask broadcastable to [B, Hq, T, S] (bool)
+    -> (q, k, v) with S + 1 keys and D + pad features, and the mask with a True column."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    extra = -(-rep // 8) * 8
+    onehot = torch.eye(rep, extra, dtype=q.dtype, device=q.device).repeat(Hkv, 1)  # [Hq, extra]
+    q = torch.cat((q, onehot[None, :, None, :].expand(B, Hq, T, extra)), dim=-1)
+    sink_key = torch.cat((k.new_zeros(Hkv, D), (sinks.float() / scale).to(k.dtype).view(Hkv, rep),
+                          k.new_zeros(Hkv, extra - rep)), dim=-1)  # [Hkv, D + extra]
+    k = torch.cat((torch.cat((k, k.new_zeros(B, Hkv, S, extra)), dim=-1),
+                   sink_key[None, :, None, :].expand(B, Hkv, 1, D + extra)), dim=2)
+    v = torch.cat((v, v.new_zeros(B, Hkv, 1, v.shape[-1])), dim=2)
+    mask = torch.cat((mask, mask.new_ones(mask.shape[:-1] + (1,))), dim=-1)
+    return q, k, v, mask
 
 
 def packed_sdpa(q, k, v, cu_seqlens, max_seqlen=None, scale=None):
@@ -90,10 +150,10 @@ class PaddedCausal(_Training):
     def __init__(self, batch: int, seqlen: int):
         self.batch, self.seqlen = batch, seqlen
 
-    def __call__(self, layer, q, k, v, *, scale=None):
+    def __call__(self, layer, q, k, v, *, scale=None, sinks=None, window=None):
         B, T = self.batch, self.seqlen
         q, k, v = (t.view(B, T, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
-        out = sdpa(q, k, v, is_causal=True, scale=scale)
+        out = sdpa(q, k, v, is_causal=True, scale=scale, sinks=sinks, window=window)
         return out.transpose(1, 2).reshape(B * T, out.shape[1], out.shape[3])
 
 
@@ -128,10 +188,14 @@ class PackedCausal(_Training):
         seq_id, pos = self._seq_id, torch.arange(self.total, device=self._seq_id.device)
         return (seq_id[:, None] == seq_id[None, :]) & (pos[:, None] >= pos[None, :])
 
-    def __call__(self, layer, q, k, v, *, scale=None):
+    def __call__(self, layer, q, k, v, *, scale=None, sinks=None, window=None):
         if not self.padded:
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            out = sdpa(q, k, v, mask=self.mask, scale=scale)
+            mask = self.mask
+            if window is not None:  # same sequence and within the window (token distance = position distance)
+                i = torch.arange(self.total, device=mask.device)
+                mask = mask & visible(i[:, None], i[None, :], window)
+            out = sdpa(q, k, v, mask=mask, scale=scale, sinks=sinks)
             return out.squeeze(0).transpose(0, 1)
         S, L = self.shape
 
@@ -139,7 +203,7 @@ class PackedCausal(_Training):
             buf = t.new_zeros(S * L, t.shape[1], t.shape[2]).index_copy(0, self.slot, t)
             return buf.view(S, L, t.shape[1], t.shape[2]).transpose(1, 2)
 
-        out = sdpa(pad(q), pad(k), pad(v), is_causal=True, scale=scale)
+        out = sdpa(pad(q), pad(k), pad(v), is_causal=True, scale=scale, sinks=sinks, window=window)
         return out.transpose(1, 2).reshape(S * L, out.shape[1], out.shape[3]).index_select(0, self.slot)
 
 

@@ -13,6 +13,14 @@ reallocation), so a decode step can be captured as a CUDA graph.
 ``KVSpec`` / ``KVCache`` is the state of softmax-attention kinds: keys and values per slot
 and position. ``v_in_k``: the values are the keys' first ``v_dim`` features and only the
 keys are stored (multi-head latent attention caches its compressed latent this way).
+``RingKVSpec`` / ``RingKVCache``: the same for a sliding-window layer, which needs only the
+last ``window`` keys of a request: position p lives at entry p % window of its slot, so a slot
+holds ``min(window, ctx)`` positions instead of ``ctx``.
+
+Both answer the engine's layouts the same way: ``write_rows`` (a decode row each), ``gather``
+(the keys a decode step reads) with ``key_positions`` (where each gathered key sits in its
+sequence; negative: never written), and ``span`` (a prefill's keys written, and the keys its
+queries may read, with their positions); which of them a query sees is ``layouts.visible``'s rule.
 """
 from __future__ import annotations
 
@@ -77,3 +85,84 @@ class KVCache:
     def prefix(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions 0 .. end - 1 of one slot, [1, heads, end, dim] views."""
         return self.k[slot : slot + 1, :, :end], self.v[slot : slot + 1, :, :end]
+
+    def key_positions(self, pos: torch.Tensor, n: int) -> torch.Tensor:
+        """Positions of the ``n`` keys ``gather`` returns, for queries at ``pos`` [B]: [1, n]."""
+        return torch.arange(n, device=pos.device)[None, :]
+
+    def span(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor | None):
+        """Writes k [n, heads, k_dim] (and v) at positions start .. start + n - 1 of one slot and
+        returns the keys those queries may read, [1, heads, S, dim] each, with their positions [S]."""
+        n = k.shape[0]
+        self.write_span(slot, start, k, v)
+        ks, vs = self.prefix(slot, start + n)
+        return ks, vs, torch.arange(start + n, device=k.device)
+
+
+@dataclass(frozen=True)
+class RingKVSpec:
+    """Keys and values of the last ``window`` positions of a slot (a sliding-window layer)."""
+
+    heads: int
+    k_dim: int
+    v_dim: int
+    window: int
+
+    def bytes_per_token(self, element_size: int) -> int:
+        return self.heads * (self.k_dim + self.v_dim) * element_size
+
+    def bytes_per_slot(self, ctx: int, element_size: int) -> int:
+        return min(ctx, self.window) * self.bytes_per_token(element_size)
+
+    def allocate(self, slots: int, ctx: int, dtype: torch.dtype, device) -> "RingKVCache":
+        size = min(ctx, self.window)
+        return RingKVCache(self, torch.zeros(slots, self.heads, size, self.k_dim, dtype=dtype, device=device),
+                           torch.zeros(slots, self.heads, size, self.v_dim, dtype=dtype, device=device))
+
+
+@dataclass
+class RingKVCache:
+    """k [slots, heads, size, k_dim], v [slots, heads, size, v_dim]: position p of a slot at
+    entry p % size (size = min(window, ctx): every position a query can see is kept)."""
+
+    spec: RingKVSpec
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[2]
+
+    def write_rows(self, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        at = pos % self.size
+        self.k[slots, :, at] = k
+        self.v[slots, :, at] = v
+
+    def gather(self, slots: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first min(ctx, size) entries of each slot (queries below position ctx see no others)."""
+        n = min(ctx, self.size)
+        return self.k[:, :, :n].index_select(0, slots), self.v[:, :, :n].index_select(0, slots)
+
+    def key_positions(self, pos: torch.Tensor, n: int) -> torch.Tensor:
+        """Entry j holds the latest position <= pos that is j modulo size: [B, n]."""
+        p = pos[:, None]
+        return p - (p - torch.arange(n, device=pos.device)[None, :]) % self.size
+
+    def span(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """As ``KVCache.span``: the slot's entries before ``start`` (read before they are
+        overwritten) and the n new keys; the last min(n, size) new ones stay in the ring."""
+        n, size = k.shape[0], self.size
+        new_k, new_v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        new_pos = torch.arange(start, start + n, device=k.device)
+        if start > 0:
+            old_pos = self.key_positions(torch.full((1,), start - 1, device=k.device), size)[0]
+            ks = torch.cat((self.k[slot : slot + 1], new_k), dim=2)
+            vs = torch.cat((self.v[slot : slot + 1], new_v), dim=2)
+            kpos = torch.cat((old_pos, new_pos))
+        else:
+            ks, vs, kpos = new_k, new_v, new_pos
+        keep = min(n, size)
+        at = new_pos[n - keep :] % size
+        self.k[slot, :, at] = k[n - keep :].transpose(0, 1)
+        self.v[slot, :, at] = v[n - keep :].transpose(0, 1)
+        return ks, vs, kpos

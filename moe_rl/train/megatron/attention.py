@@ -8,6 +8,11 @@ attended with ``scaled_dot_product_attention(is_causal=True)``). The backend han
 a block-causal boolean mask (True = masked); the sequence boundaries are read from it once per
 mask (one host read, cached across the layers that share the mask) and the mask is checked to be
 exactly block-causal, so any other mask is refused rather than silently attended differently.
+
+gpt-oss: ``softmax_type="learnable"`` gives the module megatron's ``softmax_offset`` parameter
+[heads] (HF's sinks), and a layer that megatron's ``is_layer_window_attention`` marks sliding
+attends within ``window_size[0] + 1`` keys (megatron's (left, 0): keys i - left .. i); both go to
+the native model's attention arithmetic (``layouts.sdpa``), inside each packed sequence.
 """
 from __future__ import annotations
 
@@ -15,6 +20,13 @@ import torch
 from torch import nn
 
 from moe_rl.model.attention import PackedCausal
+
+
+def is_layer_window_attention(window_size, skip_freq, layer_number: int) -> bool:
+    """megatron-core's own rule (transformer/utils.py), which 0.16 and 0.19 share."""
+    from megatron.core.transformer.utils import is_layer_window_attention as rule
+
+    return rule(window_size, skip_freq, layer_number)
 
 
 class TorchSDPAttention(nn.Module):
@@ -30,6 +42,19 @@ class TorchSDPAttention(nn.Module):
         # None: 1/sqrt(head dim); multi-latent attention passes its own (YaRN's mscale);
         # k_channels / v_channels (MLA: they differ) are read off the tensors
         self.softmax_scale = softmax_scale
+        self.window = None
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            left, right = config.window_size
+            if right != 0:
+                raise ValueError(f"TorchSDPAttention: window_size={config.window_size}; only causal windows (left, 0)")
+            self.window = left + 1
+        softmax = getattr(config, "softmax_type", "vanilla")
+        if softmax == "learnable":  # megatron's name and shape (DotProductAttention.softmax_offset)
+            self.softmax_offset = nn.Parameter(torch.empty(config.num_attention_heads, dtype=config.params_dtype))
+        elif softmax != "vanilla":
+            raise ValueError(f"TorchSDPAttention: softmax_type={softmax!r} is not implemented (vanilla, learnable)")
+        else:
+            self.softmax_offset = None
 
     # (mask, its layout): every layer of a forward gets the same mask object, so the layout is
     # read once per micro-batch forward; holding the mask keeps the identity test sound
@@ -61,7 +86,8 @@ class TorchSDPAttention(nn.Module):
         if attention_mask is None:
             raise ValueError("TorchSDPAttention needs the block-causal mask the megatron backend passes")
         s = query.shape[0]
-        out = self.packing(attention_mask)(self.layer_number, query[:, 0], key[:, 0], value[:, 0], scale=self.softmax_scale)
+        out = self.packing(attention_mask)(self.layer_number, query[:, 0], key[:, 0], value[:, 0],
+                                           scale=self.softmax_scale, sinks=self.softmax_offset, window=self.window)
         return out.reshape(s, 1, -1)
 
 

@@ -18,7 +18,8 @@ from typing import Iterator
 
 import torch
 
-from moe_rl.model import MoEForCausalLM, PackedCausal, hf_state_dict, packed_positions, parse_expert_name
+from moe_rl.model import (MoEForCausalLM, PackedCausal, dequantize_mxfp4, hf_state_dict, packed_positions,
+                          parse_expert_name)
 from moe_rl.model.hf_io import _checkpoint_files
 from moe_rl.train.backend import DataParallelStep, all_reduce_sum
 from moe_rl.train.main_params import MainParamsOptimizer
@@ -57,6 +58,12 @@ def _checkpoint_getter(path: Path):
         if name in files:
             with safe_open(str(files[name]), framework="pt") as sf:
                 return sf.get_tensor(name)
+        if name + "_blocks" in files and name + "_scales" in files:  # gpt-oss's MXFP4 experts, dequantized
+            parts = {}
+            for part in ("blocks", "scales"):
+                with safe_open(str(files[f"{name}_{part}"]), framework="pt") as sf:
+                    parts[part] = sf.get_tensor(f"{name}_{part}")
+            return dequantize_mxfp4(parts["blocks"], parts["scales"], name=name, where=str(files[name + "_blocks"]))
         parsed = parse_expert_name(name)
         if parsed is not None:  # transformers v5 stacked experts: [E, 2I, H] / [E, H, I]
             layer, e, proj = parsed

@@ -1,4 +1,4 @@
-"""HuggingFace (Qwen3-MoE, GLM-4.5) <-> Megatron-core GPTModel parameter conversion.
+"""HuggingFace (Qwen3-MoE, GLM-4.5, gpt-oss) <-> Megatron-core GPTModel parameter conversion.
 
 Pure torch: nothing here imports megatron, so the mapping is testable anywhere. One
 :class:`MegatronLayout` says how the Megatron model was built (which layer spec, which expert
@@ -29,7 +29,18 @@ experts.{e}.{gate,up}_proj              ``mlp.experts.local_experts.{j}.linear_f
 experts.{e}.down_proj                   ``...linear_fc2.weight`` likewise
 mlp.{gate,up}_proj (dense layer)        ``mlp.linear_fc1.weight`` = ``[gate; up]``
 mlp.down_proj (dense layer)             ``mlp.linear_fc2.weight``
+gpt-oss: self_attn.o_proj.bias          ``self_attention.linear_proj.bias``
+gpt-oss: self_attn.sinks                ``self_attention.core_attention.softmax_offset``
+gpt-oss: mlp.router.{weight,bias}       ``mlp.router.weight``, ``mlp.router.bias``
+gpt-oss: experts.gate_up_proj[e]        expert e's ``linear_fc1`` weight [2I, H] = ``[gate; up]``:
+  [H, 2I], gate/up interleaved          columns 0::2 and 1::2, transposed; ``gate_up_proj_bias[e]``
+                                        likewise de-interleaved into the fc1 bias
+gpt-oss: experts.down_proj[e] [I, H]    expert e's ``linear_fc2`` weight (transposed) and
+                                        ``down_proj_bias[e]`` its bias
 ======================================  ==========================================================
+
+(expert biases: ``linear_fc{1,2}.bias{j}`` grouped, ``local_experts.{j}.linear_fc{1,2}.bias``
+sequential.)
 
 plus ``embedding.word_embeddings.weight``, ``decoder.final_layernorm.weight`` and
 ``output_layer.weight``. Under tensor parallelism (rank ``r`` of ``tp``) column-parallel
@@ -46,7 +57,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from moe_rl.model import MoEArch, hf_param_specs, parse_expert_name
+from moe_rl.model import MoEArch, hf_param_specs, parse_expert_name, stacked_expert_rows
 from moe_rl.model.attention import mixer_class
 
 
@@ -91,8 +102,18 @@ def check_arch(arch: MoEArch, layout: MegatronLayout) -> None:
             problems.append(f"n_group={arch.n_group} with num_experts_per_tok // topk_group = "
                             f"{arch.num_experts_per_tok // arch.topk_group}: megatron-core scores a group by its "
                             "top (num_experts_per_tok // topk_group) experts, HF by its top 2")
+    if arch.family.experts == "clamped_swiglu":  # gpt-oss: what megatron-core's flags can express
+        if not arch.attention_bias:
+            problems.append("gpt_oss with attention_bias=False (megatron's add_bias_linear puts a bias on every "
+                            "linear, the router's and the experts' too)")
+        if arch.swiglu_alpha != 1.702:
+            problems.append(f"swiglu_alpha={arch.swiglu_alpha} (megatron's quick_gelu has 1.702 built in)")
+    rope = arch.rope()
     if arch.is_mla:
         problems += _mla_problems(arch, layout)
+    elif rope.rope_type == "yarn" and (rope.attention_factor is not None or rope.interleaved):
+        problems.append("yarn rope with an explicit attention_factor or interleaved pairs (megatron derives the "
+                        "concentration factor from factor, mscale and mscale_all_dim)")
     if problems:
         raise ValueError("cannot convert this model to Megatron: " + "; ".join(problems))
 
@@ -149,6 +170,10 @@ def _layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, str
         names["self_attn.kv_b_proj.weight"] = a + "linear_kv_up_proj.weight"
     elif arch.attention_bias:
         names["self_attn.qkv_bias"] = p + "self_attention.linear_qkv.bias"
+        if arch.family.o_proj_bias:
+            names["self_attn.o_proj.bias"] = p + "self_attention.linear_proj.bias"
+    if arch.family.attention_sinks:
+        names["self_attn.sinks"] = p + "self_attention.core_attention.softmax_offset"
     if arch.use_qk_norm:
         names["self_attn.q_norm.weight"] = p + "self_attention.q_layernorm.weight"
         names["self_attn.k_norm.weight"] = p + "self_attention.k_layernorm.weight"
@@ -156,6 +181,9 @@ def _layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, str
         names["mlp.gate.weight"] = p + "mlp.router.weight"
         if arch.router == "sigmoid":
             names["mlp.gate.e_score_correction_bias"] = p + "mlp.router.expert_bias"
+        if arch.router == "topk_softmax":  # gpt-oss: HF's mlp.router, with a bias
+            names["mlp.router.weight"] = names.pop("mlp.gate.weight")
+            names["mlp.router.bias"] = p + "mlp.router.bias"
         if arch.n_shared_experts:
             names["mlp.shared_experts.fc1"] = p + "mlp.shared_experts.linear_fc1.weight"
             names["mlp.shared_experts.down_proj.weight"] = p + "mlp.shared_experts.linear_fc2.weight"
@@ -165,12 +193,13 @@ def _layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, str
     return names
 
 
-def expert_names(layout: MegatronLayout, layer: int, local: int) -> tuple[str, str]:
-    """(fc1, fc2) Megatron names of local expert ``local`` of decoder layer ``layer``."""
+def expert_names(layout: MegatronLayout, layer: int, local: int, kind: str = "weight") -> tuple[str, str]:
+    """(fc1, fc2) Megatron names of local expert ``local`` of decoder layer ``layer``
+    (``kind`` "bias": their biases, gpt-oss)."""
     p = f"decoder.layers.{layer}.mlp.experts."
     if layout.grouped_gemm:
-        return p + f"linear_fc1.weight{local}", p + f"linear_fc2.weight{local}"
-    return p + f"local_experts.{local}.linear_fc1.weight", p + f"local_experts.{local}.linear_fc2.weight"
+        return p + f"linear_fc1.{kind}{local}", p + f"linear_fc2.{kind}{local}"
+    return p + f"local_experts.{local}.linear_fc1.{kind}", p + f"local_experts.{local}.linear_fc2.{kind}"
 
 
 def megatron_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[str, tuple[int, ...]]]:
@@ -193,17 +222,27 @@ def megatron_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[st
         if "self_attn.qkv_bias" in n:
             specs.append((n["self_attn.qkv_bias"], ((nq + 2 * nkv) * hd // tp,)))
         specs.append((n["self_attn.o_proj.weight"], (H, nq * (arch.v_head_dim if arch.is_mla else hd) // tp)))
+        if "self_attn.o_proj.bias" in n:
+            specs.append((n["self_attn.o_proj.bias"], (H,)))
+        if "self_attn.sinks" in n:
+            specs.append((n["self_attn.sinks"], (nq // tp,)))
         if "self_attn.q_norm.weight" in n:
             specs += [(n["self_attn.q_norm.weight"], (hd,)), (n["self_attn.k_norm.weight"], (hd,))]
         specs.append((n["post_attention_layernorm.weight"], (H,)))
         if moe:
             I = arch.moe_intermediate_size
-            specs.append((n["mlp.gate.weight"], (arch.num_experts, H)))
-            if "mlp.gate.e_score_correction_bias" in n:
-                specs.append((n["mlp.gate.e_score_correction_bias"], (arch.num_experts,)))
+            for key in ("mlp.gate.weight", "mlp.router.weight"):
+                if key in n:
+                    specs.append((n[key], (arch.num_experts, H)))
+            for key in ("mlp.gate.e_score_correction_bias", "mlp.router.bias"):
+                if key in n:
+                    specs.append((n[key], (arch.num_experts,)))
             for j in range(arch.num_experts // layout.ep_size):
                 fc1, fc2 = expert_names(layout, i, j)
                 specs += [(fc1, (2 * I, H)), (fc2, (H, I))]
+                if arch.family.experts == "clamped_swiglu":
+                    b1, b2 = expert_names(layout, i, j, "bias")
+                    specs += [(b1, (2 * I,)), (b2, (H,))]
             if "mlp.shared_experts.fc1" in n:
                 S = I * arch.n_shared_experts
                 specs += [(n["mlp.shared_experts.fc1"], (2 * S // tp, H)),
@@ -253,6 +292,17 @@ def _unfc1(full: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A gathered fused fc1 ``[gate_0; up_0; gate_1; up_1; ...]`` -> (gate, up)."""
     shards = full.reshape(tp, 2, full.shape[0] // (2 * tp), full.shape[1])
     return shards[:, 0].reshape(-1, full.shape[1]), shards[:, 1].reshape(-1, full.shape[1])
+
+
+def deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate/up interleaved along dim 0 (rows 2i gate, 2i + 1 up) -> ``[gate; up]``."""
+    return torch.cat((t[0::2], t[1::2]), dim=0)
+
+
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`deinterleave`: ``[gate; up]`` along dim 0 -> rows gate_0, up_0, gate_1, ..."""
+    gate, up = t.chunk(2, dim=0)
+    return torch.stack((gate, up), dim=1).reshape(t.shape)
 
 
 # multi-head latent attention: HF tensors that map one to one (tp 1), but for the RoPE rows
@@ -306,7 +356,10 @@ def hf_to_megatron(
                 qkv = fuse_qkv(*(fetch(hp + f"self_attn.{x}_proj.{kind}") for x in "qkv"), arch)
                 put(n[key], qkv.chunk(layout.tp_size, 0)[layout.tp_rank] if layout.tp_size > 1 else qkv)
         put(n["self_attn.o_proj.weight"], _cols(fetch(hp + "self_attn.o_proj.weight"), layout))
-        for key in ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.e_score_correction_bias"):
+        if "self_attn.sinks" in n:
+            put(n["self_attn.sinks"], _rows(fetch(hp + "self_attn.sinks"), layout))
+        for key in ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.e_score_correction_bias",
+                    "self_attn.o_proj.bias", "mlp.router.bias"):
             if key in n:
                 put(n[key], fetch(hp + key))
         put(n["post_attention_layernorm.weight"], fetch(hp + "post_attention_layernorm.weight"))
@@ -314,7 +367,19 @@ def hf_to_megatron(
             sp = hp + "mlp.shared_experts."
             out[n["mlp.shared_experts.fc1"]] = _fc1(fetch(sp + "gate_proj.weight"), fetch(sp + "up_proj.weight"), layout)
             put(n["mlp.shared_experts.down_proj.weight"], _cols(fetch(sp + "down_proj.weight"), layout))
-        if arch.is_moe_layer(i):
+        if arch.is_moe_layer(i) and arch.family.experts == "clamped_swiglu":
+            put(n["mlp.router.weight"], fetch(hp + "mlp.router.weight"))
+            ep = hp + "mlp.experts."
+            rows = slice(layout.ep_rank * E_local, (layout.ep_rank + 1) * E_local)
+            stacks = {k: fetch(ep + k)[rows] for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+            for j in range(E_local):
+                fc1, fc2 = expert_names(layout, i, j)
+                b1, b2 = expert_names(layout, i, j, "bias")
+                out[fc1] = deinterleave(stacks["gate_up_proj"][j].t())
+                out[b1] = deinterleave(stacks["gate_up_proj_bias"][j])
+                put(fc2, stacks["down_proj"][j].t())
+                put(b2, stacks["down_proj_bias"][j])
+        elif arch.is_moe_layer(i):
             put(n["mlp.gate.weight"], fetch(hp + "mlp.gate.weight"))
             for j in range(E_local):
                 e = layout.ep_rank * E_local + j
@@ -360,6 +425,14 @@ def megatron_to_hf(
     lo = layout.ep_rank * E_local
     cache: dict[str, tuple[torch.Tensor, ...]] = {}  # fused tensors, split once, consumed in order
     for hf_name, _ in hf_param_specs(arch):
+        if stacked_expert_rows(hf_name, arch) is not None:  # gpt-oss: this rank's experts, stacked as HF's
+            layer, kind = int(hf_name.split(".")[2]), hf_name.rsplit(".", 1)[1]
+            w = {"gate_up_proj": lambda j: interleave(fetch(expert_names(layout, layer, j)[0])).t(),
+                 "gate_up_proj_bias": lambda j: interleave(fetch(expert_names(layout, layer, j, "bias")[0])),
+                 "down_proj": lambda j: fetch(expert_names(layout, layer, j)[1]).t(),
+                 "down_proj_bias": lambda j: fetch(expert_names(layout, layer, j, "bias")[1])}[kind]
+            yield hf_name, torch.stack([w(j) for j in range(E_local)])
+            continue
         parsed = parse_expert_name(hf_name)
         if parsed is not None:
             layer, e, proj = parsed
@@ -403,12 +476,15 @@ def megatron_to_hf(
                     del cache[key]
             elif suffix in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.shared_experts.down_proj.weight"):
                 yield hf_name, full(n[suffix], 1)
+            elif suffix == "self_attn.sinks":
+                yield hf_name, full(n[suffix], 0)
             else:
                 yield hf_name, fetch(n[suffix])
 
 
 def megatron_expert_owner(name: str, arch: MoEArch, ep_size: int) -> int | None:
-    """EP rank holding an HF expert tensor (None for dense tensors): contiguous blocks of
+    """EP rank holding an HF expert tensor (None for dense tensors, and for gpt-oss's stacked
+    expert tensors, whose rows every rank holds a block of): contiguous blocks of
     num_experts / ep_size experts per rank, as megatron-core's MoELayer assigns them."""
     parsed = parse_expert_name(name)
     return None if parsed is None else parsed[1] // (arch.num_experts // ep_size)

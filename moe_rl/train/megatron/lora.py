@@ -19,7 +19,8 @@ kv_a_proj_with_mqa,        ``linear_q_up_proj``, ``linear_kv_down_proj``, ``line
 kv_b_proj, q_proj          ``linear_q_proj``: B's RoPE rows reordered as the weight's (convert)
 router                     ``mlp.router.weight``
 experts.gate_up_proj       each local expert's ``linear_fc1`` = [gate; up]: B's first I rows
-                           adapt gate, the last I rows up, exactly fc1's row order
+                           adapt gate, the last I rows up, exactly fc1's row order (gpt-oss:
+                           B's rows follow HF's interleaved columns, de-interleaved here)
 experts.down_proj          each local expert's ``linear_fc2``
 =========================  ===================================================================
 
@@ -116,6 +117,8 @@ class MegatronLora:
                          for j in range(E_local)]
                 base = torch.stack([get(n) for n in names])
                 A, B = per_expert(*self._ab(s.key, base))
+                if s.transposed and s.target == "experts.gate_up_proj":  # gpt-oss: B's rows interleaved, fc1's not
+                    B = torch.cat((B[:, 0::2], B[:, 1::2]), dim=1)
                 out.update(zip(names, torch.baddbmm(base, B, A, alpha=s_).unbind(0)))
         if qkv:
             name = p + "self_attention.linear_qkv.weight"

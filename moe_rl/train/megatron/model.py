@@ -144,7 +144,7 @@ def destroy_parallel_state() -> None:
 # --- model ----------------------------------------------------------------------------------
 def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.float32, tp_size=1, ep_size=1,
                        cpu_init: bool = True):
-    """Megatron's TransformerConfig for an ``arch`` of either family.
+    """Megatron's TransformerConfig for an ``arch`` of any family.
 
     Softmax router (Qwen3-MoE): softmax over all experts, the top k and (norm_topk_prob)
     renormalised, which equals megatron's softmax score function with
@@ -155,13 +155,15 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
     renormalisation is megatron's always (``check_arch`` refuses what it cannot express). The
     bias is updated by the backend (``train.expert_bias_update_rate``), not by megatron's
     finalize_model_grads, which moe-rl does not call. Shared experts: megatron's SharedExpertMLP
-    of n_shared_experts x moe_intermediate_size, no gate. No aux loss, no capacity (dropless).
+    of n_shared_experts x moe_intermediate_size, no gate. gpt-oss's router (top-k of the biased
+    logits, softmax over them) is the softmax score function with ``pre_softmax=False`` and the
+    router bias of ``add_bias_linear`` (``_gpt_oss_fields``). No aux loss, no capacity (dropless).
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_arch(arch, MegatronLayout(tp_size=tp_size, ep_size=ep_size))
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if opts.recompute else {}
-    return (MLATransformerConfig if arch.is_mla else TransformerConfig)(
+    fields = dict(
         num_layers=arch.num_hidden_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
@@ -206,6 +208,48 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
         perform_initialization=False,  # weights always come from an HF state (checkpoint or seeded init)
         **recompute,
     )
+    fields.update(_gpt_oss_fields(arch))  # gpt-oss: its biases, sinks, windows and activation replace the above
+    config = (MLATransformerConfig if arch.is_mla else TransformerConfig)(**fields)
+    if not arch.is_mla:  # latent attention takes its YaRN from MLATransformerConfig's fields (_mla_fields)
+        _set_yarn(config, arch)
+    return config
+
+
+def _gpt_oss_fields(arch: MoEArch) -> dict:
+    """gpt-oss: biases on every linear (router and experts included), the learned softmax offset
+    (HF's sinks), sliding windows by layer, the clamped SwiGLU with the +1 on the linear side.
+
+    The window: megatron's ``window_size=(left, 0)`` lets query i see keys i - left .. i, left + 1
+    keys, where HF's ``sliding_window`` counts W keys, the query's own included: left = W - 1
+    (Megatron-Bridge's (128, 0) would attend to 129). ``window_attn_skip_freq`` as a list is
+    HF's ``layer_types`` itself (1: sliding)."""
+    if arch.family.experts != "clamped_swiglu":
+        return {}
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    kinds = arch.layer_kinds()
+    window = {}
+    if "swa" in kinds:
+        window = dict(window_size=(arch.sliding_window - 1, 0), window_attn_skip_freq=[int(k == "swa") for k in kinds])
+    return dict(add_bias_linear=True, softmax_type="learnable", activation_func=quick_gelu,
+                glu_linear_offset=1.0, activation_func_clamp_value=arch.swiglu_limit, bias_activation_fusion=False,
+                **window)
+
+
+def _set_yarn(config, arch: MoEArch) -> None:
+    """YaRN's parameters, which GPTModel(position_embedding_type="yarn") and the attention read
+    from the config by ``getattr`` (they are not TransformerConfig fields). mscale and
+    mscale_all_dim stay None when HF has none: megatron's concentration factor (cos/sin scale)
+    is then 0.1 ln(factor) + 1, HF's attention factor; set to 1.0 (as Megatron-Bridge's gpt-oss
+    provider does) they would make it 1."""
+    rope = arch.rope()
+    if rope.rope_type != "yarn":
+        return
+    for k, v in dict(rotary_scaling_factor=rope.factor, original_max_position_embeddings=rope.original_max_position_embeddings,
+                     beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, mscale=rope.mscale,
+                     mscale_all_dim=rope.mscale_all_dim, correction_range_round_to_int=rope.truncate).items():
+        setattr(config, "yarn_" + k, v)
+    config.apply_rope_fusion = False  # TE's fused RoPE refuses a concentration factor
 
 
 def _mla_fields(arch: MoEArch) -> dict:
@@ -227,6 +271,9 @@ def _mla_fields(arch: MoEArch) -> dict:
 
 
 def _router_fields(arch: MoEArch) -> dict:
+    if arch.router == "topk_softmax":
+        return dict(moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                    moe_router_topk_scaling_factor=None)
     if arch.router == "softmax":
         return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not arch.norm_topk_prob,
                     moe_router_topk_scaling_factor=None)
@@ -317,7 +364,9 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
         pre_process=True,
         post_process=True,
         share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
+        # "rope" or "yarn" (_set_yarn); latent attention rotates inside its layers (GPTModel's "rope"
+        # then builds nothing, its "yarn" would)
+        position_embedding_type="rope" if arch.is_mla else arch.rope().rope_type.replace("default", "rope"),
         rotary_percent=arch.partial_rotary_factor,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         parallel_output=True,
