@@ -569,7 +569,7 @@ def serve_main(argv: list[str]) -> int:
     ap.add_argument("--dry-run", action="store_true", help="engine.kind=sglang: print the SGLang command, do not run it")
     args = ap.parse_intermixed_args(argv)
     try:
-        cfg = _serve_config(args.config, args.overrides)
+        cfg = _serve_config(args.config, args.overrides, resolve=not args.dry_run)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -587,17 +587,18 @@ def serve_main(argv: list[str]) -> int:
     return 0
 
 
-def _serve_config(config: str, overrides: list[str]):
+def _serve_config(config: str, overrides: list[str], resolve: bool = True):
     """The config of ``moe-rl serve CONFIG``: a YAML file, or a directory holding a model (the
     defaults with model.path set to it); a model.path naming a checkpoint or run directory is
-    resolved to its model (``rundir.resolve_model_dir``)."""
+    resolved to its model (``rundir.resolve_model_dir``). ``resolve=False`` (``--dry-run``, which
+    prints the command for the machine that has the model) leaves a YAML's model.path as written."""
     from ..config import load_config
     from ..rundir import resolve_model_dir
 
     if Path(config).is_dir():
         return load_config(None, [f"model.path={resolve_model_dir(config)}", *overrides])
     cfg = load_config(config, overrides)
-    if cfg.model.path:
+    if cfg.model.path and resolve:
         cfg.model.path = str(resolve_model_dir(cfg.model.path))
     return cfg
 

@@ -68,3 +68,17 @@ def test_frozen_list_encodes_once_and_stays_a_list():
             change()
     back = pickle.loads(pickle.dumps(names))  # the local engine transport pickles requests
     assert type(back) is FrozenList and back == ["model.a.weight", "model.b.weight"]
+
+
+def test_serve_dry_run_prints_the_command_of_a_cluster_config_without_its_model(capsys):
+    """``moe-rl serve CONFIG --dry-run`` prints the SGLang line for the machine that holds the
+    model (docs/multinode.md): the model directory need not exist where it is printed."""
+    from pathlib import Path
+
+    from moe_rl.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    assert not Path("/models/Qwen3-30B-A3B").exists()
+    assert main(["serve", str(root / "configs" / "qwen3_30b_a3b_2x8.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out[out.index("--model-path") + 1] == "/models/Qwen3-30B-A3B" and "--ep-size" in out
