@@ -66,6 +66,7 @@ def run_once(config: str, eta: int, steps: int, out_dir: Path, overrides: list[s
         "reward_first": float(np.mean([row["reward_mean"] for row in rows[:q]])),
         "final_reward": float(np.mean([row["reward_mean"] for row in rows[-q:]])),
         "final_eval_reward": ev["eval/reward_mean"] if ev else None,
+        "eval_set": f"{cfg.eval.prompts} fixed prompts x {cfg.eval.samples}",
         "staleness_max": max(row["staleness_max"] for row in rows),
         "staleness_mean": float(np.mean([row["staleness_mean"] for row in rows])),
         "dropped_stale_groups": rows[-1]["dropped_stale_groups"],
@@ -124,7 +125,7 @@ def main(argv: list[str]) -> int:
                   f"lags by its staleness): async {A['final_reward_by_version']:.3f}, "
                   f"sync {S['final_reward_by_version']:.3f}")
         if A["final_eval_reward"] is not None:
-            print(f"final policy on {EVAL_PROMPTS} fixed prompts x {EVAL_SAMPLES}: async {A['final_eval_reward']:.3f}, "
+            print(f"final policy on {A['eval_set']}: async {A['final_eval_reward']:.3f}, "
                   f"sync {S['final_eval_reward']:.3f}")
     return 0
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from .arch import MoEArch
 from .attention import Attention, PackedCausal, PaddedCausal, mixer_class, packed_positions
 from .attention.layouts import ExactPacked
-from .grouped import dispatch, group_align, permute, unpermute
+from .grouped import dispatch, group_align, grouped_mm, permute, unpermute
 from .norm import RMSNorm
 from .ops import TORCH, Linear
 
