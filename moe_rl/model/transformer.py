@@ -269,7 +269,7 @@ class SigmoidGate(Linear):
         return self
 
 
-class TopKSoftmaxGate(nn.Linear):
+class TopKSoftmaxGate(Linear):
     """gpt-oss router: logits ``x W^T + b``, the top-k logits chosen, the weights a softmax over
     those k (fp32), which equals softmax over all experts, top-k, renormalised; the bias shifts
     both the choice and the weights. HF names: ``mlp.router.weight``, ``mlp.router.bias``."""

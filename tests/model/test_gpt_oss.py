@@ -397,7 +397,7 @@ def test_rows_after_the_last_group_reach_nothing(monkeypatch, lora):
     import contextlib
 
     from moe_rl.model import grouped as grouped_ops
-    from moe_rl.model import lora as lora_mod
+    from moe_rl.model import ops as ops_mod
     from moe_rl.model import transformer
     from tests.model.test_grouped_experts import _nan_tail
 
@@ -412,7 +412,7 @@ def test_rows_after_the_last_group_reach_nothing(monkeypatch, lora):
     want, want_grads = run()
     monkeypatch.setattr(transformer, "group_align", lambda x: 8)
     monkeypatch.setattr(transformer, "grouped_mm", _nan_tail(grouped_ops.grouped_mm))
-    monkeypatch.setattr(lora_mod, "grouped_mm", _nan_tail(grouped_ops.grouped_mm))
+    monkeypatch.setattr(ops_mod, "grouped_mm", _nan_tail(grouped_ops.grouped_mm))  # the LoRA's (model ops)
     got, grads = run()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert len(grads) == len(want_grads) and all(g is not None for g in want_grads)
