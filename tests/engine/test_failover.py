@@ -69,3 +69,21 @@ def test_rollouts_survive_an_engine_killed_mid_run():
         assert [s.uid for s in g.samples] == [f"p{g.group_id}-s0", f"p{g.group_id}-s1"]
         for s in g.samples:  # whole answers only: nothing of a dropped request mixed in
             assert len(s.response_ids) == len(s.behaviour_logprobs) == len(s.versions) == 200
+
+
+def test_client_drops_idle_connections_before_sglang_closes_them():
+    """A pooled connection is reused only while SGLang's server still keeps it (its uvicorn
+    closes an idle one after SGLANG_TIMEOUT_KEEP_ALIVE): else a request goes out on a socket
+    the server is closing and is lost."""
+    import asyncio
+
+    envs = pytest.importorskip("sglang.srt.environ").envs
+
+    async def keepalive():
+        c = EngineClient(["http://a"])
+        try:
+            return c._get_session().connector._keepalive_timeout
+        finally:
+            await c.close()
+
+    assert 0 < asyncio.run(keepalive()) < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()
