@@ -123,6 +123,9 @@ class ReplayConfig(Strict):
     # decoupled objective's proximal policy would be ("trainer"); docs/algorithms.md
     stale: Literal["engine", "trainer"] = "engine"
     dir: str | None = None  # default: <output_dir>/routing
+    retention: bool = Field(True, description="drop the routing records no sample can still use (trained on or "
+                            "dropped, and not in the buffer of the latest checkpoint): the log then holds a few "
+                            "steps' worth however long the run (docs/run_safety.md); false keeps every record")
 
 
 class SyncConfig(Strict):
@@ -310,8 +313,12 @@ class LoraConfig(Strict):
     dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapter dropout is not implemented")
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
                           "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
-                          "shared_experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                   "experts.gate_up_proj", "experts.down_proj"]
+                          "shared_experts.down_proj",
+                          # multi-head latent attention (deepseek_v3, glm4_moe_lite)
+                          "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"],
+        description="weights to adapt; attention targets are the projections of the model's attention (MLA models: "
+                    "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)")
     layers: list[int] | None = None  # decoder layers to adapt; None = all
     seed: int = 0
     sync: Literal["adapter", "merged"] = Field("merged", description="what a weight sync sends: the adapter "
@@ -367,16 +374,30 @@ class SweepConfig(Strict):
         return data
 
 
+class DistConfig(Strict):
+    """How long the ranks of the torchrun world wait for one another (docs/run_safety.md, "Long runs")."""
+
+    timeout_s: float = Field(1800.0, gt=0, description="timeout of the trainer pool's collectives whose ranks "
+                             "arrive together (gradient all-reduce, expert all-to-all): its process groups' timeout")
+    wait_timeout_s: float = Field(86400.0, gt=0, description="bound of the collectives where ranks wait long for "
+                                  "one of them: every rank at the start while the models load (the world's default "
+                                  "group), the trainer ranks for rank 0's rollouts, checkpoint writes and weight "
+                                  "syncs (groups of their own). A frozen rank ends the run sooner (peer_timeout_s)")
+    peer_timeout_s: float = Field(300.0, gt=0, description="a rank whose heartbeat stops this long is frozen "
+                                  "(stopped or hung): the rank watching it ends the run with an error naming it")
+
+
 class FaultConfig(Strict):
     """Fault injection for the run-safety suite (moe_rl/faults.py, docs/run_safety.md): when the
     named point is reached the ``at``-th time in a process (of ``rank``, or any), ``action``
     happens there. Off (``point: null``) in every real run."""
 
-    point: Literal["engine.generate", "sync.bucket", "checkpoint.write", "routing.append"] | None = None
+    point: Literal["engine.generate", "sync.bucket", "engine.update", "checkpoint.write", "routing.append"] | None = None
     at: int = Field(1, ge=1, description="fire on the at-th time the point is reached in a process")
-    action: Literal["kill_tree", "kill", "enospc"] = Field(
+    action: Literal["kill_tree", "kill", "stop", "enospc"] = Field(
         "kill_tree", description="kill_tree: SIGKILL the launcher and every process under it at once; kill: SIGKILL "
-        "this process; enospc: fail the write with OSError(ENOSPC) (checkpoint.write only)")
+        "this process; stop: SIGSTOP this process (it freezes); enospc: fail the write with OSError(ENOSPC) "
+        "(checkpoint.write only)")
     rank: int | None = Field(None, ge=0, description="the global rank where it fires; None = any rank reaching it")
 
 
@@ -418,6 +439,7 @@ class ExperimentConfig(Strict):
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+    dist: DistConfig = DistConfig()
     fault: FaultConfig = FaultConfig()
     eval: EvalConfig = EvalConfig()
 
@@ -520,6 +542,10 @@ class ExperimentConfig(Strict):
         if shared:
             raise ValueError(f"{where}: lora.targets has {shared}; serving shared-expert adapters through SGLang's "
                              "LoRA files is not checked against SGLang yet (use lora.sync=merged)")
+        mla = [t for t in self.lora.targets if t in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
+        if mla:
+            raise ValueError(f"{where}: lora.targets has {mla}; serving latent-attention adapters through SGLang's "
+                             "LoRA files is not checked against SGLang (use lora.sync=merged)")
         qkv = {"q_proj", "k_proj", "v_proj"} & set(self.lora.targets)
         if qkv and not {"q_proj", "v_proj"} <= qkv:
             raise ValueError(f"{where}: lora.targets has {sorted(qkv)}; SGLang stacks q/k/v adapters into qkv_proj "

@@ -457,6 +457,7 @@ class EngineServer:
         return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        faults.point("engine.update")  # a test run's engine stuck in a weight sync
         with paused_gc():  # the request's thousands of lists are freed before it ends: see moe_rl.gc_control
             return await self._update_weights(request)
 

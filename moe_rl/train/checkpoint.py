@@ -184,5 +184,7 @@ def load_checkpoint(ckpt: Path, backend, rank: int) -> tuple[dict, dict | None]:
 
 
 def _barrier(groups) -> None:
+    """The trainer ranks wait for rank 0's writes: on the wait group (moe_rl.dist), as a large
+    model's files may take longer than a collective's timeout."""
     if groups is not None and len(groups.layout.trainer_ranks) > 1:
-        dist.barrier(group=groups.trainer)
+        dist.barrier(group=groups.trainer_wait or groups.trainer)

@@ -1,6 +1,7 @@
 """Token mixers (attention kinds), their decode state, rope and the attention layouts.
 
-One module per kind (``mha.py``: softmax attention with grouped K/V heads), each a ``Mixer``
+One module per kind (``mha.py``: softmax attention with grouped K/V heads; ``mla.py``:
+multi-head latent attention), each a ``Mixer``
 (``base.py``) registered in ``MIXERS`` under the name a family's ``Family.attention`` gives a
 layer (``MoEArch.layer_kinds``). ``rope.py``: rotary tables; ``layouts.py``: the ``attend``
 objects of training and the attention arithmetic; ``state.py``: the per-slot decode state
@@ -12,11 +13,13 @@ from .base import Mixer
 from .layouts import (Attention, PackedCausal, PaddedCausal, decode_sdpa, longest_sequence, packed_positions,
                       sdpa)
 from .mha import MHAttention
+from .mla import MLAttention
 from .rope import Rope, apply_rope, rope_cos_sin
 from .state import KVCache, KVSpec
 
 MIXERS: dict[str, type[Mixer]] = {
     "mha": MHAttention,
+    "mla": MLAttention,
 }
 
 
@@ -32,6 +35,6 @@ def state_specs(arch: MoEArch) -> list:
     return [mixer_class(arch, i).state_spec(arch, i) for i in range(arch.num_hidden_layers)]
 
 
-__all__ = ["MIXERS", "Mixer", "MHAttention", "mixer_class", "state_specs", "Attention", "PaddedCausal",
+__all__ = ["MIXERS", "Mixer", "MHAttention", "MLAttention", "mixer_class", "state_specs", "Attention", "PaddedCausal",
            "PackedCausal", "sdpa", "decode_sdpa", "longest_sequence", "packed_positions", "Rope", "apply_rope",
            "rope_cos_sin", "KVSpec", "KVCache"]

@@ -40,3 +40,14 @@ class Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention) -> torch.Tensor:
         raise NotImplementedError
+
+
+def linear_weight(linear: nn.Linear) -> torch.Tensor:
+    """The weight ``linear`` applies, with the delta s * B @ A of a LoRA adapter served in the
+    forward (``moe_rl.model.lora`` hooks the module's output and leaves ``lora_delta`` on it),
+    for a kind that uses a projection's weight other than by calling the module."""
+    delta = getattr(linear, "lora_delta", None)
+    if delta is None:
+        return linear.weight
+    A, B, scaling = delta
+    return torch.addmm(linear.weight, B, A, alpha=scaling)
