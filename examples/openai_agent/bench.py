@@ -9,6 +9,15 @@ Per run: samples/s = samples per step / the median of the step times (``wall_s``
 consecutive metrics.jsonl rows) over steps 6..S (start-up excluded), and the 1-minute load
 average before it. Prints every run, then per arm the median samples/s and the median of the
 pair-by-pair ratios to the token-level arm. ``--arm`` adds arms (e.g. ``workers0=env.agent_workers=0``).
+
+The learning check (minutes, so a benchmark and not a test):
+
+    python examples/openai_agent/bench.py --learn [--minutes 5] [OVERRIDE ...]
+
+trains the example for ``--minutes`` of wall time (``wall_s``, start-up excluded), prints the
+mean reward by 20-step windows, and fails unless the last window's mean is above both the
+blind level (1/3: answering without reading the tool results) + 0.15 and the first window's
+mean + 0.3.
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,12 +52,49 @@ def run(overrides: list[str], steps: int, out: Path) -> float:
     return statistics.median(row["samples"] for row in rows[5:]) / statistics.median(gaps)
 
 
+BLIND = 1 / 3  # guess_tools: the best a policy that ignores the tool results earns
+
+
+def learn(minutes: float, overrides: list[str], out: Path) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLE)]))
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/openai_agent.yaml", f"output_dir={out}",
+           "train.steps=100000", "logging.progress=false", "checkpoint.every=0", "overwrite_output_dir=true",
+           *overrides]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    metrics, rows = out / "metrics.jsonl", []
+    try:
+        while proc.poll() is None and (not rows or rows[-1]["wall_s"] < minutes * 60):
+            time.sleep(2)
+            if metrics.exists():
+                rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=60)[1]
+    rows = [r for r in rows if r["wall_s"] <= minutes * 60]
+    if len(rows) < 40:
+        raise SystemExit(f"{shlex.join(cmd)}: {len(rows)} steps in {minutes} min\n{err[-3000:]}")
+    windows = [rows[i:i + 20] for i in range(0, len(rows) - len(rows) % 20, 20)]
+    means = [statistics.fmean(r["reward_mean"] for r in w) for w in windows]
+    for w, m in zip(windows, means):
+        print(f"steps {w[0]['step']:4d}-{w[-1]['step']:4d} (to {w[-1]['wall_s']:5.0f} s): mean reward {m:.3f}")
+    ok = means[-1] > BLIND + 0.15 and means[-1] > means[0] + 0.3
+    print(f"load {os.getloadavg()[0]:.1f}; {'learns' if ok else 'does NOT learn'}: last window {means[-1]:.3f} vs "
+          f"first {means[0]:.3f}, blind level {BLIND:.3f}")
+    return 0 if ok else 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--arm", action="append", default=[], help="NAME=OVERRIDE[ OVERRIDE...]: another agent arm")
+    ap.add_argument("--learn", action="store_true", help="the learning check instead of the throughput pairs")
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("overrides", nargs="*", help="config overrides for --learn")
     a = ap.parse_args()
+    if a.learn:
+        with tempfile.TemporaryDirectory(prefix="agent-learn-") as tmp:
+            raise SystemExit(learn(a.minutes, a.overrides, Path(tmp) / "run"))
     arms = {"agent": [], **{s.split("=", 1)[0]: shlex.split(s.split("=", 1)[1]) for s in a.arm},
             "token-level": TOKEN_LEVEL}
     rates: dict[str, list[float]] = {k: [] for k in arms}
