@@ -48,6 +48,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,6 +260,9 @@ def _is_update_abort(finish: dict | None) -> bool:
         str(finish.get("message", "")).startswith(_UPDATE_ABORTS)
 
 
+FRESH_RENDERS = 256  # conversations whose fresh render is kept (a few steps' prompts)
+
+
 # --- the endpoints ---------------------------------------------------------------------------
 class OpenAIServer:
     """The OpenAI-compatible handlers of one ``EngineServer`` (see the module docstring)."""
@@ -274,6 +278,9 @@ class OpenAIServer:
         self.stop_texts = ([self.tokenizer.decode([t], skip_special_tokens=False) for t in sorted(server.eos_token_ids)]
                            if self.tokenizer is not None else [])
         self.episodes: dict[str, Episode] = {}
+        # conversation -> (prompt ids, text) of a fresh render: a GRPO group's episodes all open
+        # with the same messages and tools, rendered and encoded once instead of group_size times
+        self.fresh: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
 
     def register(self, app: web.Application) -> None:
         r = app.router
@@ -374,6 +381,11 @@ class OpenAIServer:
                     found = chat.continuation(self.tokenizer, turn, messages, tools, kwargs, self.stop_texts)
                     if found is not None:
                         return found[0], turn.record, found[1]
+            key = chat.fingerprint([messages, tools, kwargs])
+            if key in self.fresh:
+                self.fresh.move_to_end(key)
+                ids, text = self.fresh[key]
+                return list(ids), None, text
             text = chat.render(self.tokenizer, chat.template_messages(messages), tools, add_generation_prompt=True,
                                template_kwargs=kwargs)
         except (ValueError, TypeError, KeyError) as e:
@@ -382,7 +394,11 @@ class OpenAIServer:
             if type(e).__module__.startswith("jinja2"):
                 raise OpenAIError(400, f"messages: the chat template failed: {e}", "messages") from None
             raise
-        return chat.encode(self.tokenizer, text), None, text
+        ids = chat.encode(self.tokenizer, text)
+        self.fresh[key] = (ids, text)
+        if len(self.fresh) > FRESH_RENDERS:
+            self.fresh.popitem(last=False)
+        return list(ids), None, text
 
     # --- /v1/completions ---------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -250,3 +250,25 @@ def test_episodes_registered_and_collected_together(server):
         r = requests.post(url + ("/episodes/collect" if "ids" in bad else "/episodes"), json=bad, timeout=10)
         assert r.status_code == 400 and (param is None or r.json()["error"]["param"] == param), (bad, r.text)
     requests.delete(f"{url}/episodes/held", timeout=10)
+
+
+def test_a_repeated_conversation_is_rendered_once(client, tok, monkeypatch):
+    """The fresh render of a conversation is kept: asked again (a group's episodes open with
+    the same messages), the prompt is the kept one, still transformers' rendering; other tools
+    or messages are rendered anew."""
+    from moe_rl.engine import chat
+
+    renders, render = [], chat.render
+    monkeypatch.setattr(chat, "render", lambda *a, **k: renders.append(1) or render(*a, **k))
+    cases = [(MESSAGES, _tools()), (MESSAGES, _tools()[:1]), ([{"role": "user", "content": "guess 1 to 2"}], None)]
+    for rnd in range(2):
+        for messages, tools in cases:
+            r = client.chat.completions.create(model="x", messages=messages, tools=tools, max_tokens=1,
+                                               extra_body={"return_token_ids": True})
+            want = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+            assert r.choices[0].prompt_token_ids == list(want)
+        if rnd == 0:
+            first = len(renders)  # 3, or fewer where earlier tests asked the same
+            assert 1 <= first <= 3
+    assert len(renders) == first
