@@ -110,7 +110,8 @@ class EngineConfig(Strict):
                                   "client to send a request's headers (from connecting, or from its previous "
                                   "answer) and then its body (HTTP 408) before it closes the connection; also how "
                                   "long an idle keep-alive connection is kept. Keep it above the clients' keep-alive "
-                                  "(15 s in aiohttp, EngineClient's library)")
+                                  "(EngineClient's: 4 s, below SGLang's 5 s; the agents' openai client over aiohttp: "
+                                  "5 s)")
     max_waiting_requests: int | None = Field(4096, ge=0, description="requests queued beyond max_running_requests "
                                              "(waiting for a KV slot) before /generate answers HTTP 503 with "
                                              "Retry-After; passed to a launched SGLang server as "
@@ -375,6 +376,10 @@ class EnvConfig(Strict):
                                      "agent(client, prompt, **env.args) called once per episode with an "
                                      "openai.AsyncOpenAI client scoped to the episode; returns the reward (a float, "
                                      "or a dict with 'reward' and numeric metrics). docs/environments.md, 'Agents'")
+    agent_workers: int = Field(1, ge=0, description="processes that play env.openai_agent's episodes, each with "
+                               "its own event loop, so the agents' client work takes no CPU from the trainer's "
+                               "process; env.max_concurrent_episodes is split among them. 0 = in the rollout "
+                               "manager's thread (the agent's module state then lives in the trainer's process)")
 
     _check = field_validator("factory", "openai_agent")(classmethod(lambda cls, v: _check_plugin_path(v)))
 

@@ -1,12 +1,14 @@
 """The guessing game of the OpenAI-agent example: its rules, tools, task and the same game as
 a token-level environment (the side-by-side baseline of the agent path).
 
-A secret number in 0..3. Two tools: ``compare(n)`` answers ``higher`` (the secret is higher
-than n), ``lower`` or ``equal``; ``answer(n)`` ends the game, ``right`` or ``wrong``. At most
-``max_turns`` model turns. Reward: 1 - 0.2 (t - 1) for the right answer at turn t, 0
-otherwise; a turn without a tool call ends the game. With 3 turns, comparing first and then
-answering earns 0.7 on average; a policy that ignores the tool results earns at most 0.25
-(answer at once): a mean reward above that means the model reads the results.
+A secret number in 0..2. Two tools: ``compare(n)`` answers ``higher`` (the secret is higher
+than n), ``lower`` or ``equal``; ``answer(n)`` ends the game, ``right`` or ``wrong``, and
+counts only after a ``compare`` (an answer before any comparison is ``wrong``). At most
+``max_turns`` model turns; a turn without a tool call ends the game. Reward: 1 for the right
+answer, else 0. A policy that ignores the tool results earns at most 1/3; ``compare(1)`` and
+then the answer the result names earns 1: a mean reward above 1/3 means the model reads the
+results. (Without the compare-first rule the model settles on answering at once, 1/3: a
+comparison pays only once the answer after it is learned.)
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from pathlib import Path
 from moe_rl.tasks.base import Prompt, rng_for
 
 TOKENIZER = Path(__file__).parent / "tokenizer"
-QUESTION = "guess 0 to 3"
-NUMBERS = 4
+QUESTION = "guess 0 to 2"
+NUMBERS = 3
 TOOLS = [
     {"type": "function", "function": {
         "name": "compare", "description": "Compare n with the secret number: higher, lower or equal.",
@@ -33,6 +35,7 @@ class Game:
 
     def __init__(self, secret: int):
         self.secret, self.turns, self.reward, self.done, self.found = secret, 0, 0.0, False, False
+        self.compared = False
 
     def call(self, name: str, arguments: dict) -> str:
         n = arguments.get("n")
@@ -40,11 +43,12 @@ class Game:
             return "error"
         if name == "answer":
             self.done = True
-            if n == self.secret:
+            if n == self.secret and self.compared:
                 self.found = True
-                self.reward += 1.0 - 0.2 * (self.turns - 1)
+                self.reward = 1.0
                 return "right"
             return "wrong"
+        self.compared = True
         return "higher" if self.secret > n else "lower" if self.secret < n else "equal"
 
 
@@ -71,9 +75,9 @@ class GuessToolsTask:
         return Prompt(index, ids, None, {"text": QUESTION, "messages": messages, "answer": str(secret)})
 
     def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
-        """Single-turn use: the first turn answers right."""
-        return float(self.decode(response_ids[:1]).startswith('<tool_call>\n{"name": "answer", "arguments": {"n": %s}'
-                                                                % prompt.meta["answer"]))
+        """Single-turn use (no tool results, so no answer counts): 1 for the best first move,
+        ``compare(1)``, whose result names the secret."""
+        return float(self.decode(response_ids[:1]).startswith('<tool_call>\n{"name": "compare", "arguments": {"n": 1}'))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

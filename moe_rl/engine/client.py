@@ -1,7 +1,8 @@
 """The async HTTP client for SGLang servers and embedded engines: the only way the rest of the
 stack talks to rollout engines.
 
-* one pooled ``aiohttp`` session per client (``max_connections`` sockets in all);
+* one pooled ``aiohttp`` session per client (``max_connections`` sockets in all, idle ones kept
+  ``KEEPALIVE_S``, less than SGLang's server keeps them);
 * a total timeout per request (``timeout_s``, default ``engine.request_timeout_s``) and a
   connect timeout;
 * retries only when the TCP connection could not be made (``connect_retries``, with backoff):
@@ -33,6 +34,10 @@ __all__ = ["EngineClient", "EngineHandle", "EngineError", "EngineHTTPError", "En
 
 
 _JSON = {"Content-Type": "application/json"}
+# Seconds an idle pooled connection is kept for reuse: below the servers' own idle keep-alive
+# (SGLang's uvicorn: SGLANG_TIMEOUT_KEEP_ALIVE, 5 s; the embedded server: engine.read_timeout_s),
+# so that a request never goes out on a connection the server is closing. aiohttp's default is 15 s.
+KEEPALIVE_S = 4.0
 
 
 class EngineError(RuntimeError):
@@ -113,7 +118,7 @@ class EngineClient:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_S),
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s),
             )

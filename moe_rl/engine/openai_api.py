@@ -23,10 +23,12 @@ Endpoints (field names and behaviour read from sglang 0.5.23's ``entrypoints/ope
   are refused, never ignored.
 
 Episodes: ``POST /episodes`` registers an episode (its sampling settings, seed, token budgets,
-whether to record routing); ``/episodes/{id}/v1/...`` then serves the same endpoints and
+whether to record routing), or several with the same settings (``id`` and ``seed`` lists: a
+GRPO group in one request); ``/episodes/{id}/v1/...`` then serves the same endpoints and
 records every call: prompt ids, output ids, log-probs, the weight version of each token and
 the routing rows (``meta_info.routed_experts``, from ``routing_start``). ``GET`` / ``DELETE
-/episodes/{id}`` return the records (DELETE forgets the episode). Inside an episode:
+/episodes/{id}`` return the records (DELETE forgets the episode); ``POST /episodes/collect``
+with ``{"ids": [...]}`` returns and forgets several. Inside an episode:
 
 * sampling is the run's (temperature, top_p, top_k; no penalties); the agent's ``max_tokens``
   is capped by the episode's per-call and whole-episode budgets; its ``seed`` is replaced by
@@ -46,6 +48,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,9 +189,20 @@ class Episode:
     calls: int = 0
 
     @classmethod
-    def parse(cls, body: Any) -> "Episode":
-        if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not body["id"]:
-            raise OpenAIError(400, "id: required (a string)", "id")
+    def parse(cls, body: Any) -> list["Episode"]:
+        """The episodes of a ``POST /episodes`` body: one (``id`` a string, ``seed`` an int) or
+        several sharing the settings (``id`` a list of strings, ``seed`` a list as long)."""
+        ids = body.get("id") if isinstance(body, dict) else None
+        many = isinstance(ids, list)
+        ids = ids if many else [ids]
+        if not ids or not all(isinstance(i, str) and i for i in ids) or len(set(ids)) < len(ids):
+            raise OpenAIError(400, "id: required (a string, or a list of distinct strings)", "id")
+        seeds = body.get("seed")
+        if not many or seeds is None:
+            seeds = [seeds] * len(ids)
+        if not isinstance(seeds, list) or len(seeds) != len(ids) or not all(
+                s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in seeds):
+            raise OpenAIError(400, "seed: an integer (a list of one per id when id is a list)", "seed")
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict) or set(sp) - {"temperature", "top_p", "top_k"}:
             raise OpenAIError(400, "sampling_params: an object with temperature, top_p, top_k", "sampling_params")
@@ -196,10 +210,10 @@ class Episode:
             v = body.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise OpenAIError(400, f"{key}: a positive integer or null", key)
-        return cls(id=body["id"], sampling=dict(sp), seed=int(body.get("seed") or 0),
-                   routing=bool(body.get("return_routed_experts")), max_tokens=body.get("max_tokens"),
-                   max_total=body.get("max_total_tokens"),
-                   expires=time.monotonic() + float(body.get("ttl_s") or 3600.0))
+        expires = time.monotonic() + float(body.get("ttl_s") or 3600.0)
+        return [cls(id=i, sampling=dict(sp), seed=int(seed or 0), routing=bool(body.get("return_routed_experts")),
+                    max_tokens=body.get("max_tokens"), max_total=body.get("max_total_tokens"), expires=expires)
+                for i, seed in zip(ids, seeds)]
 
     def call_seed(self, call: int, choice: int) -> int:
         return int(np.random.SeedSequence([self.seed, call, choice]).generate_state(1)[0] & 0x7FFFFFFF)
@@ -246,6 +260,9 @@ def _is_update_abort(finish: dict | None) -> bool:
         str(finish.get("message", "")).startswith(_UPDATE_ABORTS)
 
 
+FRESH_RENDERS = 256  # conversations whose fresh render is kept (a few steps' prompts)
+
+
 # --- the endpoints ---------------------------------------------------------------------------
 class OpenAIServer:
     """The OpenAI-compatible handlers of one ``EngineServer`` (see the module docstring)."""
@@ -262,6 +279,9 @@ class OpenAIServer:
         self.stop_texts = ([self.tokenizer.decode([t], skip_special_tokens=False) for t in sorted(server.eos_token_ids)]
                            if self.tokenizer is not None else [])
         self.episodes: dict[str, Episode] = {}
+        # conversation -> (prompt ids, text) of a fresh render: a GRPO group's episodes all open
+        # with the same messages and tools, rendered and encoded once instead of group_size times
+        self.fresh: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
 
     def register(self, app: web.Application) -> None:
         r = app.router
@@ -270,23 +290,26 @@ class OpenAIServer:
             r.add_post(prefix + "/v1/chat/completions", self.chat_completions)
             r.add_post(prefix + "/v1/completions", self.completions)
         r.add_post("/episodes", self.register_episode)
+        r.add_post("/episodes/collect", self.collect_episodes)
         r.add_get("/episodes/{eid}", self.episode_records)
         r.add_delete("/episodes/{eid}", self.episode_records)
 
     # --- episodes --------------------------------------------------------------------------
     async def register_episode(self, request: web.Request) -> web.Response:
         try:
-            ep = Episode.parse(await _body(request))
+            body = await _body(request)
+            eps = Episode.parse(body)
         except OpenAIError as e:
             return error_response(e.status, e.message, e.param)
         now = time.monotonic()
         for eid in [k for k, v in self.episodes.items() if v.expires < now]:  # never collected: dropped
             log.warning("episode %s expired with %d records never collected", eid, len(self.episodes[eid].records))
             del self.episodes[eid]
-        if ep.id in self.episodes:
-            return error_response(400, f"episode {ep.id!r} is already registered", "id")
-        self.episodes[ep.id] = ep
-        return web.json_response({"id": ep.id})
+        taken = [ep.id for ep in eps if ep.id in self.episodes]
+        if taken:  # none of them is registered then
+            return error_response(400, f"episode {taken[0]!r} is already registered", "id")
+        self.episodes.update((ep.id, ep) for ep in eps)
+        return web.json_response({"id": body["id"]})
 
     async def episode_records(self, request: web.Request) -> web.Response:
         eid = request.match_info["eid"]
@@ -294,6 +317,23 @@ class OpenAIServer:
         if ep is None:
             return error_response(404, f"no episode {eid!r} (never registered, or already collected)")
         return web.json_response({"id": ep.id, "records": ep.records})
+
+    async def collect_episodes(self, request: web.Request) -> web.Response:
+        """``POST /episodes/collect {"ids": [...]}``: the records of several episodes, which are
+        then forgotten (DELETE for many); an unknown id gets an ``error`` instead of records."""
+        try:
+            ids = (await _body(request)).get("ids")
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                raise OpenAIError(400, "ids: a list of episode ids", "ids")
+        except (OpenAIError, AttributeError) as e:
+            e = e if isinstance(e, OpenAIError) else OpenAIError(400, "the body must be a JSON object")
+            return error_response(e.status, e.message, e.param)
+        out = []
+        for eid in ids:
+            ep = self.episodes.pop(eid, None)
+            out.append({"id": eid, "records": ep.records} if ep is not None else
+                       {"id": eid, "error": f"no episode {eid!r} (never registered, or already collected)"})
+        return web.json_response({"episodes": out})
 
     def _episode(self, request: web.Request) -> Episode | None:
         eid = request.match_info.get("eid")
@@ -345,6 +385,11 @@ class OpenAIServer:
                     found = chat.continuation(self.tokenizer, turn, messages, tools, kwargs, self.stop_texts)
                     if found is not None:
                         return found[0], turn.record, found[1]
+            key = chat.fingerprint([messages, tools, kwargs])
+            if key in self.fresh:
+                self.fresh.move_to_end(key)
+                ids, text = self.fresh[key]
+                return list(ids), None, text
             text = chat.render(self.tokenizer, chat.template_messages(messages), tools, add_generation_prompt=True,
                                template_kwargs=kwargs)
         except (ValueError, TypeError, KeyError) as e:
@@ -353,7 +398,11 @@ class OpenAIServer:
             if type(e).__module__.startswith("jinja2"):
                 raise OpenAIError(400, f"messages: the chat template failed: {e}", "messages") from None
             raise
-        return chat.encode(self.tokenizer, text), None, text
+        ids = chat.encode(self.tokenizer, text)
+        self.fresh[key] = (ids, text)
+        if len(self.fresh) > FRESH_RENDERS:
+            self.fresh.popitem(last=False)
+        return list(ids), None, text
 
     # --- /v1/completions ---------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -655,8 +704,9 @@ class _ChatShape(_Shape):
         text = self.text(g, out, True)
         finish = _finish_reason(out)
         msg: dict[str, Any] = {"role": "assistant", "content": text}
-        if self.tools:
-            content, calls = chat.parse_tool_calls(text, self.api.tool_format, self.tools)
+        if self.tools:  # as SGLang: the content is the text before the calls, also when no call parsed
+            content, calls = chat.parse_tool_calls(text, self.api.tool_format, self.tools)  # (a declared name)
+            msg["content"] = content
             if calls:
                 msg = {"role": "assistant", "content": content, "tool_calls": [
                     {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -713,7 +763,7 @@ class _ChatShape(_Shape):
         if final:
             msg, finish = self.message(g, out)
             self.messages[i] = msg
-            text = msg["content"] if msg.get("tool_calls") else text
+            text = msg["content"] if self.tools else text  # the tool-call text is never streamed as content
         sent, lo = self.sent.get(i, 0), self.sent_tokens.get(i, 0)
         piece = text[sent:] if len(text) > sent else ""
         hi = len(out.output_ids)

@@ -2,11 +2,21 @@
 (``env.openai_agent``), and trained on from the engine's record of its calls (DESIGN.md
 contract 10; docs/environments.md, "Agents").
 
-Per episode the runner registers the episode on one engine (``POST /episodes``: the run's
-temperature/top_p/top_k, a seed from (data.seed, prompt, sample), the token budgets, whether
-to record routing), calls ``agent(client, prompt, **env.args)`` with an
-``openai.AsyncOpenAI`` client whose base_url is ``{engine}/episodes/{id}/v1``, and collects
-the engine's records (``DELETE /episodes/{id}``) when the agent returns, raises or times out.
+Who does what:
+
+* :class:`AgentRunner` (the rollout manager's side) turns a prompt's GRPO group into a
+  :class:`GroupJob` (one engine, an episode id and seed per sample, the run's sampling and
+  token budgets), hands it to the players and turns what comes back into Samples, routing
+  records included.
+* :class:`AgentPlayer` plays a group's episodes: it registers them on the engine
+  (``POST /episodes``; episodes that start together go in one request), calls
+  ``agent(client, prompt, **env.args)`` with an ``openai.AsyncOpenAI`` client whose base_url
+  is ``{engine}/episodes/{id}/v1`` (one aiohttp connection pool for all episodes), and collects
+  the engine's records when the agent returns, raises or times out (``POST /episodes/collect``,
+  again one request for the episodes that end together). The players run in
+  ``env.agent_workers`` processes of their own (``moe_rl/rollout/agent_workers.py``), so the
+  agents' client work (the SDK's request and response models, HTTP) takes no CPU from the
+  trainer's process; with ``env.agent_workers=0`` one player runs in the manager's thread.
 
 The trajectory comes from the records only, never from chat text (:func:`trajectories`):
 in the order the calls finished, a call whose prompt extends an earlier sequence's
@@ -20,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import uuid
 from dataclasses import dataclass, field
 
-from moe_rl.engine.client import EngineError
+from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.protocol import version_number
 from moe_rl.replay import record_from_responses
 from moe_rl.tasks.base import Prompt
@@ -103,108 +114,242 @@ def trajectories(records: list[dict]) -> list[Sequence]:
     return seqs
 
 
+# --- what travels between the runner and the players (pickled to a worker process) ----------
+@dataclass
+class GroupJob:
+    """A prompt's GRPO group for a player: one engine, an episode id and seed per sample."""
+
+    url: str
+    eids: list[str]
+    seeds: list[int]
+    prompt: Prompt
+    settings: dict  # the POST /episodes fields the episodes share (sampling, budgets, routing, ttl)
+
+
+@dataclass
+class EpisodeResult:
+    failed: str | None
+    reward: float = 0.0
+    metrics: dict = field(default_factory=dict)
+    sequences: list[Sequence] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PlayerSettings:
+    """What a player needs besides the jobs (picklable: a worker process builds its player from it)."""
+
+    agent: str  # env.openai_agent
+    args: dict  # env.args
+    api_key: str | None
+    request_timeout_s: float
+    episode_timeout_s: float
+    max_concurrent: int  # episodes in flight in this player
+
+
+def check_agent(path: str, args: dict):
+    """The agent function at ``path``, checked as ``env.openai_agent`` must be (PluginError)."""
+    agent = load_plugin(path, KEY)
+    who = f"{KEY} ({path})"
+    if not inspect.iscoroutinefunction(agent):
+        raise PluginError(f"{who}: must be an async function agent(client, prompt, **env.args)")
+    check_signature(agent, KEY, path, None, Prompt(0, [1]), **args)
+    try:
+        import openai
+    except ImportError as e:
+        raise PluginError(f"{who}: the agent path needs the `openai` package (pip install 'openai[aiohttp]')") from e
+    try:
+        openai.DefaultAioHttpClient
+    except AttributeError as e:
+        raise PluginError(f"{who}: openai {openai.__version__} has no aiohttp client; the agent path needs "
+                          "openai>=1.89 (pip install 'openai[aiohttp]>=1.89')") from e
+    return agent
+
+
+class _Coalesced:
+    """``send(url, items) -> one result per item``, with the calls made in one event-loop
+    iteration for the same engine sent as one request (the episodes of a group start together)."""
+
+    def __init__(self, send):
+        self.send, self.pending, self.sending = send, {}, set()
+
+    async def __call__(self, url: str, item):
+        batch = self.pending.get(url)
+        if batch is None:
+            loop = asyncio.get_running_loop()
+            batch = self.pending[url] = ([], loop.create_future())
+            loop.call_soon(self._flush, url)  # after the other callers woken in this iteration
+        batch[0].append(item)
+        i = len(batch[0]) - 1
+        results = await asyncio.shield(batch[1])
+        if isinstance(results[i], Exception):
+            raise results[i]
+        return results[i]
+
+    def _flush(self, url: str) -> None:
+        items, fut = self.pending.pop(url)
+
+        async def go():
+            try:
+                fut.set_result(await self.send(url, items))
+            except Exception as e:  # the request failed: every caller gets the error
+                fut.set_result([e] * len(items))
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
+
+        task = asyncio.ensure_future(go())
+        self.sending.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self.sending.discard)
+
+
+class AgentPlayer:
+    """Plays GroupJobs with the agent, in whichever process and event loop it is used from."""
+
+    def __init__(self, s: PlayerSettings):
+        self.s = s
+        self.agent = check_agent(s.agent, s.args)
+        import openai
+
+        self.openai = openai
+        self.who = f"{KEY} ({s.agent})"
+        for name in ("httpx", "httpx2", "openai"):  # one INFO line per call otherwise
+            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
+        self.slots = asyncio.Semaphore(s.max_concurrent)
+        self.client = None  # one AsyncOpenAI for all episodes, over aiohttp (made per episode it cost 150 ms)
+        self.http: EngineClient | None = None  # the episodes' register and collect requests
+        self._register = _Coalesced(self._register_batch)
+        self._collect = _Coalesced(self._collect_batch)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
+
+    async def play_group(self, job: GroupJob) -> list[EpisodeResult]:
+        if self.http is None:
+            self.http = EngineClient(job.url, api_key=self.s.api_key, timeout_s=self.s.request_timeout_s)
+        if self.client is None:
+            self.client = self.openai.AsyncOpenAI(
+                base_url=f"{job.url}/v1", api_key=self.s.api_key or "EMPTY", max_retries=0,
+                timeout=self.s.request_timeout_s, http_client=self.openai.DefaultAioHttpClient())
+        return list(await asyncio.gather(*(self._episode(job, j) for j in range(len(job.eids)))))
+
+    async def _register_batch(self, url: str, items: list) -> list:
+        settings = items[0][2]
+        await self.http.request("POST", "/episodes", url, {
+            **settings, "id": [eid for eid, _, _ in items], "seed": [seed for _, seed, _ in items]})
+        return [None] * len(items)
+
+    async def _collect_batch(self, url: str, eids: list[str]) -> list:
+        out = (await self.http.request("POST", "/episodes/collect", url, {"ids": eids}))["episodes"]
+        return [e["records"] if "records" in e else EngineError(url, "/episodes/collect", e.get("error", "?"))
+                for e in out]
+
+    async def _episode(self, job: GroupJob, j: int) -> EpisodeResult:
+        url, eid = job.url, job.eids[j]
+        failed, reward, metrics, records = None, 0.0, {}, []
+        async with self.slots:
+            try:
+                await self._register(url, (eid, job.seeds[j], job.settings))
+            except EngineError as e:
+                return EpisodeResult(f"engine {url}: {e}")
+            try:
+                failed, reward, metrics = await self._play(url, eid, job.prompt)
+            finally:
+                try:
+                    records = await self._collect(url, eid)
+                except EngineError as e:
+                    failed = failed or f"engine {url}: the episode's records are lost: {e}"
+        if failed is None and not any(r["output_ids"] for r in records):
+            failed = f"{self.who} made no call that generated a token"
+        seqs = []
+        if failed is None:
+            try:
+                seqs = trajectories(records)
+            except ValueError as e:
+                failed = f"the engine's records of episode {eid}: {e}"
+        return EpisodeResult(failed, reward, metrics, seqs)
+
+    async def _play(self, url: str, eid: str, prompt) -> tuple[str | None, float, dict]:
+        client = self.client.with_options(base_url=f"{url}/episodes/{eid}/v1")  # shares the connection pool
+        try:
+            async with asyncio.timeout(self.s.episode_timeout_s):
+                out = await self.agent(client, prompt, **self.s.args)
+            reward, metrics = reward_value(out, self.who)
+            return None, reward, metrics
+        except TimeoutError:
+            return f"episode timed out after env.episode_timeout_s={self.s.episode_timeout_s}", 0.0, {}
+        except RewardError as e:
+            return str(e), 0.0, {}
+        except Exception as e:  # the agent raised (its own bug, or an API error it did not handle)
+            return f"{self.who} raised {type(e).__name__}: {e}", 0.0, {}
+
+
 class AgentRunner:
     """Runs a prompt's GRPO group as ``group_size`` agent episodes, for a RolloutManager."""
 
     def __init__(self, cfg, task):
         self.cfg, self.task = cfg, task
         env = cfg.env
-        self.path, self.args = env.openai_agent, dict(env.args)
-        self.who = f"{KEY} ({self.path})"
-        self.agent = load_plugin(self.path, KEY)
-        if not inspect.iscoroutinefunction(self.agent):
-            raise PluginError(f"{self.who}: must be an async function agent(client, prompt, **env.args)")
-        check_signature(self.agent, KEY, self.path, None, Prompt(0, [1]), **self.args)
-        try:
-            import openai
-        except ImportError as e:
-            raise PluginError(f"{self.who}: the agent path needs the `openai` package (pip install openai)") from e
-        self.openai = openai
-        for name in ("httpx", "httpx2", "openai"):  # one INFO line per call otherwise, in the trainer's log
-            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
+        check_agent(env.openai_agent, dict(env.args))  # a bad plug-in fails here, in the trainer, at start
+        self.workers = env.agent_workers
+        self.settings = PlayerSettings(
+            env.openai_agent, dict(env.args), cfg.engine.api_key, cfg.engine.request_timeout_s, env.episode_timeout_s,
+            math.ceil(env.max_concurrent_episodes / max(1, self.workers)))
         self.turn_tokens = env.max_new_tokens_per_turn or cfg.rollout.max_new_tokens
         self.max_tokens = env.max_episode_tokens or cfg.engine.max_context
-        self.timeout_s = env.episode_timeout_s
-        self.slots = asyncio.Semaphore(env.max_concurrent_episodes)
-        self.client = None  # one AsyncOpenAI (one connection pool) for all episodes: made per episode it cost 150 ms
+        self.players = None  # AgentWorkers, or an AgentPlayer in this loop (env.agent_workers=0)
+        if self.workers:
+            from .agent_workers import AgentWorkers
+
+            self.players = AgentWorkers(self.workers, self.settings)  # start-up overlaps the engines'
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
+        if self.players is not None:
+            await self.players.close()
+            self.players = None
 
     async def run_group(self, mgr, index: int, version: int) -> None:
         prompt = self.task.prompt(index)
         n = self.cfg.rollout.group_size
         await mgr._ready.wait()
-        episodes = await asyncio.gather(*(self._episode(mgr, prompt, index, j) for j in range(n)))
-        group = Group(index, [s for ep in episodes for s in ep], version)
+        if self.players is None:
+            self.players = AgentPlayer(self.settings)
+        rc = self.cfg.rollout
+        uids = [mgr._uid(index, j) for j in range(n)]
+        job = GroupJob(mgr.client.pick(), [f"{u}-{uuid.uuid4().hex[:8]}" for u in uids],
+                       [sampling_seed(self.cfg.data.seed, index, j, 0) for j in range(n)], prompt, {
+                           "sampling_params": {"temperature": rc.temperature, "top_p": rc.top_p, "top_k": rc.top_k},
+                           "return_routed_experts": mgr.replay_log is not None, "max_tokens": self.turn_tokens,
+                           "max_total_tokens": self.max_tokens, "ttl_s": self.settings.episode_timeout_s + 600})
+        mgr._mark(+n)
+        try:
+            results = await self.players.play_group(job)
+        finally:
+            mgr._mark(-n)
+        samples = []
+        for j, res in enumerate(results):
+            if res.failed is not None:
+                log.warning("episode %s failed: %s", uids[j], res.failed)
+                mgr.stats["env_failures"] += 1
+            samples += self._samples(mgr, uids[j], index, j, prompt, res)
+        group = Group(index, samples, version)
         with mgr.lock:
             mgr.inflight.pop(index, None)
             mgr.buffer.put(group)
             mgr.stats["groups_done"] += 1
 
-    async def _episode(self, mgr, prompt, index: int, j: int) -> list[Sample]:
-        uid = mgr._uid(index, j)
-        async with self.slots:
-            url = mgr.client.pick()
-            eid = f"{uid}-{uuid.uuid4().hex[:8]}"
-            rc = self.cfg.rollout
-            mgr._mark(+1)
-            failed, reward, metrics, records = None, 0.0, {}, []
-            try:
-                await mgr.client.request("POST", "/episodes", url, {
-                    "id": eid, "sampling_params": {"temperature": rc.temperature, "top_p": rc.top_p, "top_k": rc.top_k},
-                    "seed": sampling_seed(self.cfg.data.seed, index, j, 0), "return_routed_experts": mgr.replay_log is not None,
-                    "max_tokens": self.turn_tokens, "max_total_tokens": self.max_tokens, "ttl_s": self.timeout_s + 600})
-                failed, reward, metrics = await self._play(url, eid, prompt)
-            except EngineError as e:
-                failed = f"engine {url}: {e}"
-            finally:
-                try:
-                    records = (await mgr.client.request("DELETE", f"/episodes/{eid}", url))["records"]
-                except EngineError as e:
-                    failed = failed or f"engine {url}: the episode's records are lost: {e}"
-                mgr._mark(-1)
-        if failed is None and not any(r["output_ids"] for r in records):
-            failed = f"{self.who} made no call that generated a token"
-        if failed is not None:
-            log.warning("episode %s failed: %s", uid, failed)
-            mgr.stats["env_failures"] += 1
-        return self._samples(mgr, uid, index, j, prompt, records, failed, reward, metrics)
-
-    async def _play(self, url: str, eid: str, prompt) -> tuple[str | None, float, dict]:
-        if self.client is None:
-            self.client = self.openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=self.cfg.engine.api_key or "EMPTY",
-                                                  max_retries=0, timeout=self.cfg.engine.request_timeout_s)
-        client = self.client.with_options(base_url=f"{url}/episodes/{eid}/v1")  # shares the connection pool
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                out = await self.agent(client, prompt, **self.args)
-            reward, metrics = reward_value(out, self.who)
-            return None, reward, metrics
-        except TimeoutError:
-            return f"episode timed out after env.episode_timeout_s={self.timeout_s}", 0.0, {}
-        except RewardError as e:
-            return str(e), 0.0, {}
-        except Exception as e:  # the agent raised (its own bug, or an API error it did not handle)
-            return f"{self.who} raised {type(e).__name__}: {e}", 0.0, {}
-
-    def _samples(self, mgr, uid: str, index: int, j: int, prompt, records: list[dict], failed: str | None,
-                 reward: float, metrics: dict) -> list[Sample]:
-        seqs = []
-        if failed is None:
-            try:
-                seqs = trajectories(records)
-            except ValueError as e:
-                failed = f"the engine's records of episode {uid}: {e}"
-        if failed is not None:
-            return [Sample(uid, index, list(prompt.input_ids), [], [], [], finish_reason="failed", failed=failed)]
+    def _samples(self, mgr, uid: str, index: int, j: int, prompt, res: EpisodeResult) -> list[Sample]:
+        if res.failed is not None:
+            return [Sample(uid, index, list(prompt.input_ids), [], [], [], finish_reason="failed", failed=res.failed)]
         samples = []
-        for k, s in enumerate(seqs):
+        for k, s in enumerate(res.sequences):
             suid = mgr._uid(index, j, k)
-            sample = Sample(suid, index, s.prompt_ids, s.ids, s.logps, s.versions, reward=reward,
-                            finish_reason="agent", loss_mask=list(s.mask), turns=s.calls, metrics=dict(metrics))
+            sample = Sample(suid, index, s.prompt_ids, s.ids, s.logps, s.versions, reward=res.reward,
+                            finish_reason="agent", loss_mask=list(s.mask), turns=s.calls, metrics=dict(res.metrics))
             if mgr.replay_log is not None and any(s.mask):
                 rec = record_from_responses(s.metas, mgr.spec, num_tokens=sample.num_tokens, starts=s.starts)
                 mgr.replay_log.append(suid, rec, sorted(set(sample.model_versions)))

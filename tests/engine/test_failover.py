@@ -137,3 +137,19 @@ def test_rollouts_route_around_a_frozen_engine_and_stop_naming_the_last_one():
     for g in seen:
         for s in g.samples:  # whole answers only
             assert len(s.response_ids) == len(s.behaviour_logprobs) == len(s.versions) == 40
+
+
+def test_client_drops_idle_connections_before_sglang_closes_them():
+    """A pooled connection is reused only while SGLang's server still keeps it (its uvicorn
+    closes an idle one after SGLANG_TIMEOUT_KEEP_ALIVE): else a request goes out on a socket
+    the server is closing and is lost."""
+    envs = pytest.importorskip("sglang.srt.environ").envs
+
+    async def keepalive():
+        c = EngineClient(["http://a"])
+        try:
+            return c._get_session().connector._keepalive_timeout
+        finally:
+            await c.close()
+
+    assert 0 < asyncio.run(keepalive()) < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()

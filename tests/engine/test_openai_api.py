@@ -107,9 +107,14 @@ def test_tool_calls_n_and_seed(client, server, tok):
     assert not any(c.message.tool_calls for c in none.choices)
 
 
-def test_streaming_equals_non_streaming(client):
-    tools = _tools()
-    kw = dict(model="x", messages=MESSAGES, tools=tools, max_tokens=4, seed=100, n=24, logprobs=True)
+@pytest.mark.parametrize("declared", ["both", "compare"])
+def test_streaming_equals_non_streaming(client, tok, declared):
+    """The streamed content, tool calls, finish reasons and log-probs equal the non-streamed
+    answer's. With only ``compare`` declared, an ``answer`` call is dropped and its text is
+    in neither content (SGLang's detector gives the same content)."""
+    tools = [t for t in _tools() if declared == "both" or t["function"]["name"] == declared]
+    kw = dict(model="x", messages=MESSAGES, tools=tools, max_tokens=4, seed=100, n=24, logprobs=True,
+              extra_body={"return_token_ids": True})
     full = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     content = {i: "" for i in range(24)}
@@ -125,9 +130,12 @@ def test_streaming_equals_non_streaming(client):
                 finish[c.index] = c.finish_reason
     assert chunks[-1].usage.model_dump() == full.usage.model_dump() | {"completion_tokens_details": None,
                                                                        "prompt_tokens_details": None}
+    dropped = 0
     for c in full.choices:
-        if c.message.tool_calls:  # the text before a call, stripped when parsed whole (as SGLang)
-            assert content[c.index].strip() == c.message.content
+        text = tok.decode(c.response_token_ids, skip_special_tokens=False)
+        if "<tool_call>" in text:  # the text before a call, stripped when parsed whole (as SGLang)
+            assert content[c.index].strip() == c.message.content == _sglang_content(text, tools)
+            dropped += not c.message.tool_calls
         else:
             assert content[c.index] == c.message.content
         assert finish[c.index] == c.finish_reason
@@ -135,6 +143,17 @@ def test_streaming_equals_non_streaming(client):
         assert lps[c.index] == pytest.approx([t.logprob for t in c.logprobs.content], abs=1e-5)
         want = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
         assert [(t.function.name, t.function.arguments) for t in calls[c.index]] == want
+    assert (dropped > 0) == (declared == "compare"), dropped
+
+
+def _sglang_content(text: str, tools: list[dict]) -> str:
+    """The content SGLang's hermes detector leaves of an output (its end-of-turn token cut)."""
+    pytest.importorskip("partial_json_parser")
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.function_call.hermes_detector import HermesDetector
+
+    text = text.replace("<|im_end|>", "").replace("<|endoftext|>", "")
+    return HermesDetector().detect_and_parse(text, [Tool(**t) for t in tools]).normal_text
 
 
 def test_completions(client, server, tok):
@@ -216,3 +235,56 @@ def test_a_family_without_a_tool_parser_serves_chat_and_refuses_tools():
         assert e.value.body["param"] == "tools" and "gpt_oss" in e.value.body["message"]
     finally:
         s.stop()
+
+
+def test_episodes_registered_and_collected_together(server):
+    """``POST /episodes`` with id and seed lists registers a group; each episode records its
+    own calls (its seed drives its sampling, as one registered alone); ``/episodes/collect``
+    returns and forgets them, naming unknown ids; a clash registers none."""
+    url = server.url
+    sp = {"temperature": 1.0}
+    ids = [f"grp-a-{i}" for i in range(3)]
+    assert requests.post(url + "/episodes", json={"id": ids, "seed": [7, 8, 7], "sampling_params": sp},
+                         timeout=10).json() == {"id": ids}
+    requests.post(url + "/episodes", json={"id": "solo", "seed": 8, "sampling_params": sp},
+                  timeout=10).raise_for_status()
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True}
+    for eid in [*ids, "solo"]:
+        requests.post(f"{url}/episodes/{eid}/v1/completions", json=body, timeout=60).raise_for_status()
+    out = requests.post(url + "/episodes/collect", json={"ids": [*ids, "solo", "nope"]}, timeout=10).json()["episodes"]
+    assert [e["id"] for e in out] == [*ids, "solo", "nope"] and "error" in out[-1] and "records" not in out[-1]
+    got = [[r["output_ids"] for r in e["records"]] for e in out[:4]]
+    assert all(len(g) == 1 and len(g[0]) == 6 for g in got)
+    assert got[0] == got[2] and got[1] == got[3]  # same seed, same call: same tokens
+    assert requests.get(f"{url}/episodes/{ids[0]}", timeout=10).status_code == 404  # forgotten
+    requests.post(url + "/episodes", json={"id": "held"}, timeout=10).raise_for_status()
+    clash = requests.post(url + "/episodes", json={"id": ["free", "held"]}, timeout=10)
+    assert clash.status_code == 400 and "held" in clash.json()["error"]["message"]
+    assert requests.get(f"{url}/episodes/free", timeout=10).status_code == 404
+    for bad, param in [({"id": ["x", "x"]}, "id"), ({"id": ["x", "y"], "seed": [1]}, "seed"),
+                       ({"id": []}, "id"), ({"ids": "x"}, None)]:
+        r = requests.post(url + ("/episodes/collect" if "ids" in bad else "/episodes"), json=bad, timeout=10)
+        assert r.status_code == 400 and (param is None or r.json()["error"]["param"] == param), (bad, r.text)
+    requests.delete(f"{url}/episodes/held", timeout=10)
+
+
+def test_a_repeated_conversation_is_rendered_once(client, tok, monkeypatch):
+    """The fresh render of a conversation is kept: asked again (a group's episodes open with
+    the same messages), the prompt is the kept one, still transformers' rendering; other tools
+    or messages are rendered anew."""
+    from moe_rl.engine import chat
+
+    renders, render = [], chat.render
+    monkeypatch.setattr(chat, "render", lambda *a, **k: renders.append(1) or render(*a, **k))
+    cases = [(MESSAGES, _tools()), (MESSAGES, _tools()[:1]), ([{"role": "user", "content": "guess 1 to 2"}], None)]
+    for rnd in range(2):
+        for messages, tools in cases:
+            r = client.chat.completions.create(model="x", messages=messages, tools=tools, max_tokens=1,
+                                               extra_body={"return_token_ids": True})
+            want = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+            assert r.choices[0].prompt_token_ids == list(want)
+        if rnd == 0:
+            first = len(renders)  # 3, or fewer where earlier tests asked the same
+            assert 1 <= first <= 3
+    assert len(renders) == first

@@ -6,6 +6,7 @@ continues it."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import defaultdict
@@ -46,6 +47,12 @@ async def agent_chain(client, prompt):
         messages.append(await _ask(client, messages))
         messages.append({"role": "tool", "content": "higher"} if turn % 2 == 0 else {"role": "user", "content": "guess"})
     return 0.5
+
+
+async def agent_chain_where(client, prompt):
+    """agent_chain, saying which process played it."""
+    await agent_chain(client, prompt)
+    return {"reward": 0.5, "pid": float(os.getpid())}
 
 
 async def agent_split(client, prompt):
@@ -93,7 +100,7 @@ def _run_group(server, agent: str, overrides=()):
     importlib.import_module("tests.rollout.test_agent").SEEN.clear()
     cfg = load_config(CONFIG, [*OVERRIDES, f"env.openai_agent=tests.rollout.test_agent:{agent}", "env.args={}",
                                "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_staleness=0",
-                               "rollout.max_new_tokens=3", *overrides])
+                               "rollout.max_new_tokens=3", "env.agent_workers=0", *overrides])
     arch = server.engine.arch
     spec = RoutingSpec(arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts)
     buffer, log = RolloutBuffer(), RecordingLog()
@@ -146,6 +153,20 @@ def test_chained_calls_merge_into_one_sequence(server):
         assert len(calls) == 3
         _check_against_engine_and_model(server, s, calls, log)
         assert set(s.model_versions) == {0} and log.versions[s.uid] == [0]
+
+
+def test_agent_worker_processes_play_the_episodes(server):
+    """env.agent_workers=1: the episodes are played in a process of their own, and what comes
+    back is the engine's record: the native model's log-probs and routing for each sequence."""
+    group, log, _ = _run_group(server, "agent_chain_where", ["env.agent_workers=1"])
+    assert len(group.samples) == 2
+    for s in group.samples:
+        assert s.failed is None and s.reward == 0.5 and s.turns == 3 and s.has_routing
+        assert s.metrics["pid"] != os.getpid()
+        ref_lp, ref_rows = recompute(server.engine.model, s.prompt_ids, s.response_ids, 1.0)
+        lps = [lp for lp, m in zip(s.behaviour_logprobs, s.loss_mask) if m]
+        np.testing.assert_allclose([lp for lp, m in zip(ref_lp, s.loss_mask) if m], lps, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(log.records[s.uid], ref_rows[:, list(server.engine.moe_layers)])
 
 
 def test_a_fresh_conversation_is_another_sample(server):
