@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .attention.rope import Rope
 
@@ -20,6 +20,21 @@ from .attention.rope import Rope
 def all_mha(arch: "MoEArch", layer: int) -> str:
     """Every layer softmax attention with grouped K/V heads (``moe_rl.model.attention.mha``)."""
     return "mha"
+
+
+LAYER_TYPES = ("linear_attention", "full_attention")  # HF's layer_types of the hybrid families
+
+
+def hybrid(linear_kind: str) -> Callable[["MoEArch", int], str]:
+    """Qwen3-Next / Qwen3.5: HF's ``layer_types`` name each layer "linear_attention" (Gated
+    DeltaNet, ``linear_kind``: the family's projection layout) or "full_attention" (softmax
+    attention with an output gate)."""
+
+    def kind(arch: "MoEArch", layer: int) -> str:
+        return "gated_attention" if arch.layer_types[layer] == "full_attention" else linear_kind
+
+    kind.linear_kind = linear_kind
+    return kind
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,9 @@ class Family:
     ``fixed``: fields the family has no knob for, with the only value it supports.
     ``attention``: the attention kind of a layer, a key of ``moe_rl.model.attention.MIXERS``
     (families that mix kinds read them from the arch, e.g. HF's ``layer_types``).
+    ``zero_centered_norm``: the decoder's RMSNorms scale by (1 + weight) in fp32 (Gemma's form).
+    ``gated_shared_expert``: a MoE block may have one shared expert of
+    ``shared_expert_intermediate_size`` whose output is scaled by sigmoid(x . w_gate).
     """
 
     architecture: str
@@ -41,6 +59,13 @@ class Family:
     defaults: dict
     fixed: dict
     attention: Callable[["MoEArch", int], str] = all_mha
+    zero_centered_norm: bool = False
+    gated_shared_expert: bool = False
+
+    @property
+    def hybrid(self) -> bool:
+        """Layers of two kinds by HF's ``layer_types`` (``hybrid``)."""
+        return hasattr(self.attention, "linear_kind")
 
 
 FAMILIES: dict[str, Family] = {
@@ -56,6 +81,25 @@ FAMILIES: dict[str, Family] = {
         fixed={"mlp_only_layers": [], "decoder_sparse_step": 1},
     ),
 }
+# hybrid Gated DeltaNet families: every layer MoE (SGLang's models have no dense layers), one
+# gated shared expert, Gemma norms; Qwen3.5 (qwen3_5_moe_text, the text model of the multimodal
+# qwen3_5_moe) always renormalises the top-k and has no knob for it
+_HYBRID_FIXED = {"use_qk_norm": True, "attention_bias": False, "n_shared_experts": 0, "n_group": 1,
+                 "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "mlp_only_layers": [],
+                 "decoder_sparse_step": 1}
+FAMILIES["qwen3_next"] = Family(
+    "Qwen3NextForCausalLM", "softmax", "num_experts",
+    defaults={"use_qk_norm": True, "partial_rotary_factor": 0.25}, fixed=_HYBRID_FIXED,
+    attention=hybrid("deltanet_qkvz"), zero_centered_norm=True, gated_shared_expert=True,
+)
+FAMILIES["qwen3_5_moe_text"] = Family(
+    "Qwen3_5MoeForCausalLM", "softmax", "num_experts",
+    defaults={"use_qk_norm": True, "partial_rotary_factor": 0.25}, fixed={**_HYBRID_FIXED, "norm_topk_prob": True},
+    attention=hybrid("deltanet"), zero_centered_norm=True, gated_shared_expert=True,
+)
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text"}
+HYBRID_KEYS = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size")  # a VLM's model_type -> its text model's (text_config)
 _BY_ARCHITECTURE = {f.architecture: t for t, f in FAMILIES.items()}
 
 
@@ -68,7 +112,7 @@ class MoEArch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_type: Literal["qwen3_moe", "glm4_moe"] = "qwen3_moe"  # the family (see FAMILIES)
+    model_type: Literal["qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text"] = "qwen3_moe"  # the family (see FAMILIES)
     vocab_size: int = 64
     hidden_size: int = 64
     intermediate_size: int = 128  # dense MLP width (dense layers)
@@ -96,6 +140,18 @@ class MoEArch(BaseModel):
     rope_scaling: dict | None = None
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
+    # --- Qwen3-Next / Qwen3.5-MoE (hybrid Gated DeltaNet), HF's names ---------------------------
+    layer_types: list[str] | None = Field(None, description="Qwen3-Next/Qwen3.5: each layer's token mixer, "
+                                          "'linear_attention' (Gated DeltaNet) or 'full_attention'; null: every 4th "
+                                          "layer full (HF's full_attention_interval 4)")
+    linear_conv_kernel_dim: int = Field(4, ge=2, description="Gated DeltaNet: causal conv kernel width")
+    linear_key_head_dim: int = Field(16, ge=1, description="Gated DeltaNet: q/k head dim")
+    linear_value_head_dim: int = Field(16, ge=1, description="Gated DeltaNet: value head dim (state is key x value)")
+    linear_num_key_heads: int = Field(2, ge=1, description="Gated DeltaNet: q/k heads")
+    linear_num_value_heads: int = Field(4, ge=1, description="Gated DeltaNet: value heads, a multiple of "
+                                        "linear_num_key_heads")
+    shared_expert_intermediate_size: int = Field(0, ge=0, description="Qwen3-Next/Qwen3.5: width of the MoE block's "
+                                                 "shared expert, gated by sigmoid(x . shared_expert_gate); 0: none")
 
     @model_validator(mode="after")
     def _check(self) -> "MoEArch":
@@ -135,12 +191,34 @@ class MoEArch(BaseModel):
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} x head_dim={self.head_dim} "
                              "must give an even rotary width >= 2")
         self.rope()  # rope_scaling is one we compute (raises naming it otherwise)
+        self._check_hybrid(fam)
         return self
+
+    def _check_hybrid(self, fam: Family) -> None:
+        if self.shared_expert_intermediate_size and not fam.gated_shared_expert:
+            raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} is not supported "
+                             f"by model_type={self.model_type!r} (a gated shared expert is Qwen3-Next's / Qwen3.5's)")
+        if not fam.hybrid:
+            return
+        if self.layer_types is None:
+            self.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                for i in range(self.num_hidden_layers)]
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries (num_hidden_layers), each one of "
+                             f"{LAYER_TYPES}; got {self.layer_types}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                             f"linear_num_key_heads={self.linear_num_key_heads}")
 
     # --- what the model code reads -------------------------------------------------------
     @property
     def router(self) -> str:
         return FAMILIES[self.model_type].router
+
+    @property
+    def zero_centered_norm(self) -> bool:
+        """The decoder's RMSNorms scale by 1 + weight (Gemma's form)."""
+        return FAMILIES[self.model_type].zero_centered_norm
 
     @property
     def rotary_dim(self) -> int:
@@ -183,6 +261,11 @@ class MoEArch(BaseModel):
     def from_hf_dict(cls, d: dict) -> "MoEArch":
         d = dict(d)
         model_type = d.get("model_type")
+        if model_type in MULTIMODAL:  # a VLM checkpoint: its text model (the vision tower is not loaded)
+            text = dict(d.get("text_config") or {})
+            if d.get("tie_word_embeddings") is not None:
+                text["tie_word_embeddings"] = d["tie_word_embeddings"]
+            d, model_type = text, MULTIMODAL[model_type]
         if model_type is None and d.get("architectures"):
             model_type = _BY_ARCHITECTURE.get(d["architectures"][0])
         model_type = model_type or "qwen3_moe"
@@ -207,6 +290,12 @@ class MoEArch(BaseModel):
         d["num_experts"] = experts
         if model_type == "qwen3_moe":
             d.pop("use_qk_norm", None)  # Qwen3-MoE always normalises q and k; HF has no such key
+        if FAMILIES[model_type].hybrid:
+            d.pop("use_qk_norm", None)
+            if d.get("layer_types") is None:  # HF's default pattern: every full_attention_interval-th layer full
+                every = int(d.get("full_attention_interval") or 4)
+                d["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                    for i in range(int(d["num_hidden_layers"]))]
         if d.get("head_dim") is None:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         return cls(**{k: d[k] for k in cls.model_fields if d.get(k) is not None})
@@ -227,6 +316,10 @@ class MoEArch(BaseModel):
         d.pop("num_experts")
         d.pop("rope_scaling")
         rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
+        if fam.hybrid:
+            return self._hybrid_hf_dict(d, rope)
+        for k in HYBRID_KEYS:
+            d.pop(k)
         if self.model_type == "qwen3_moe":  # HF's Qwen3MoeConfig has none of GLM's keys
             for k in ("use_qk_norm", "partial_rotary_factor", "n_shared_experts", "n_group", "topk_group",
                       "routed_scaling_factor", "first_k_dense_replace"):
@@ -247,4 +340,20 @@ class MoEArch(BaseModel):
             rope_parameters=rope,
             use_cache=True,
         )
+        return d
+
+    def _hybrid_hf_dict(self, d: dict, rope: dict) -> dict:
+        """Qwen3-Next's / Qwen3.5's config.json: no GLM keys, no q/k-norm switch, partial rotary
+        in rope_parameters; Qwen3.5's text config has no dense-layer or renormalisation keys."""
+        fam = FAMILIES[self.model_type]
+        for k in ("use_qk_norm", "partial_rotary_factor", "n_shared_experts", "n_group", "topk_group",
+                  "routed_scaling_factor", "first_k_dense_replace"):
+            d.pop(k)
+        if self.model_type == "qwen3_5_moe_text":
+            for k in ("intermediate_size", "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob"):
+                d.pop(k)
+        rope["partial_rotary_factor"] = self.partial_rotary_factor
+        d.update(architectures=[fam.architecture], num_experts=self.num_experts, hidden_act="silu",
+                 attention_dropout=0.0, rope_parameters=rope, use_cache=True, output_router_logits=False,
+                 router_aux_loss_coef=0.0)
         return d

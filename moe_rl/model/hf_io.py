@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -23,9 +24,15 @@ from .arch import MoEArch
 from .attention import mixer_class
 from .transformer import MoEForCausalLM
 
+log = logging.getLogger(__name__)
+
 _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
+# a VLM checkpoint (Qwen3.5's qwen3_5_moe) keeps its text model under model.language_model. and
+# its vision tower under model.visual.; multi-token-prediction weights sit under mtp.
+TEXT_PREFIX = "model.language_model."
+SKIPPED_PREFIXES = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction layers"}
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # kept in fp32 whatever the model's dtype (HF's _keep_in_fp32_modules_strict; SGLang's parameter
 # is fp32): a rounded expert-score correction bias chooses other experts
@@ -75,6 +82,9 @@ def hf_param_specs(arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
                 ]
             if arch.n_shared_experts:
                 specs += mlp(p + "mlp.shared_experts.", I * arch.n_shared_experts)
+            if arch.shared_expert_intermediate_size:  # Qwen3-Next / Qwen3.5: one gated shared expert
+                specs += mlp(p + "mlp.shared_expert.", arch.shared_expert_intermediate_size)
+                specs.append((p + "mlp.shared_expert_gate.weight", (1, H)))
         else:
             specs += mlp(p + "mlp.", arch.intermediate_size)
     specs.append(("model.norm.weight", (H,)))
@@ -212,19 +222,25 @@ def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
     path = Path(path)
     specs = {n for n, _ in hf_param_specs(model.arch)}
     missing = set(specs)
+    skipped: dict[str, int] = {}
     with torch.no_grad():
         for f in _checkpoint_files(path):
             with safe_open(str(f), framework="pt") as sf:
-                for key in sf.keys():
+                for stored in sf.keys():
+                    why = next((w for p, w in SKIPPED_PREFIXES.items() if stored.startswith(p)), None)
+                    if why is not None:  # not modelled: the text model is what moe-rl trains
+                        skipped[why] = skipped.get(why, 0) + 1
+                        continue
+                    key = "model." + stored[len(TEXT_PREFIX):] if stored.startswith(TEXT_PREFIX) else stored
                     in_layer = _LAYER_RE.match(key)
                     if in_layer and int(in_layer.group(1)) >= model.arch.num_hidden_layers:
                         continue  # GLM's multi-token-prediction layer (num_nextn_predict_layers): not modelled
-                    if key not in specs and 0 in sf.get_slice(key).get_shape():
+                    if key not in specs and 0 in sf.get_slice(stored).get_shape():
                         continue  # HF's GLM with n_shared_experts=0 saves a zero-width shared MLP
                     stacked = _STACKED_RE.match(key)
                     if stacked:  # transformers v5 layout: [E, 2I, H] / [E, H, I]
                         layer, kind = int(stacked.group(1)), stacked.group(2)
-                        full = sf.get_tensor(key)
+                        full = sf.get_tensor(stored)
                         for e in range(full.shape[0]):
                             parts = full[e].chunk(2, dim=0) if kind == "gate_up_proj" else (full[e],)
                             projs = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
@@ -236,7 +252,9 @@ def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
                     if parse_expert_name(key) and local_hf_tensor(model, key) is None:
                         missing.discard(key)  # another EP rank's expert
                         continue
-                    _assign(model, key, sf.get_tensor(key), missing, f)
+                    _assign(model, key, sf.get_tensor(stored), missing, f)
+    for why, n in skipped.items():
+        log.info("%s: skipped %d tensors of %s (not loaded)", path, n, why)
     if missing:
         raise KeyError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     return model

@@ -7,11 +7,17 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``zero_centered``: Gemma's form (Qwen3-Next, Qwen3.5), the scale is 1 + weight (weight
+    initialised at 0) and multiplies in fp32 before the cast back."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         # HF's order: normalise in fp32, cast back, then scale (one fused op for the first part)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)

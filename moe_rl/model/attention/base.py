@@ -40,3 +40,7 @@ class Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention) -> torch.Tensor:
         raise NotImplementedError
+
+    def init_special(self, generator: torch.Generator) -> None:
+        """Re-draws the parameters a plain normal draw does not fit (a decay rate, a conv
+        kernel), after ``MoEForCausalLM.init_weights``' draw; nothing by default."""
