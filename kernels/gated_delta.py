@@ -209,6 +209,12 @@ def _block_v(dv: int) -> int:
     return min(triton.next_power_of_2(dv), 16 if TRITON_INTERPRET else 32)
 
 
+def _launch_options() -> dict:
+    """Not tuned. One stage: the chunk loop's [C, Dk] fp32 tiles multi-buffered would exceed
+    sm_90's 227 KiB of shared memory (tests/kernels/test_sm90_compile.py checks)."""
+    return {"num_warps": 1} if TRITON_INTERPRET else {"num_warps": 8, "num_stages": 1}
+
+
 def _precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not TRITON_INTERPRET and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
@@ -217,11 +223,11 @@ def _precision(dtype: torch.dtype) -> str:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["store_states"])
     def _gdn_scan_fwd_kernel(qg_ptr, kd_ptr, w_ptr, u_ptr, aqk_ptr, decay_ptr, first_ptr, nch_ptr, s0_ptr,
-                             o_ptr, final_ptr, states_ptr, H, DK, DV,
+                             o_ptr, final_ptr, states_ptr, H, DK, DV, store_states,
                              C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                             STORE_STATES: tl.constexpr, PRECISION: tl.constexpr):
+                             PRECISION: tl.constexpr):
         """One (value block, sequence x head): the state block [Dk, BLOCK_V] through the
         sequence's chunks. Layouts (contiguous): qg/kd/w [NC, H, C, Dk], u/o [NC, H, C, Dv], aqk
         [NC, H, C, C], decay [NC, H], s0/final [S, H, Dk, Dv], states [NC, H, Dk, Dv]."""
@@ -237,7 +243,7 @@ if triton is not None:
         km, vm = rk < DK, rv < DV
         state_off = rk[:, None] * DV + rv[None, :]
         state_mask = km[:, None] & vm[None, :]
-        s = tl.load(s0_ptr + sh.to(tl.int64) * DK * DV + state_off, mask=state_mask, other=0.0).to(tl.float32)
+        s = tl.load(s0_ptr + sh.to(tl.int64) * DK * DV + state_off, mask=state_mask, other=0.0)
         for i in range(0, n):
             ch = (c0 + i).to(tl.int64) * H + h  # the (chunk, head) row
             kk = ch * C * DK + rc[:, None] * DK + rk[None, :]
@@ -245,7 +251,7 @@ if triton is not None:
             cv = rc[:, None] < C
             w = tl.load(w_ptr + kk, mask=cv & km[None, :], other=0.0)
             u = tl.load(u_ptr + vv, mask=cv & vm[None, :], other=0.0)
-            if STORE_STATES:
+            if store_states:
                 tl.store(states_ptr + ch * DK * DV + state_off, s, mask=state_mask)
             v_new = u - tl.dot(w, s, input_precision=PRECISION)
             qg = tl.load(qg_ptr + kk, mask=cv & km[None, :], other=0.0)
@@ -279,7 +285,7 @@ if triton is not None:
         state_off = rk[:, None] * DV + rv[None, :]
         state_mask = km[:, None] & vm[None, :]
         part = pid_v.to(tl.int64) * NCH * H  # this block's rows in the partial-sum buffers
-        ds = tl.load(dfinal_ptr + sh.to(tl.int64) * DK * DV + state_off, mask=state_mask, other=0.0).to(tl.float32)
+        ds = tl.load(dfinal_ptr + sh.to(tl.int64) * DK * DV + state_off, mask=state_mask, other=0.0)
         for j in range(0, n):
             ch = (c0 + n - 1 - j).to(tl.int64) * H + h
             kk = ch * C * DK + rc[:, None] * DK + rk[None, :]
@@ -323,8 +329,8 @@ def _scan_fwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0, keep_states: bool
     if s0.shape[0] * H:
         grid, bk, bv = _scan_grid(s0, u)
         _gdn_scan_fwd_kernel[grid](qg, kd, w, u, aqk, decay, first, nch, s0, o, final, states, H, Dk, Dv,
-                                   C=C, BLOCK_K=bk, BLOCK_V=bv, STORE_STATES=keep_states,
-                                   PRECISION=_precision(u.dtype), num_warps=1 if TRITON_INTERPRET else 8)
+                                   int(keep_states), C=C, BLOCK_K=bk, BLOCK_V=bv, PRECISION=_precision(u.dtype),
+                                   **_launch_options())
     return o, final, (states if keep_states else None)
 
 
@@ -344,8 +350,7 @@ def _scan_bwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0, do, dfinal):
     ddecay = u.new_zeros((nv,) + tuple(decay.shape))
     _gdn_scan_bwd_kernel[grid](qg, kd, w, u, aqk, decay, first, nch, states, do.contiguous(), dfinal.contiguous(),
                                dqg, dkd, dw, du, daqk, ddecay, ds0, H, NC, Dk, Dv,
-                               C=C, BLOCK_K=bk, BLOCK_V=bv, PRECISION=_precision(u.dtype),
-                               num_warps=1 if TRITON_INTERPRET else 8)
+                               C=C, BLOCK_K=bk, BLOCK_V=bv, PRECISION=_precision(u.dtype), **_launch_options())
     return dqg.sum(0), dkd.sum(0), dw.sum(0), du, daqk.sum(0), ddecay.sum(0), ds0
 
 

@@ -18,6 +18,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.zero_centered:
-            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (self.weight.float() + 1)).to(x.dtype)
         # HF's order: normalise in fp32, cast back, then scale (one fused op for the first part)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)

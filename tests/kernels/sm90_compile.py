@@ -96,10 +96,12 @@ def run_all() -> list[dict]:
     ftl = importlib.import_module("moe_rl.kernels.fused_token_loss")
     gg = importlib.import_module("moe_rl.kernels.grouped_gemm")
     bp = importlib.import_module("moe_rl.kernels.bucket_pack")
+    gd = importlib.import_module("moe_rl.kernels.gated_delta")
     _patch(fl, ["_fwd_launch", "_dlogits_launch"], results)
     _patch(ftl, ["_probs_launch", "_dz_kernel"], results)
     _patch(gg, ["_gmm_kernel", "_gmm_wgrad_kernel"], results)
     _patch(bp, ["_bucket_copy_kernel"], results)
+    _patch(gd, ["_gdn_scan_fwd_kernel", "_gdn_scan_bwd_kernel"], results)
     torch.manual_seed(0)
 
     # The LM head: bf16 (the GPU configs), shapes divisible by 16 as in training.
@@ -136,6 +138,15 @@ def run_all() -> list[dict]:
     plan = bp.BucketCopy(tensors, [0, 320], torch.bfloat16)
     flat = torch.empty(320 + 64 * 32, dtype=torch.bfloat16)
     plan.pack(flat)
+
+    # Gated DeltaNet's chunk scan at Qwen3-Next's / Qwen3.5's head dims (Dk = Dv = 128), fp32:
+    # the forward, and the backward (which re-runs the forward storing each chunk's state)
+    NC, H, C, D = 4, 2, gd.CHUNK, 128
+    qg, kd, w = (torch.randn(NC, H, C, D) for _ in range(3))
+    u, aqk, decay = torch.randn(NC, H, C, D), torch.randn(NC, H, C, C), torch.rand(NC, H)
+    first, nch, s0 = torch.tensor([0, 1]), torch.tensor([1, 3]), torch.randn(2, H, D, D)
+    gd._scan_fwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0)
+    gd._scan_bwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0, torch.randn(NC, H, C, D), torch.randn(2, H, D, D))
     return results
 
 

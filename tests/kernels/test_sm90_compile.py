@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sm90_compile.py"
 # every Triton kernel the package launches on a GPU (a new one belongs in sm90_compile.run_all)
 KERNELS = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_dz_kernel", "_gmm_kernel",
-           "_gmm_wgrad_kernel", "_bucket_copy_kernel"}
+           "_gmm_wgrad_kernel", "_bucket_copy_kernel", "_gdn_scan_fwd_kernel", "_gdn_scan_bwd_kernel"}
 GEMMS = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_gmm_kernel", "_gmm_wgrad_kernel"}
 
 
