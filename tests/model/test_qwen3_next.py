@@ -227,3 +227,49 @@ def test_compiled_blocks_equal_eager_without_breaks_or_recompiles():
     # one graph per block kind (DeltaNet, gated attention x (padded, block-mask)), none per batch
     assert len(_debug_get_cache_entry_list(DecoderLayer.forward.__code__)) == 3 and counter.frame_count >= 3
     torch._dynamo.reset()
+
+
+# --- LoRA: attention, DeltaNet projections, experts ---------------------------------------------
+LORA_ARCH = {
+    "qwen3_next": ARCH.model_copy(update={"vocab_size": 97}),
+    "qwen3_5_moe_text": MoEArch(**{**ARCH.model_dump(), "model_type": "qwen3_5_moe_text", "vocab_size": 97,
+                                   "mlp_only_layers": [], "decoder_sparse_step": 1}),
+}
+LORA_TARGETS = {
+    "qwen3_next": ["q_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj", "router",
+                   "experts.gate_up_proj", "experts.down_proj"],
+    "qwen3_5_moe_text": ["q_proj", "k_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+                         "experts.gate_up_proj", "experts.down_proj"],
+}
+
+
+@pytest.mark.parametrize("family", list(LORA_TARGETS))
+def test_lora_on_attention_deltanet_and_experts(family, tmp_path):
+    """Both LoRA forms (merged, unmerged) equal a hand merge; every adapter gets a gradient; and
+    PEFT's LoRA on transformers' model loads the adapter and gives the merged logits."""
+    peft = pytest.importorskip("peft", minversion="0.19")
+    from moe_rl.model.lora import save_peft
+
+    from tests.model.test_lora import make, merged_by_hand
+
+    model, ad = make(LORA_TARGETS[family], None, arch=LORA_ARCH[family])
+    assert {s.target for s in ad.sites} == set(LORA_TARGETS[family])
+    x = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = merged_by_hand(model, ad)(x)
+        base = model(x)
+    with torch.no_grad(), ad.applied():
+        torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=0)
+    with ad.in_forward():
+        got = model(x)
+        got.square().mean().backward()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert (got - base).abs().max() > 1e-3
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ad.parameters())
+    save_hf(model, tmp_path / "base")
+    save_peft(ad, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    hf = FAMILIES[family][1].from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(input_ids=x).logits, expected, atol=1e-4, rtol=0)
+    assert sorted(peft.get_peft_model_state_dict(pm)) == sorted(ad.peft_state_dict())
