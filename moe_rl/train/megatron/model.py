@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_rl.model import MoEArch, RoutingError
+from moe_rl.model.arch import FAMILIES
 
 from .convert import MegatronLayout, check_arch
 
@@ -158,7 +159,7 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_arch(arch, MegatronLayout(tp_size=tp_size, ep_size=ep_size))
+    check_arch(arch, MegatronLayout(te=opts.use_te, tp_size=tp_size, ep_size=ep_size))
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if opts.recompute else {}
     return TransformerConfig(
         num_layers=arch.num_hidden_layers,
@@ -182,6 +183,7 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
         moe_layer_freq=[1 if arch.is_moe_layer(i) else 0 for i in range(arch.num_hidden_layers)],
         moe_router_topk=arch.num_experts_per_tok,
         **_router_fields(arch),
+        **_hybrid_fields(arch),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_fusion=opts.router_fusion,
@@ -212,6 +214,23 @@ def _router_fields(arch: MoEArch) -> dict:
     return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                 moe_router_topk_scaling_factor=arch.routed_scaling_factor, moe_router_dtype="fp32",
                 moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_overlap=False, **groups)
+
+
+def _hybrid_fields(arch: MoEArch) -> dict:
+    """Qwen3-Next / Qwen3.5-MoE: megatron-core's gated_delta_net attention variant on the
+    linear_attention layers (``linear_attention_freq``: 1 = Gated DeltaNet, 0 = softmax
+    attention), the output-gated softmax attention, zero-centred (1 + w) norms, the sigmoid-gated
+    shared expert (``shared_experts.gate_weight``)."""
+    if not FAMILIES[arch.model_type].hybrid:
+        return {}
+    shared = arch.shared_expert_intermediate_size
+    return dict(experimental_attention_variant="gated_delta_net",
+                linear_attention_freq=[int(t == "linear_attention") for t in arch.layer_types],
+                linear_conv_kernel_dim=arch.linear_conv_kernel_dim, linear_key_head_dim=arch.linear_key_head_dim,
+                linear_value_head_dim=arch.linear_value_head_dim, linear_num_key_heads=arch.linear_num_key_heads,
+                linear_num_value_heads=arch.linear_num_value_heads, attention_output_gate=True,
+                layernorm_zero_centered_gamma=True, moe_shared_expert_intermediate_size=shared or None,
+                moe_shared_expert_gate=bool(shared), moe_shared_expert_overlap=False)
 
 
 _TE_NAMES_OF_MOE_UTILS = (
