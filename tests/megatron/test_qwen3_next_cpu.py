@@ -155,3 +155,12 @@ def test_megatron_gated_attention_equals_native(cpu_megatron):
         want = model.model.layers[1].self_attn(x, cos, sin, layout)
         got, _ = attn(x[:, None], attention_mask=~layout.mask[None, None], rotary_pos_emb=(freqs, freqs))
     torch.testing.assert_close(got[:, 0], want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(ARCHS))
+def test_backend_refuses_the_hybrid_gpt_model(family):
+    """The hybrid GPTModel is not built: the backend says so and names the native backend."""
+    from moe_rl.train.megatron.model import MegatronOptions, build_gpt_model
+
+    with pytest.raises(RuntimeError, match=rf"model_type='{family}'.*train.backend=native"):
+        build_gpt_model(ARCHS[family], MegatronOptions(use_te=True, grouped_gemm=True), tconfig(ARCHS[family]))

@@ -286,7 +286,10 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     _compat_megatron_without_te()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=opts.use_te, normalization="RMSNorm")
+    if FAMILIES[arch.model_type].hybrid:
+        spec = hybrid_block_spec(arch, config)
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=opts.use_te, normalization="RMSNorm")
     if opts.experts == "TorchGroupedMLP":
         use_torch_grouped_experts(spec)
     if not opts.use_te:
@@ -304,6 +307,21 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         parallel_output=True,
     )
+
+
+def hybrid_block_spec(arch: MoEArch, config):
+    """Qwen3-Next / Qwen3.5-MoE: not built. megatron-core has the layers (its gated_delta_net
+    variant, ``get_transformer_block_with_experimental_attention_variant_spec``) and ``convert.py``
+    maps the weights onto them (checked on CPU against those layers), but the GPTModel of that block
+    needs, on a GPU, Transformer Engine (its TE layer spec only), flash-linear-attention (the chunked
+    rule and conv with the micro-batch's ``cu_seqlens``) and megatron-core >= 0.19 (earlier layers
+    have no packed sequences), and that build with the backend's packed forward, LoRA and R3 has
+    not been run. Refused rather than built untested."""
+    raise RuntimeError(
+        f"model_type={arch.model_type!r} is not available on train.backend=megatron: the hybrid GPTModel "
+        "(megatron-core's gated_delta_net block) needs Transformer Engine, flash-linear-attention and "
+        "megatron-core >= 0.19 on a GPU, and that path is not built or tested; use train.backend=native, "
+        "which trains this family on CPU and GPU (docs/megatron.md)")
 
 
 def _spec_module(spec):
