@@ -297,7 +297,10 @@ class LoraConfig(Strict):
     dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapter dropout is not implemented")
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
                           "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
-                          "shared_experts.down_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
+                          "shared_experts.down_proj",
+                          # Gated DeltaNet's projections (Qwen3-Next: in_proj_qkvz/ba; Qwen3.5: in_proj_qkv/z/b/a)
+                          "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                          "out_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
                                                    "experts.gate_up_proj", "experts.down_proj"]
     layers: list[int] | None = None  # decoder layers to adapt; None = all
     seed: int = 0

@@ -273,3 +273,22 @@ def test_lora_on_attention_deltanet_and_experts(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(pm(input_ids=x).logits, expected, atol=1e-4, rtol=0)
     assert sorted(peft.get_peft_model_state_dict(pm)) == sorted(ad.peft_state_dict())
+
+
+def test_state_bytes_per_request_at_qwen3_next_80b_shape():
+    """Qwen3-Next-80B-A3B's shape (transformers' Qwen3NextConfig defaults): 36 DeltaNet layers of
+    48, each keeping per request a bf16 conv window [8192, 3] and an fp32 state [32, 128, 128]
+    (73.7 MiB), whatever the context; the 12 attention layers' K/V grow 24 KiB per token. The
+    planned bytes are what allocate makes."""
+    from moe_rl.model.attention import KVSpec, RecurrentSpec, state_specs
+
+    arch = MoEArch.from_hf_dict(transformers.Qwen3NextConfig().to_dict())
+    specs = state_specs(arch)
+    rec = [s for s in specs if isinstance(s, RecurrentSpec)]
+    kv = [s for s in specs if isinstance(s, KVSpec)]
+    assert len(rec) == 36 and len(kv) == 12
+    assert sum(s.bytes_per_slot(32768, 2) for s in rec) == 36 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) == 77_266_944
+    assert sum(s.bytes_per_token(2) for s in kv) == 12 * 2 * 2 * 256 * 2 == 24 * 1024
+    small = state_specs(ARCH)[0].allocate(3, 100, torch.bfloat16, "cpu")
+    nbytes = small.conv.numel() * small.conv.element_size() + small.ssm.numel() * small.ssm.element_size()
+    assert small.ssm.dtype == torch.float32 and nbytes == 3 * state_specs(ARCH)[0].bytes_per_slot(100, 2)
