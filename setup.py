@@ -24,7 +24,9 @@ if sources:
             "moe_rl._C",
             sources,
             cxx_std=17,
-            extra_compile_args=["-O3"],
+            # no contraction of a * b + c into an FMA behind the kernels' back: csrc/exact.h
+            # fixes where fused multiply-adds are
+            extra_compile_args=["-O3", "-ffp-contract=off"],
         )
     )
 

@@ -12,6 +12,8 @@
 #include "crc32c.h"
 #include "store.h"
 
+void bind_exact(pybind11::module_& m);  // exact_bind.cpp: the batch-invariant kernels
+
 namespace py = pybind11;
 using namespace moe_rl;
 
@@ -114,7 +116,8 @@ void check_record_shape(const Store& s, const py::array& ids) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "moe-rl routing-replay log: bit-packing codec, CRC32C and the segment store";
+  m.doc() = "moe-rl routing-replay log: bit-packing codec, CRC32C and the segment store; batch-invariant kernels";
+  bind_exact(m);
   {
     const uint16_t probe = 1;
     uint8_t first;

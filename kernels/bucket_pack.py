@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from .launch import on_device_of
+
 try:  # Triton is optional: the CPU path never needs it
     import triton
     import triton.language as tl
@@ -161,9 +163,10 @@ class BucketCopy:
                              f"({self.dtype}, {self.numel} on {self.device})")
         if _alignment(flat.data_ptr()) < self.align:
             raise ValueError(f"flat buffer aligned to {_alignment(flat.data_ptr())} bytes, plan needs {self.align}")
-        _bucket_copy_kernel[(self.n.numel(),)](
-            flat.view(self.int_dtype), anchor.view(-1).view(self.int_dtype), self.t_off, self.f_off, self.n,
-            TO_FLAT=to_flat, CHUNK=self.chunk, VEC=self.vec)
+        with on_device_of(flat):  # pack/unpack run in worker threads (the sender's executor, the commit)
+            _bucket_copy_kernel[(self.n.numel(),)](
+                flat.view(self.int_dtype), anchor.view(-1).view(self.int_dtype), self.t_off, self.f_off, self.n,
+                TO_FLAT=to_flat, CHUNK=self.chunk, VEC=self.vec)
 
     def pack(self, flat: torch.Tensor) -> torch.Tensor:
         self._launch(flat, True)

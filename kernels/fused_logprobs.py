@@ -64,6 +64,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .launch import on_device_of
+
 try:  # Triton is optional: the torch implementation needs none of it.
     import triton
     import triton.language as tl
@@ -243,18 +245,42 @@ if triton is not None:
             e_ptrs = err_ptr + grp[None, :] * stride_eg + offs_m[:, None]
             tl.store(e_ptrs, err, mask=row_mask[:, None] & (grp[None, :] * ERR_GROUP < C))
 
-    def _gpu_configs():
-        """A small set for Hopper (sm_90, 228 KiB shared memory per SM, 132 SMs on an H100 SXM /
-        H200): 128x256 tiles on two consumer warpgroups (8 warps) are what cuBLAS's own bf16
-        kernels use at these shapes (nvjet ..._128x256_64x4_...); 3-4 stages of 64-deep K
-        slices fit (48 KiB per stage). 128x128 / 256x128 cover a tall or short grid."""
-        cfg = triton.Config
-        return [
-            cfg({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-            cfg({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-            cfg({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-            cfg({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-        ]
+    # Hopper (sm_90) autotune configs per kernel and operand width: (BLOCK_M, BLOCK_N, BLOCK_K,
+    # num_warps, num_stages), GROUP_M 8. Each is spill-free: `cuobjdump -res-usage` of its sm_90
+    # cubin shows stack 0 with Triton 3.6 (the GPU image's) and 3.9, checked in CI by
+    # tests/kernels/test_sm90_compile.py. 16-bit: two consumer warpgroups (8 warps) on a
+    # 128x128 or 64x256 tile keep 64 fp32 accumulators per thread, which leaves the registers
+    # the online softmax needs; the 128x256 tiles cuBLAS uses at these shapes (128 accumulators)
+    # spilled 0.4-1.2 KB per thread in every kernel. fp32 (IEEE dots, on the CUDA cores):
+    # 32-64 x 128 tiles of 32-deep K slices (48 KiB of shared memory at 3 stages).
+    _LM_HEAD_CONFIGS = {
+        ("fwd", 2): [(64, 256, 64, 8, 3), (64, 256, 64, 8, 4)],
+        ("dlogits", 2): [(128, 128, 64, 8, 4), (64, 256, 64, 8, 4)],
+        ("probs", 2): [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4)],
+        ("fwd", 4): [(64, 128, 32, 8, 3), (32, 128, 32, 4, 3)],
+        ("dlogits", 4): [(64, 128, 32, 8, 3), (32, 128, 32, 4, 3)],
+        ("probs", 4): [(64, 128, 32, 8, 3), (32, 128, 32, 4, 3)],
+    }
+
+    def lm_head_configs(kernel: str, itemsize: int) -> list:
+        """The autotune configs of LM-head kernel ``kernel`` ("fwd", "dlogits", "probs") for
+        operands of ``itemsize`` bytes (2: bf16/fp16, 4: fp32)."""
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=st)
+                for m, n, k, w, st in _LM_HEAD_CONFIGS[(kernel, itemsize)]]
+
+    def lm_head_autotune(kernel_fn, kernel: str, key: list[str]):
+        """``kernel_fn`` autotuned over :func:`lm_head_configs` of its operands' width (read from
+        its first argument, the hidden states): the autotuner's early pruning keeps one width's
+        configs. ``key``: the arguments a tuned config is kept for, the constexpr variants
+        included (a config tuned without entropy is not reused with it); Triton adds every
+        tensor argument's dtype to the key itself."""
+        by_width = {size: lm_head_configs(kernel, size) for size in (2, 4)}
+
+        def for_width(configs, named_args, **kwargs):
+            return by_width[named_args["h_ptr"].element_size()]
+
+        return triton.autotune(by_width[2] + by_width[4], key=key,
+                               prune_configs_by={"early_config_prune": for_width})(kernel_fn)
 
     # The interpreter runs one fixed small config (its blocks are numpy arrays; autotuning there
     # would only time numpy). BLOCK_N=256 keeps V=151936 ragged (151936 = 593.5 * 256).
@@ -266,8 +292,8 @@ if triton is not None:
     if TRITON_INTERPRET:
         _fwd_launch, _dlogits_launch = _fwd_kernel, _dlogits_kernel
     else:
-        _fwd_launch = triton.autotune(_gpu_configs(), key=["V", "H"])(_fwd_kernel)
-        _dlogits_launch = triton.autotune(_gpu_configs(), key=["C", "H"])(_dlogits_kernel)
+        _fwd_launch = lm_head_autotune(_fwd_kernel, "fwd", ["V", "H", "COMPUTE_ENTROPY"])
+        _dlogits_launch = lm_head_autotune(_dlogits_kernel, "dlogits", ["C", "H", "HAS_GL", "HAS_GE", "TRACK_ERR"])
 
 
 def triton_available(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -316,8 +342,8 @@ def _plan(n: int, h: int, v: int, itemsize: int, impl: str = "triton") -> Plan:
     accumulated over slabs in the weight's dtype) plus a d_weight GEMM as deep as the slab.
     Slabs and chunks are then evened out. At (8192, 4096, 151936) bf16 that is 8 slabs of 1024
     rows x 10 chunks of 15360 columns (the last 13696): three GEMMs of 1024 x 15360 x 4096
-    (~129 GFLOP) per step, 480 output tiles of 128x256 per d_logits launch (~3.6 waves on 132
-    SMs). Torch path: fp32 copies of the slab (4h), the d_hidden accumulator (4h) and
+    (~129 GFLOP) per step, 960 output tiles of 128x128 (or 64x256) per d_logits launch (~7.3
+    waves on 132 SMs). Torch path: fp32 copies of the slab (4h), the d_hidden accumulator (4h) and
     about three fp32 ``[rows, vocab]`` temporaries, 4096-column chunks.
     """
     budget = max(_BWD_BUDGET_FRACTION * n * v * 4, _BWD_BUDGET_FLOOR)
@@ -332,7 +358,7 @@ def _plan(n: int, h: int, v: int, itemsize: int, impl: str = "triton") -> Plan:
         if rows >= min(n, _BWD_MIN_ROWS):
             break
     # equal chunks (multiples of 256 columns): a ragged last one would be a small, badly
-    # quantised launch (e.g. 4480 columns = 144 tiles of 128x256 on 132 SMs)
+    # quantised launch (e.g. 4480 columns x 1024 rows = 288 tiles of 64x256 on 132 SMs, 2.2 waves)
     return Plan(rows=_balanced_rows(n, rows), vocab=_balanced_rows(v, vocab, 256))
 
 
@@ -372,10 +398,11 @@ def _partials_triton(hidden, weight, labels_local, inv_t, entropy):
         return (triton.cdiv(n, meta["BLOCK_M"]) * splits,)
 
     extra = _INTERPRET_META if TRITON_INTERPRET else {}
-    _fwd_launch[grid](hidden, weight, labels_local, m, s, u, zy, n, v, h,
-                      hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                      inv_t, SPLIT_V=_SPLIT_V, COMPUTE_ENTROPY=entropy, DOT_FP32=_DOT_FP32,
-                      **extra)
+    with on_device_of(hidden):
+        _fwd_launch[grid](hidden, weight, labels_local, m, s, u, zy, n, v, h,
+                          hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+                          inv_t, SPLIT_V=_SPLIT_V, COMPUTE_ENTROPY=entropy, DOT_FP32=_DOT_FP32,
+                          **extra)
     mx, s_tot, u_tot = _merge_partials(m, s, u if entropy else None)
     return mx, s_tot, u_tot, zy
 
@@ -487,14 +514,15 @@ def _dlogits_triton(h_slab, w_chunk, lab, mx, log_s, ent, gl, ge, v_off, inv_t, 
 
     dummy = mx
     extra = _INTERPRET_META if TRITON_INTERPRET else {}
-    _dlogits_launch[grid](h_slab, w_chunk, lab, mx, log_s, ent if ent is not None else dummy,
-                          gl if gl is not None else dummy, ge if ge is not None else dummy, out,
-                          err if err is not None else dummy, r, c, hdim, v_off,
-                          h_slab.stride(0), h_slab.stride(1),
-                          w_chunk.stride(0), w_chunk.stride(1), out.stride(0), out.stride(1),
-                          err.stride(0) if err is not None else 0,
-                          inv_t, HAS_GL=gl is not None, HAS_GE=ge is not None,
-                          TRACK_ERR=err is not None, ERR_GROUP=_ERR_GROUP, DOT_FP32=_DOT_FP32, **extra)
+    with on_device_of(h_slab):
+        _dlogits_launch[grid](h_slab, w_chunk, lab, mx, log_s, ent if ent is not None else dummy,
+                              gl if gl is not None else dummy, ge if ge is not None else dummy, out,
+                              err if err is not None else dummy, r, c, hdim, v_off,
+                              h_slab.stride(0), h_slab.stride(1),
+                              w_chunk.stride(0), w_chunk.stride(1), out.stride(0), out.stride(1),
+                              err.stride(0) if err is not None else 0,
+                              inv_t, HAS_GL=gl is not None, HAS_GE=ge is not None,
+                              TRACK_ERR=err is not None, ERR_GROUP=_ERR_GROUP, DOT_FP32=_DOT_FP32, **extra)
     return out
 
 

@@ -51,6 +51,7 @@ from .fused_logprobs import (
     tp_merge,
     vocab_offset,
 )
+from .launch import on_device_of
 
 try:
     import triton
@@ -70,7 +71,7 @@ _FUSED_MAX_BYTES = 2**30
 _DZ_BLOCK_M = 32
 
 if triton is not None:
-    from .fused_logprobs import _DOT_FP32, _INTERPRET_META, _gpu_configs, _grid_logits_tile
+    from .fused_logprobs import _DOT_FP32, _INTERPRET_META, _grid_logits_tile, lm_head_autotune
 
     @triton.jit
     def _probs_kernel(h_ptr, w_ptr, labels_ptr, e_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
@@ -157,7 +158,7 @@ if triton is not None:
     if TRITON_INTERPRET:
         _probs_launch = _probs_kernel
     else:  # idempotent (every output fully rewritten), so autotuning may rerun it
-        _probs_launch = triton.autotune(_gpu_configs(), key=["V", "H"])(_probs_kernel)
+        _probs_launch = lm_head_autotune(_probs_kernel, "probs", ["V", "H", "COMPUTE_ENTROPY"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,11 +280,12 @@ def _fused_triton(hidden, weight, labels_local, ignored, token_loss, inv_t, entr
         def grid(meta):
             return (triton.cdiv(r, meta["BLOCK_M"]) * triton.cdiv(v, meta["BLOCK_N"]),)
 
-        _probs_launch[grid](h_slab, weight, lab, e_buf, m_g, s_g, u_g, zy, r, v, hdim,
-                            h_slab.stride(0), h_slab.stride(1), weight.stride(0), weight.stride(1),
-                            e_buf.stride(0), e_buf.stride(1), stats.stride(1), inv_t,
-                            COMPUTE_ENTROPY=entropy, STAT_GROUP=_STAT_GROUP, DOT_FP32=_DOT_FP32,
-                            **extra)
+        with on_device_of(h_slab):
+            _probs_launch[grid](h_slab, weight, lab, e_buf, m_g, s_g, u_g, zy, r, v, hdim,
+                                h_slab.stride(0), h_slab.stride(1), weight.stride(0), weight.stride(1),
+                                e_buf.stride(0), e_buf.stride(1), stats.stride(1), inv_t,
+                                COMPUTE_ENTROPY=entropy, STAT_GROUP=_STAT_GROUP, DOT_FP32=_DOT_FP32,
+                                **extra)
         m_loc, s_loc, u_loc = _merge_partials(m_g, s_g, u_g if entropy else None)
         m, log_s, en, total, gl, ge = _finish_slab(m_loc, s_loc, u_loc, zy, ign, tp_group, token_loss,
                                                    slice(r0, r1), logp, ent)
@@ -291,11 +293,12 @@ def _fused_triton(hidden, weight, labels_local, ignored, token_loss, inv_t, entr
         if not (need_dh or need_dw):
             continue
         err = s_g  # the group sums are merged: the buffer takes the rounded row sums
-        _dz_kernel[(triton.cdiv(r, _DZ_BLOCK_M), n_groups)](
-            e_buf, dz_buf, lab, m_g, m, log_s, en if ge is not None else m, gl,
-            ge if ge is not None else m, err, r, v, e_buf.stride(0), e_buf.stride(1),
-            stats.stride(1), inv_t, HAS_GL=True, HAS_GE=ge is not None, TRACK_ERR=not exact,
-            BLOCK_M=_DZ_BLOCK_M, STAT_GROUP=_STAT_GROUP, num_warps=4)
+        with on_device_of(e_buf):
+            _dz_kernel[(triton.cdiv(r, _DZ_BLOCK_M), n_groups)](
+                e_buf, dz_buf, lab, m_g, m, log_s, en if ge is not None else m, gl,
+                ge if ge is not None else m, err, r, v, e_buf.stride(0), e_buf.stride(1),
+                stats.stride(1), inv_t, HAS_GL=True, HAS_GE=ge is not None, TRACK_ERR=not exact,
+                BLOCK_M=_DZ_BLOCK_M, STAT_GROUP=_STAT_GROUP, num_warps=4)
         if need_dh:
             if exact:
                 out = torch.mm(dz_buf, weight, out=d_hidden[r0:r1])

@@ -33,6 +33,8 @@ import os
 import torch
 from torch import Tensor
 
+from .launch import on_device_of
+
 try:  # Triton is optional: the torch implementation needs none of it.
     import triton
     import triton.language as tl
@@ -157,9 +159,10 @@ def _gmm_triton(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     bm, bn, bk, warps = _blocks(x.dtype)
     group, row0 = tile_plan(offs, rows, bm)
     grid = (group.shape[0], triton_cdiv(N, bn))
-    _gmm_kernel[grid](x, w, y, group, row0, offs, N, K, E, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                      w.stride(2), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      PRECISION=_precision(x.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
+    with on_device_of(x):  # the engine's forward runs in its step thread
+        _gmm_kernel[grid](x, w, y, group, row0, offs, N, K, E, x.stride(0), x.stride(1), w.stride(0),
+                          w.stride(1), w.stride(2), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                          PRECISION=_precision(x.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
     return y
 
 
@@ -171,9 +174,10 @@ def _gmm_wgrad_triton(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
     bm, bn, bk, warps = _blocks(dy.dtype)
     bk = min(bk, bn)  # the wgrad tile is [BLOCK_N, BLOCK_K]
     grid = (E, triton_cdiv(N, bn), triton_cdiv(K, bk))
-    _gmm_wgrad_kernel[grid](dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                            dw.stride(0), dw.stride(1), dw.stride(2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                            PRECISION=_precision(dy.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
+    with on_device_of(dy):
+        _gmm_wgrad_kernel[grid](dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                                dw.stride(0), dw.stride(1), dw.stride(2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                PRECISION=_precision(dy.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
     return dw
 
 
@@ -225,7 +229,8 @@ _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 def grouped_gemm(x: Tensor, w: Tensor, offs: Tensor, impl: str | None = None) -> Tensor:
     """x [rows, K] sorted by group, w [E, N, K] (``nn.Linear`` layout per group), offs int32 [E]
-    (end row of each group, the last equal to rows) -> [rows, N], row r of group g being
+    (end row of each group; rows after the last one are in no group and their output rows are
+    left unwritten) -> [rows, N], row r of group g being
     ``x[r] @ w[g].T``. Differentiable in x and w.
 
     ``impl``: "triton" (default for CUDA tensors) or "torch" (``torch._grouped_mm``, default
@@ -235,7 +240,8 @@ def grouped_gemm(x: Tensor, w: Tensor, offs: Tensor, impl: str | None = None) ->
         impl = "triton" if x.is_cuda else "torch"
     if impl not in ("triton", "torch"):
         raise ValueError(f"grouped_gemm: impl must be 'triton' or 'torch', got {impl!r}")
-    if impl == "triton" and (triton is None or not (x.is_cuda or TRITON_INTERPRET)):
+    # meta tensors (shapes only, tests) take the op's fake whatever the impl
+    if impl == "triton" and not x.is_meta and (triton is None or not (x.is_cuda or TRITON_INTERPRET)):
         raise RuntimeError("grouped_gemm(impl='triton'): needs triton and a CUDA tensor (or TRITON_INTERPRET=1 "
                            "set before importing moe_rl.kernels.grouped_gemm)")
     if x.dtype not in DTYPES or w.dtype != x.dtype:

@@ -18,6 +18,7 @@ from .config import ConfigError, dump_config, load_config
 # bench name -> module with ``main(argv: list[str]) -> int``
 BENCHES = {
     "logprobs": "moe_rl.kernels.bench.logprobs",
+    "exact": "moe_rl.kernels.bench.exact",
     "replay": "moe_rl.bench.replay",
     "engine": "moe_rl.bench.engine",
     "sync": "moe_rl.bench.sync",
@@ -116,6 +117,11 @@ def _launch(cfg, argv: list[str]) -> int:
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         print(f"error: the run failed: rank {rank} ({role}) ended first, with {how}; the other ranks were "
               f"stopped. Its log is above; resume=true continues from the latest checkpoint.", file=sys.stderr)
+        for r, f in sorted(e.failures.items()):  # what each rank that failed (not killed) recorded
+            if f.error_file and f.error_file != "<N/A>":  # torch elastic's mark of a rank without an error file
+                why = f.message.get("message", f.message) if isinstance(f.message, dict) else f.message
+                r_role = "trainer" if Layout.from_config(cfg).role(r) == "trainer" else "engine host"
+                print(f"error: rank {r} ({r_role}): {why}", file=sys.stderr)
         return 1
     return 0
 

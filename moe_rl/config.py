@@ -29,6 +29,10 @@ class ModelConfig(MoEArch):
     """Architecture (HF field names; ``model_type`` picks the family) plus where the weights come from."""
 
     path: str | None = None  # HF checkpoint dir; its config.json overrides the fields above
+    tokenizer_path: str | None = Field(None, description="HF tokenizer directory (tokenizer files, chat template, "
+                                       "generation_config.json) used instead of model.path's, e.g. for a random-init "
+                                       "model: engines serve text and the OpenAI API with it, plug-in tasks with a "
+                                       "tokenizer_path parameter receive it, checkpoints copy it into hf/")
     init_seed: int = 0  # seeded random init when path is unset
     init_std: float = Field(0.02, gt=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -118,6 +122,9 @@ class ReplayConfig(Strict):
     # decoupled objective's proximal policy would be ("trainer"); docs/algorithms.md
     stale: Literal["engine", "trainer"] = "engine"
     dir: str | None = None  # default: <output_dir>/routing
+    retention: bool = Field(True, description="drop the routing records no sample can still use (trained on or "
+                            "dropped, and not in the buffer of the latest checkpoint): the log then holds a few "
+                            "steps' worth however long the run (docs/run_safety.md); false keeps every record")
 
 
 class SyncConfig(Strict):
@@ -263,8 +270,12 @@ class EnvConfig(Strict):
     max_episode_tokens: int | None = Field(None, ge=2, description="prompt + all turns; default: engine.max_context")
     episode_timeout_s: float = Field(300.0, gt=0, description="an episode running longer is marked failed")
     max_concurrent_episodes: int = Field(64, ge=1, description="episodes in flight at once (all groups)")
+    openai_agent: str | None = Field(None, description=f"agent plug-in, {_PLUGIN_HELP}: an async function "
+                                     "agent(client, prompt, **env.args) called once per episode with an "
+                                     "openai.AsyncOpenAI client scoped to the episode; returns the reward (a float, "
+                                     "or a dict with 'reward' and numeric metrics). docs/environments.md, 'Agents'")
 
-    _check = field_validator("factory")(classmethod(lambda cls, v: _check_plugin_path(v)))
+    _check = field_validator("factory", "openai_agent")(classmethod(lambda cls, v: _check_plugin_path(v)))
 
 
 class LoggingConfig(Strict):
@@ -298,10 +309,16 @@ class LoraConfig(Strict):
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
                           "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
                           "shared_experts.down_proj",
+                          # multi-head latent attention (deepseek_v3, glm4_moe_lite)
+                          "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                           # Gated DeltaNet's projections (Qwen3-Next: in_proj_qkvz/ba; Qwen3.5: in_proj_qkv/z/b/a)
                           "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                          "out_proj"]] = ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                   "experts.gate_up_proj", "experts.down_proj"]
+                          "out_proj"]] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"],
+        description="weights to adapt; attention targets are the projections of the model's attention (MLA models: "
+                    "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; Gated DeltaNet layers: "
+                    "in_proj_qkvz, in_proj_ba (Qwen3-Next) or in_proj_qkv, in_proj_z, in_proj_b, in_proj_a "
+                    "(Qwen3.5), out_proj)")
     layers: list[int] | None = None  # decoder layers to adapt; None = all
     seed: int = 0
     sync: Literal["adapter", "merged"] = Field("merged", description="what a weight sync sends: the adapter "
@@ -357,16 +374,30 @@ class SweepConfig(Strict):
         return data
 
 
+class DistConfig(Strict):
+    """How long the ranks of the torchrun world wait for one another (docs/run_safety.md, "Long runs")."""
+
+    timeout_s: float = Field(1800.0, gt=0, description="timeout of the trainer pool's collectives whose ranks "
+                             "arrive together (gradient all-reduce, expert all-to-all): its process groups' timeout")
+    wait_timeout_s: float = Field(86400.0, gt=0, description="bound of the collectives where ranks wait long for "
+                                  "one of them: every rank at the start while the models load (the world's default "
+                                  "group), the trainer ranks for rank 0's rollouts, checkpoint writes and weight "
+                                  "syncs (groups of their own). A frozen rank ends the run sooner (peer_timeout_s)")
+    peer_timeout_s: float = Field(300.0, gt=0, description="a rank whose heartbeat stops this long is frozen "
+                                  "(stopped or hung): the rank watching it ends the run with an error naming it")
+
+
 class FaultConfig(Strict):
     """Fault injection for the run-safety suite (moe_rl/faults.py, docs/run_safety.md): when the
     named point is reached the ``at``-th time in a process (of ``rank``, or any), ``action``
     happens there. Off (``point: null``) in every real run."""
 
-    point: Literal["engine.generate", "sync.bucket", "checkpoint.write", "routing.append"] | None = None
+    point: Literal["engine.generate", "sync.bucket", "engine.update", "checkpoint.write", "routing.append"] | None = None
     at: int = Field(1, ge=1, description="fire on the at-th time the point is reached in a process")
-    action: Literal["kill_tree", "kill", "enospc"] = Field(
+    action: Literal["kill_tree", "kill", "stop", "enospc"] = Field(
         "kill_tree", description="kill_tree: SIGKILL the launcher and every process under it at once; kill: SIGKILL "
-        "this process; enospc: fail the write with OSError(ENOSPC) (checkpoint.write only)")
+        "this process; stop: SIGSTOP this process (it freezes); enospc: fail the write with OSError(ENOSPC) "
+        "(checkpoint.write only)")
     rank: int | None = Field(None, ge=0, description="the global rank where it fires; None = any rank reaching it")
 
 
@@ -408,6 +439,7 @@ class ExperimentConfig(Strict):
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+    dist: DistConfig = DistConfig()
     fault: FaultConfig = FaultConfig()
     eval: EvalConfig = EvalConfig()
 
@@ -458,6 +490,15 @@ class ExperimentConfig(Strict):
         if self.sync.backend == "ipc" and self.engine.kind != "embedded":
             raise ValueError("sync.backend=ipc is moe-rl's own same-machine transfer: it needs engine.kind=embedded")
 
+        if self.env.openai_agent and self.env.factory:
+            raise ValueError("env.openai_agent and env.factory: an episode is played either by an OpenAI-API agent or "
+                             "by a token-level environment; set one of them")
+        if self.env.openai_agent and self.engine.kind != "embedded":
+            raise ValueError("env.openai_agent needs engine.kind=embedded: the per-episode recording of OpenAI-API "
+                             "calls (exact ids, log-probs, routing) is the embedded engine's")
+        if self.reward.fn and self.env.openai_agent:
+            raise ValueError("reward.fn and env.openai_agent: the agent returns the episode's reward; score inside "
+                             "the agent (or drop env.openai_agent)")
         if self.reward.fn and self.env.factory:
             raise ValueError("reward.fn and env.factory: an episode's reward is the sum of its environment's step "
                              "rewards; score inside the environment (or drop env.factory)")
@@ -501,6 +542,10 @@ class ExperimentConfig(Strict):
         if shared:
             raise ValueError(f"{where}: lora.targets has {shared}; serving shared-expert adapters through SGLang's "
                              "LoRA files is not checked against SGLang yet (use lora.sync=merged)")
+        mla = [t for t in self.lora.targets if t in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
+        if mla:
+            raise ValueError(f"{where}: lora.targets has {mla}; serving latent-attention adapters through SGLang's "
+                             "LoRA files is not checked against SGLang (use lora.sync=merged)")
         qkv = {"q_proj", "k_proj", "v_proj"} & set(self.lora.targets)
         if qkv and not {"q_proj", "v_proj"} <= qkv:
             raise ValueError(f"{where}: lora.targets has {sorted(qkv)}; SGLang stacks q/k/v adapters into qkv_proj "

@@ -8,12 +8,15 @@ action happens right there:
   kill_tree  SIGKILL the launcher and every process under it at once, as a scheduler or the OOM
              killer does
   kill       SIGKILL this process only (e.g. one engine rank)
+  stop       SIGSTOP this process: it freezes (alive, holding its sockets, answering nothing),
+             as a hung process or one stopped by a debugger does
   enospc     raise OSError(ENOSPC), a write that found the disk full
 
 Points (``POINTS``), each where the crash hurts most:
 
   engine.generate   an engine rank receives a /generate request: rollouts are in flight
   sync.bucket       trainer rank 0 has posted a bucket's broadcast and the engines are taking it
+  engine.update     an engine rank receives a bucket of a weight update (/update_weights_from_distributed)
   checkpoint.write  a checkpoint file is written, before it is renamed into place
   routing.append    the routing log has written a record but not yet its index entry
 """
@@ -23,11 +26,12 @@ import errno
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from .rundir import LAUNCHER_ENV
 
-POINTS = ("engine.generate", "sync.bucket", "checkpoint.write", "routing.append")
+POINTS = ("engine.generate", "sync.bucket", "engine.update", "checkpoint.write", "routing.append")
 
 _armed: tuple[str, int, str] | None = None  # (point, at, action) for this process
 _hits = 0
@@ -59,9 +63,13 @@ def point(name: str) -> None:
     if _hits != _armed[1]:
         return
     action = _armed[2]
-    print(f"[fault injection] {action} at {name} (time {_hits}) in pid {os.getpid()}", file=sys.stderr, flush=True)
+    print(f"[fault injection] {action} at {name} (time {_hits}) in pid {os.getpid()} at unix time {time.time():.3f}",
+          file=sys.stderr, flush=True)
     if action == "enospc":
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected at {name})")
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # continued (SIGCONT): the process goes on where it froze
     if action == "kill_tree":
         for pid in _tree(_tree_root()):  # the launcher first: it must not react to its workers' deaths
             if pid != os.getpid():

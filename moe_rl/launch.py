@@ -7,6 +7,10 @@ Run safety (docs/run_safety.md): a worker dies with its launcher (moe_rl.lifetim
 owner claims output_dir before any rank touches it (moe_rl.rundir: the ``moe-rl train``
 launcher, or global rank 0 of a bare torchrun world); every rank then holds the directory's
 writers lock for its life, so the next run waits for the last of them.
+
+Long runs (docs/run_safety.md): every rank beats a heartbeat that a peer watches, so a frozen
+rank ends the run with an error naming it (moe_rl.liveness); collectives have two timeouts
+(``dist.timeout_s``, ``dist.wait_timeout_s``: moe_rl.dist), and the end of the run is a store key.
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ import torch.distributed as dist
 
 from . import faults
 from .config import ConfigError, load_config
-from .dist import build_groups, init_distributed
+from .dist import Layout, build_groups, init_distributed
 from .lifetime import die_with_parent
+from .liveness import Liveness, describe, record_failure
 from .placement import resolve_placement
 from .rundir import LAUNCHER_ENV, RunDirError, claim_output_dir, hold_as_writer
 
@@ -71,16 +76,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     faults.arm(cfg.fault, rank)
-    init_distributed(cfg.train.device, gpu=placement.gpu(rank))
+    init_distributed(cfg.train.device, timeout_s=cfg.dist.wait_timeout_s, gpu=placement.gpu(rank))
     _held.append(hold_as_writer(cfg.output_dir))  # after the rendezvous: rank 0 has claimed the directory
+    live = Liveness.from_env(rank, Layout.from_config(cfg), cfg.dist.peer_timeout_s).start()
+    if rank == 0:
+        log.info("collectives time out after %g s (dist.timeout_s), long waits after %g s (dist.wait_timeout_s); "
+                 "a rank silent for %g s is frozen (dist.peer_timeout_s)", cfg.dist.timeout_s,
+                 cfg.dist.wait_timeout_s, cfg.dist.peer_timeout_s)
     if placement.device == "cuda":
         log.info("rank %d on GPU %d%s; weight sync over %s", rank, placement.gpu(rank),
                  " (shared with another rank)" if placement.shares_gpu(rank) else "", placement.sync_backend)
     try:
         groups = build_groups(cfg)
+        groups.liveness = live
         log.info("role=%s rank=%d/%d", groups.role, groups.rank, groups.layout.world_size)
         run_role(cfg, groups)
+    except Exception as e:  # the launcher prints why this rank failed (moe_rl/cli.py)
+        record_failure(describe(e))
+        raise
     finally:
+        live.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

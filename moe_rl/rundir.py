@@ -150,6 +150,29 @@ def latest_step(output_dir: str | os.PathLike) -> str | None:
     return pointer.read_text().strip() if pointer.exists() else None
 
 
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """The HF model directory ``path`` names: itself (it has config.json), a checkpoint step
+    directory (its ``hf/``), a run directory or its ``checkpoints/`` (the latest checkpoint's
+    ``hf/``). FileNotFoundError, one line naming what was looked for, otherwise."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"{p}: no such directory")
+    if (p / "config.json").is_file():
+        return p
+    if (p / "hf" / "config.json").is_file():
+        return p / "hf"
+    run = p.parent if p.name == "checkpoints" else p
+    name = latest_step(run)
+    if name is not None:
+        hf = run / "checkpoints" / name / "hf"
+        if (hf / "config.json").is_file():
+            return hf
+        raise FileNotFoundError(f"{run / 'checkpoints' / 'latest'} names {name}, which holds no model ({hf}/config.json "
+                                "is missing)")
+    raise FileNotFoundError(f"{p} holds no model: no config.json (an HF model directory), no hf/config.json (a "
+                            "checkpoint step directory) and no checkpoints/latest (a run directory)")
+
+
 def claim_output_dir(cfg) -> list[RunLock]:
     """Steps 1-3 of the module docstring: ``lock_output_dir`` then ``prepare_output_dir``."""
     locks = lock_output_dir(cfg)

@@ -70,7 +70,7 @@ def compare(trainer, prompts, outs):
     out = {k: v.item() for k, v in mismatch_metrics(p, b, torch.ones_like(p)).items()}
     match, total = routing_match([torch.cat(x) for x in zip(*used)], [torch.cat(x) for x in zip(*eng)],
                                  torch.ones(sum(len(u[0]) for u in used), dtype=torch.bool))
-    out.update(mean_abs_logp_diff=float((p - b).abs().mean()), routing_match=match / total)
+    out.update(mean_abs_logp_diff=float((p - b).abs().mean()), routing_match=float(match) / float(total))
     return out
 
 

@@ -4,8 +4,9 @@
 #   bash scripts/gpu_round.sh fetch        # here (package registry, git): wheels + commit into .whl/
 #   bash scripts/gpu_round.sh all          # there, device tool: carry [".whl"], timeout_s 600
 #   bash scripts/gpu_round.sh STAGE ...    # some stages only (names below), same outputs; also
-#                                          # pytest_suite (whole suite), sync_gpu, fp32_error
+#                                          # the by-name stages listed below
 #   GPU_ROUND_DEVICE=cpu bash scripts/gpu_round.sh all   # the same round at tiny sizes on a CPU
+#                                        # (caps x3; GPU_ROUND_SCALE=N: xN on a busier machine)
 #
 # Results, in $OUT (the device tool's folder; default ./gpu_out):
 #   gpu_summary.json   every figure (scripts/gpu_summary.py reads each stage's own JSON output:
@@ -16,13 +17,18 @@
 # Each stage has its own time cap, and the round a total budget (GPU_ROUND_BUDGET_S, 480 s, from
 # the start of the script): a stage gets min(its cap, what the budget has left) and is skipped
 # when that is under a minute; a failing stage does not stop the others (in a CPU dry run caps
-# and budget are 3x). gpu_1x comes last and trains for whatever its cap allows (about 1.5 minutes
-# when the rest ran to plan); its time cap ending the run is its normal end (rc 124), its figures
-# read from metrics.jsonl. The train stages' compile (train.compile, on by default on CUDA) counts
-# against their caps; the bench rewrites its JSON after each backend row, so a stage stopped by
-# its cap keeps the rows it finished. Stages run in order of what a short lease must not miss
-# (correctness, then the figures of issues 28, 30, 29, then the main job), so a tight budget
-# shortens gpu_1x first. train_fused (the fused-loss train rows) runs by name only.
+# and budget are 3x). The caps before gpu_1x add up to 400 s (table in stages()), so gpu_1x, last,
+# trains for at least the 65 s left even when every other stage runs to its cap; its time cap
+# ending the run is its normal end (rc 124), its figures read from metrics.jsonl. The train
+# stages' compile (train.compile, on by default on CUDA) counts against their caps; the bench runs
+# its rows in the order asked (megatron's first, the compiled native row after) and rewrites its
+# JSON after each row, so a stage stopped by its cap keeps the rows it finished. pytest gets a
+# SIGINT 20 s before its cap, so a cut run still writes its JUnit report (the tests that ended).
+# Stages run in order of what a short lease must not miss (correctness, then the train, log-prob
+# and engine figures, then the main job), so a tight budget shortens gpu_1x first. By name only:
+# train_fused (the fused-loss train rows), train_large_megatron (the large preset's megatron,
+# recompute and eager rows), gpu_1x_compiled (the main job as shipped, compiled), engine_variants
+# (each decode mode of the bf16 engine), pytest_suite, sync_gpu, fp32_error.
 #
 # The commit: a device copy of the tree has no .git. `fetch` writes .whl/COMMIT (git describe of
 # HEAD, marked when the tree had local changes) and .whl/tree.sha256 (a hash of every tracked
@@ -39,13 +45,14 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 DEVICE=${GPU_ROUND_DEVICE:-cuda}
 SCALE=1; [ "$DEVICE" = cuda ] || SCALE=3    # a CPU dry run: each cap x3 (a shared 2-core machine)
+SCALE=${GPU_ROUND_SCALE:-$SCALE}             # (more on a machine busier than that)
 BUDGET=${GPU_ROUND_BUDGET_S:-$((480 * SCALE))}
 RESERVE=15      # seconds kept for the summary and the archive
 MIN_STAGE=60    # a stage that would get less is skipped
 T0=$SECONDS
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}   # the wheels (install); harmless where absent
 
-usage() { sed -n '2,30p' "$0"; echo "stages of all: ${ALL_STAGES[*]}; by name only: ${EXTRA_STAGES[*]}"; }
+usage() { sed -n '2,40p' "$0"; echo "stages of all: ${ALL_STAGES[*]}; by name only: ${EXTRA_STAGES[*]}"; }
 
 install() {
   if "$PY" -c "import moe_rl._C, pydantic, megatron.core" 2>/dev/null; then
@@ -86,7 +93,7 @@ st() {
     printf '{"stage": "%s", "rc": null, "seconds": 0, "cap_s": %d, "skipped": "round budget spent"}\n' "$name" "$cap" >> "$W/stages.jsonl"
     return 0
   fi
-  export J=$W/$name.json P=$W/profiles/$name
+  export J=$W/$name.json P=$W/profiles/$name CAP=$cap
   mkdir -p "$P"
   echo "[gpu_round] $name (cap ${cap} s): $cmd"
   local t0=$SECONDS pid rc
@@ -104,9 +111,9 @@ st() {
 stages() {
   # the GPU stages; GPU_ROUND_DEVICE=cpu runs their CPU form at tiny sizes (a dry run of the round)
   local medium large train logprobs engine gpu_1x
-  # the native step as configured (compiled on CUDA) and eager, then megatron's (train_fused: the
-  # fused loss's rows, by name)
-  local TRAIN_ROWS=native,native_eager,megatron,megatron_recompute
+  # the medium preset: megatron's rows first (the compiled native row's compile must not cut them),
+  # then the native step as configured (compiled on CUDA) and eager
+  local MEDIUM_ROWS=megatron,megatron_recompute,native,native_eager
   if [ "$DEVICE" = cuda ]; then
     medium=medium large=large
     train="--device cuda --profile-dir \$P --out \$J"
@@ -120,32 +127,52 @@ stages() {
     engine="--device cpu --concurrency 8 --max-new-tokens 16 --repeats 1 --ttft-samples 3"
     gpu_1x="configs/tiny.yaml train.steps=30"
   fi
-  # caps: the stages before gpu_1x add up to 550 s; their expected times (H200, 2026-11-26, plus
-  # compile: nothing measured since) ~25 + 100 + 70 + 80 + 90 + 20 + 20 s leave gpu_1x ~75 s of 480
+  # pytest: SIGINT to pytest alone (xdist's controller) 20 s before the cap; it stops its workers
+  # and writes the JUnit report of the tests that ended
+  local pytest="timeout --foreground -s INT -k 10 \$((CAP - 20)) $PY -m pytest -q -p no:cacheprovider"
+  # Caps, and what each stage is expected to take on one H100/H200 (the H200 round of 2026-11-26
+  # plus estimates for what came since: compiles ~20-40 s per graph kind, graph capture; nothing
+  # measured yet). The stages before gpu_1x add up to 400 s of the 465 s budget (480 - RESERVE):
+  #  stage          cap  expected
+  #  install         35  25       wheels, editable build
+  #  pytest_gpu     110  ~90      51 GPU tests on 6 workers, 2 of them `moe-rl train` runs
+  #  train_medium    95  ~80      4 rows; the native row's compile ~30 s
+  #  train_large     55  ~45      the compiled native row only (its MFU target); the rest by name
+  #  logprobs        60  45-60    the torch.compile row dominates
+  #  engine          25  ~20      the configured engine only (--variants none); graph capture
+  #  engine_bf16     20  ~15
+  #  gpu_1x        rest  >= 65    train.compile=false: its compile would take most of what is left
+  #                                (gpu_1x_compiled, by name, measures the compiled step)
   #  name             cap_s  command
-  st install           60    'install'
-  st pytest_gpu       120    "$PY -m pytest -q -m gpu tests -p no:cacheprovider $XDIST --junitxml=\$J.xml"
-  st train_medium     100    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $TRAIN_ROWS"
-  st train_large      100    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends $TRAIN_ROWS"
-  st logprobs         130    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P > \$J"
-  st engine            40    "$PY -m moe_rl.cli bench engine --json $engine > \$J"
+  st install           35    'install'
+  st pytest_gpu       110    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
+  st train_medium      95    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
+  st train_large       55    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
+  st logprobs          60    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P > \$J"
+  st engine            25    "$PY -m moe_rl.cli bench engine --json $engine --variants none > \$J"
   # the engine in bf16 (its CUDA graphs, beside gpu_1x's fp32 engine)
-  st engine_bf16       40    "$PY -m moe_rl.cli bench engine --json $engine engine.dtype=bfloat16 > \$J"
-  st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x logging.progress=false"
+  st engine_bf16       20    "$PY -m moe_rl.cli bench engine --json $engine --variants none engine.dtype=bfloat16 > \$J"
+  st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false output_dir=\$W/gpu_1x logging.progress=false"
   # not in `all`; by name only
   st train_fused      120    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends native,native_fused"
-  st pytest_suite     540    "$PY -m pytest -q tests -p no:cacheprovider ${XDIST/6/8} --junitxml=\$J.xml"
+  st train_large_megatron 150 "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends $MEDIUM_ROWS"
+  st gpu_1x_compiled  300    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x_compiled logging.progress=false"
+  st engine_variants   90    "$PY -m moe_rl.cli bench engine --json $engine --variants all engine.dtype=bfloat16 > \$J"
+  st pytest_suite     540    "$pytest tests ${XDIST/6/8} --junitxml=\$J.xml"
   st sync_gpu         200    "$PY -m moe_rl.cli bench sync --gpu only --json > \$J"
   st fp32_error       120    "$PY scripts/fp32_logprob_error.py --device $DEVICE > \$J"
 }
 ALL_STAGES=(install pytest_gpu train_medium train_large logprobs engine engine_bf16 gpu_1x)
-EXTRA_STAGES=(train_fused pytest_suite sync_gpu fp32_error)
+EXTRA_STAGES=(train_fused train_large_megatron gpu_1x_compiled engine_variants pytest_suite sync_gpu fp32_error)
 
-fetch() {  # .whl/ is in .gitignore
+fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not change with a release
+  # (megatron-core 0.19.2 is what the CPU suite checks; the rest as on the CPU machines and the
+  # H200 round of 2026-11-26)
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .whl \
-    megatron-core pydantic pydantic-core annotated-types typing-inspection liger-kernel peft \
+    megatron-core==0.19.2 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
+    typing-inspection==0.4.2 liger-kernel==0.8.5 peft==0.21.2 \
     || { echo "[gpu_round] fetch: pip download failed (message above); the GPU machine has no registry" >&2; return 1; }
   # the commit, for a device copy of the tree without .git
   local desc; desc=$(git describe --always --abbrev=12 HEAD)

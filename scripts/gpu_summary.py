@@ -237,9 +237,18 @@ def summarize(work: Path, device: str = "cuda") -> dict:
 
     env = figures.get("install") or {}
     tm, tl = figures.get("train_medium") or {}, figures.get("train_large") or {}
+    # the large preset's megatron, recompute and eager rows: the by-name stage train_large_megatron
+    # (train_large in `all` runs the compiled native row only)
+    tlm = figures.get("train_large_megatron") or {}
+
+    def large(get):
+        value = get(tl)
+        return value if value is not None else get(tlm)
+
     tf = figures.get("train_fused") or {}  # by name only: the medium preset's native vs native_fused
     lp, en, eb = figures.get("logprobs") or {}, figures.get("engine") or {}, figures.get("engine_bf16") or {}
     run, pt = figures.get("gpu_1x") or {}, figures.get("pytest_gpu") or {}
+    run_c = figures.get("gpu_1x_compiled") or {}  # by name: the main job as shipped (compiled)
     ms = lp.get("ms", {})
     out = {
         **commit_info(),
@@ -252,17 +261,17 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "train_medium_native_compiled": _get(tm, "native", "compiled"),
         "train_large_native_compiled": _get(tl, "native", "compiled"),
         "train_medium_native_eager_mfu": _get(tm, "native_eager", "mfu"),
-        "train_large_native_eager_mfu": _get(tl, "native_eager", "mfu"),
+        "train_large_native_eager_mfu": large(lambda t: _get(t, "native_eager", "mfu")),
         "train_fused_native_fused_mfu": _get(tf, "native_fused", "mfu"),
         "train_medium_compile_speedup": tm.get("compile_speedup"),
-        "train_large_compile_speedup": tl.get("compile_speedup"),
+        "train_large_compile_speedup": large(lambda t: t.get("compile_speedup")),
         "train_medium_compile_s": _get(tm, "native", "compile_s"),
         "train_large_compile_s": _get(tl, "native", "compile_s"),
         "train_fused_fused_loss_speedup": tf.get("fused_loss_speedup"),
         "megatron_vs_native_medium": tm.get("megatron_vs_native"),
-        "megatron_vs_native_large": tl.get("megatron_vs_native"),
+        "megatron_vs_native_large": large(lambda t: t.get("megatron_vs_native")),
         "recompute_step_ratio_medium": tm.get("recompute_step_ratio"),
-        "recompute_step_ratio_large": tl.get("recompute_step_ratio"),
+        "recompute_step_ratio_large": large(lambda t: t.get("recompute_step_ratio")),
         "logprobs_shape": lp.get("shape"),
         "logprobs_fwd_vs_gemm": lp.get("fwd_vs_gemm"),
         "logprobs_fwd_bwd_vs_gemm": lp.get("fwd_bwd_vs_gemm"),
@@ -280,7 +289,9 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "gpu_1x_reward_first10": run.get("reward_first10"),
         "gpu_1x_reward_last10": run.get("reward_last10"),
         "gpu_1x_reward_last20": run.get("reward_last20"),
-        "gpu_1x_s_per_step": run.get("s_per_step"),
+        "gpu_1x_s_per_step": run.get("s_per_step"),  # `all`: train.compile=false
+        "gpu_1x_compiled_steps_done": run_c.get("steps_done"),
+        "gpu_1x_compiled_s_per_step": run_c.get("s_per_step"),
         "pytest_gpu_passed": pt.get("passed"),
         "pytest_gpu_failed": (pt["failed"] + pt["errors"]) if pt else None,
         "pytest_gpu_skipped": pt.get("skipped"),

@@ -19,6 +19,8 @@ CASES = {
               "http_gbps", "http_vs_flat"]),
     "routing": (["--samples", "4", "--max-new-tokens", "4", "--preset", "config"],
                 ["kl_replay", "kl_no_replay", "routing_match_replay", "routing_match_no_replay"]),
+    "exact": (["--shapes", "tiny", "--rounds", "1"],
+              ["tiny", "accuracy_ok", "invariant", "torch_variant_cases", "checks_can_fail"]),
     "async": (["--steps", "3"],
               ["samples_per_s_async", "samples_per_s_sync", "busy_trainer_async", "busy_rollout_async",
                "final_reward_async", "final_reward_sync", "final_eval_reward_async", "final_eval_reward_sync",

@@ -1,9 +1,12 @@
-"""Role assignment and process groups of the torchrun world."""
+"""Role assignment and process groups of the torchrun world, and their timeouts."""
+import time
+
+import pytest
 import torch
 import torch.distributed as dist
 
 from moe_rl.config import load_config
-from moe_rl.dist import Layout, build_groups
+from moe_rl.dist import Layout, build_groups, set_default_timeout
 from tests.distributed import run_distributed
 
 
@@ -24,7 +27,8 @@ def test_sglang_engines_take_no_ranks():
 
 
 def _check_groups(rank, world):
-    cfg = load_config("configs/tiny.yaml", ["pools.trainer=4", "pools.rollout=1", "train.ep_size=2"])
+    cfg = load_config("configs/tiny.yaml", ["pools.trainer=4", "pools.rollout=1", "train.ep_size=2",
+                                             "dist.timeout_s=1", "dist.wait_timeout_s=60"])
     g = build_groups(cfg)
     assert g.role == ("trainer" if rank < 4 else "rollout")
     if g.is_trainer:
@@ -41,7 +45,21 @@ def _check_groups(rank, world):
     else:
         assert g.ep is None and g.expert_dp is None
     dist.barrier()
+    # the timeouts: a wait group waits out a late rank; after the start (moe_rl.engine.host.
+    # exchange_urls) the default group fails a wait longer than dist.timeout_s
+    set_default_timeout(cfg.dist.timeout_s)
+    if g.is_trainer:
+        if rank == 3:
+            time.sleep(2)
+        dist.barrier(group=g.trainer_wait)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="[Tt]imed out"):
+            dist.barrier()  # the engine rank never comes
+        assert time.monotonic() - t0 < 2 * cfg.dist.timeout_s + 1
+    else:
+        time.sleep(3)
 
 
 def test_groups_over_five_ranks():
     run_distributed(_check_groups, 5)
+

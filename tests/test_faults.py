@@ -69,7 +69,7 @@ def test_a_kill_between_record_and_index_loses_only_that_record(tmp_path):
     r = subprocess.run([sys.executable, "-c", KILLED_APPEND.format(path=str(path))], capture_output=True, text=True)
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert r.stdout.split("\n")[:-1] == ["appended 0", "appended 1"]
-    seg = path / "segment-000000.bin"
+    seg = path / "gen-000000" / "segment-000000.bin"
     torn = seg.stat().st_size  # the third record is on disk, its index entry is not
     reader = ReplayLog(path, mode="r")
     assert reader.uids() == ["u0", "u1"]

@@ -9,8 +9,10 @@ stack talks to rollout engines.
   mid-request (the engine may have run part of it);
 * ``generate`` spreads requests over the URLs: the one with the fewest outstanding requests,
   ties broken round-robin, skipping engines marked down (``mark_down``, after a failure; they
-  are tried again after a backoff, and an answer clears the mark) and engines a weight sync
-  missed (``set_stale``); control calls (pause, continue, abort, flush) go to every URL;
+  are tried again after a backoff, and an answer clears the mark), engines a weight sync
+  missed (``set_stale``) and, while another serves, engines that gave no answer in time
+  (``frozen``: stopped or hung; an answer or a sync that reaches them clears it); control calls
+  (pause, continue, abort, flush) go to every URL;
 * every failure raises ``EngineError`` naming the URL and endpoint (``EngineHTTPError`` for an
   HTTP error answer, with its status and body), never hangs past the timeout.
 """
@@ -26,8 +28,8 @@ import aiohttp
 
 from .protocol import decode_routed_experts, dumps_body, output_logprobs, token_weight_versions
 
-__all__ = ["EngineClient", "EngineHandle", "EngineError", "EngineHTTPError", "decode_routed_experts", "output_logprobs",
-           "token_weight_versions"]
+__all__ = ["EngineClient", "EngineHandle", "EngineError", "EngineHTTPError", "EngineTimeoutError", "decode_routed_experts",
+           "output_logprobs", "token_weight_versions"]
 
 
 _JSON = {"Content-Type": "application/json"}
@@ -39,6 +41,10 @@ class EngineError(RuntimeError):
     def __init__(self, url: str, endpoint: str, message: str):
         super().__init__(f"engine {url}{endpoint}: {message}")
         self.url, self.endpoint = url, endpoint
+
+
+class EngineTimeoutError(EngineError):
+    """The engine gave no answer in time: it is frozen (stopped, hung) or overloaded, not dead."""
 
 
 class EngineHTTPError(EngineError):
@@ -79,6 +85,7 @@ class EngineClient:
         self._down_until: dict[str, float] = {}  # url -> monotonic time it may be tried again
         self._failures: dict[str, int] = {}  # url -> failures in a row
         self.stale: frozenset[str] = frozenset()  # engines behind the trainer's weights: never picked
+        self.frozen: set[str] = set()  # engines whose last request got no answer in time: picked last
         self.lora_path: str | None = None  # LoRA adapter every /generate names (lora.sync=adapter on SGLang)
 
     @classmethod
@@ -118,6 +125,7 @@ class EngineClient:
         fresh = [u for u in self.urls if u not in self.stale]
         if not fresh:
             raise EngineError(self.urls[0], "/generate", "every engine is behind the trainer's weights (missed a sync)")
+        fresh = [u for u in fresh if u not in self.frozen] or fresh
         now = time.monotonic()
         live = [u for u in fresh if self._down_until.get(u, 0.0) <= now]
         if not live:
@@ -141,17 +149,25 @@ class EngineClient:
         now = time.monotonic()
         return [u for u in self.urls if self._down_until.get(u, 0.0) <= now and u not in self.stale]
 
+    def serving_urls(self) -> list[str]:
+        """Engines that may still serve: neither behind the weights nor frozen (they may be down
+        for a backoff: a dead engine can be restarted at its address)."""
+        return [u for u in self.urls if u not in self.stale and u not in self.frozen]
+
     def set_stale(self, urls: Iterable[str]) -> None:
         """Engines the last weight sync could not reach: ``generate`` keeps off them until a
-        later sync updates them (then call again without them)."""
+        later sync updates them (then call again without them). The engines it reached answered
+        it: none of them is frozen."""
         self.stale = frozenset(u.rstrip("/") for u in urls)
+        self.frozen &= self.stale
 
     async def request(self, method: str, endpoint: str, url: str | None = None, payload: Any = None,
                       timeout_s: float | None = None) -> Any:
         """One call; returns the parsed JSON body (or text, or None when empty)."""
         url = (url or self.urls[0]).rstrip("/")
         session = self._get_session()
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s) if timeout_s else None
+        # always a ClientTimeout: aiohttp reads timeout=None as "no timeout at all"
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
         data = None if payload is None else dumps_body(payload) if isinstance(payload, dict) else json.dumps(payload)
         for attempt in range(self.connect_retries + 1):
             try:
@@ -164,13 +180,15 @@ class EngineClient:
                     if url in self._failures:  # it answers again
                         del self._failures[url]
                         self._down_until.pop(url, None)
+                    self.frozen.discard(url)
                     return body
             except aiohttp.ClientConnectorError as e:  # never connected: safe to retry
                 if attempt >= self.connect_retries:
                     raise EngineError(url, endpoint, f"cannot connect after {attempt + 1} attempts: {e}") from e
                 await asyncio.sleep(self.retry_backoff_s * 2**attempt)
             except asyncio.TimeoutError as e:
-                raise EngineError(url, endpoint, f"no answer within {timeout_s or self.timeout_s:g} s") from e
+                self.frozen.add(url)
+                raise EngineTimeoutError(url, endpoint, f"no answer within {timeout_s or self.timeout_s:g} s") from e
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
                 raise EngineError(url, endpoint, f"connection lost mid-request (engine died?): {type(e).__name__}: {e}") from e
             except aiohttp.ClientError as e:
@@ -356,8 +374,8 @@ class EngineHandle:
     async def get_model_info(self) -> dict:
         return await self.client.get_model_info(self.url)
 
-    async def health(self) -> bool:
-        return await self.client.health(self.url)
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        return await self.client.health(self.url, timeout_s)
 
 
 def _parse(raw: bytes, content_type: str) -> Any:

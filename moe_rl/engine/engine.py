@@ -202,8 +202,10 @@ class Engine:
         # each layer's decode state (its kind's spec: K/V for softmax attention), per cache slot;
         # a static decode batch pads with rows that write one spare slot, owned by no request
         slots = self.max_running + (1 if self.static_decode else 0)
-        self.states = [spec.allocate(slots, self.max_context, self.dtype, self.device)
-                       for spec in state_specs(self.arch)]
+        specs = state_specs(self.arch)
+        self.states = [spec.allocate(slots, self.max_context, self.dtype, self.device) for spec in specs]
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.state_bytes = slots * sum(spec.bytes_per_slot(self.max_context, elem) for spec in specs)
         self.static_decoder: StaticDecoder | None = None
         if self.static_decode:
             if self.cuda_graph and graphs is None:

@@ -1,7 +1,9 @@
 """An engine rank of the torchrun world: serves an embedded engine until the trainers finish.
 
-Its URL reaches the trainers through one all_gather_object over the world; the final barrier
-of the world tells it to stop.
+Its URL reaches the trainers through one all_gather_object over the world (the default group,
+with dist.wait_timeout_s: the trainers may take long to load their models); it stops when every trainer rank has
+counted itself done in the world's store (moe_rl.liveness: no collective, so no timeout however
+long the run).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from moe_rl.dist import set_default_timeout
 from moe_rl.gc_control import freeze_gc
 
 from .limits import ServerLimits
@@ -20,10 +23,15 @@ from .server import build_engine, start_server
 log = logging.getLogger(__name__)
 
 
-def exchange_urls(my_url: str | None) -> list[str]:
-    """Collective over the whole world: every engine rank's URL, in rank order."""
+def exchange_urls(my_url: str | None, timeout_s: float | None = None) -> list[str]:
+    """Collective over the whole world (its default group, whose timeout is dist.wait_timeout_s
+    while the ranks start: moe_rl.dist): every engine rank's URL, in rank order. The start is
+    over then: the default group's timeout becomes ``timeout_s`` (dist.timeout_s), so no wait on
+    the world can outlast it from here (the end of the run is a store key: moe_rl.liveness)."""
     urls: list = [None] * dist.get_world_size()
     dist.all_gather_object(urls, my_url)
+    if timeout_s is not None:
+        set_default_timeout(timeout_s)
     return [u for u in urls if u]
 
 
@@ -40,8 +48,8 @@ def run_engine_host(cfg, groups) -> None:
     thread.start()
     log.info("embedded engine %d listening on %s", index, url)
     try:
-        exchange_urls(url)
-        dist.barrier()  # the trainers reach it when the run is over
+        exchange_urls(url, cfg.dist.timeout_s)
+        groups.liveness.wait_for_trainers()
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)

@@ -8,7 +8,9 @@ parse. Endpoints and fields are SGLang's (see ``protocol``); errors are
 ``{"error": {"message": ...}}`` with 400 (malformed request, naming the field) or 401 (bad or
 missing ``Authorization: Bearer K`` when an api key is set; every endpoint needs it); the
 limits on size, time and queue (413, 408, 503) are ``limits``'.
-Weight-sync endpoints answer ``{"success": bool, "message": str}`` like SGLang.
+Weight-sync endpoints answer ``{"success": bool, "message": str}`` like SGLang. The
+OpenAI-compatible ``/v1`` endpoints and the per-episode recording: ``moe_rl.engine.openai_api``.
+``CONFIG`` may also be a model, checkpoint step or run directory (``rundir.resolve_model_dir``).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from moe_rl import faults
 from moe_rl.gc_control import freeze_gc, paused_gc
 from moe_rl.model.arch import FAMILIES
 
-from . import lora
+from . import lora, openai_api
 from . import protocol as P
 from .engine import Engine
 from .limits import ServerLimits
@@ -93,6 +95,7 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
         max_waiting_requests=e.max_waiting_requests,
     )
     lora.attach(engine, cfg)  # LoRA serving: moe_rl.engine.lora
+    engine.tokenizer_path = cfg.model.tokenizer_path  # the server's tokenizer when set (else model.path's)
     return engine
 
 
@@ -123,8 +126,9 @@ class EngineServer:
         self.receiver = None  # moe_rl.sync.receiver.WeightReceiver, made on the first init
         self._update_lock = asyncio.Lock()
         self.session_open = False  # between /begin_weight_update and /end_weight_update
-        self.eos_token_ids = model_eos_ids(engine.model_path)
-        tokenizer = load_tokenizer(engine.model_path)
+        tokenizer_path = getattr(engine, "tokenizer_path", None) or engine.model_path  # model.tokenizer_path first
+        self.eos_token_ids = model_eos_ids(engine.model_path) | model_eos_ids(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path)
         # None: answers as SGLang with --skip-tokenizer-init (no "text"; a text prompt is a 400)
         self.text = TextCodec(tokenizer) if tokenizer is not None else None
         if self.text is not None:
@@ -158,6 +162,7 @@ class EngineServer:
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
         lora.register_routes(self, app)
+        openai_api.register_routes(self, app)  # /v1/chat/completions, /v1/completions, /v1/models, /episodes
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -391,7 +396,7 @@ class EngineServer:
         if include & {"all", "memory"}:
             nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts) / 2**30  # noqa: E731
             load["memory"] = {"weight_gb": round(nbytes(e.model.parameters()), 3),
-                              "kv_cache_gb": round(nbytes(e.k_cache) + nbytes(e.v_cache), 3),
+                              "kv_cache_gb": round(e.state_bytes / 2**30, 3),
                               "graph_gb": 0.0, "token_capacity": capacity}
         if include & {"all", "queues"}:
             load["queues"] = {"waiting": info["waiting_requests"], "grammar": 0,
@@ -452,6 +457,7 @@ class EngineServer:
         return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        faults.point("engine.update")  # a test run's engine stuck in a weight sync
         with paused_gc():  # the request's thousands of lists are freed before it ends: see moe_rl.gc_control
             return await self._update_weights(request)
 
@@ -549,10 +555,11 @@ async def _serve(cfg, host: str, port: int, api_key: str | None) -> None:
 
 
 def serve_main(argv: list[str]) -> int:
-    from ..config import ConfigError, load_config
+    from ..config import ConfigError
 
     ap = argparse.ArgumentParser(prog="moe-rl serve", description="Serve an embedded engine over SGLang's HTTP API.")
-    ap.add_argument("config", help="experiment YAML (its model and engine sections are used)")
+    ap.add_argument("config", help="experiment YAML (its model and engine sections are used), or a model directory: "
+                    "an HF model, a checkpoint step directory (its hf/) or a run directory (its latest checkpoint)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     ap.add_argument("--host", default=None, help="bind address (default engine.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, default=None, help="port (default engine.port; 0 = a free port)")
@@ -560,8 +567,8 @@ def serve_main(argv: list[str]) -> int:
     ap.add_argument("--dry-run", action="store_true", help="engine.kind=sglang: print the SGLang command, do not run it")
     args = ap.parse_intermixed_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+        cfg = _serve_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     e = cfg.engine
@@ -576,6 +583,21 @@ def serve_main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _serve_config(config: str, overrides: list[str]):
+    """The config of ``moe-rl serve CONFIG``: a YAML file, or a directory holding a model (the
+    defaults with model.path set to it); a model.path naming a checkpoint or run directory is
+    resolved to its model (``rundir.resolve_model_dir``)."""
+    from ..config import load_config
+    from ..rundir import resolve_model_dir
+
+    if Path(config).is_dir():
+        return load_config(None, [f"model.path={resolve_model_dir(config)}", *overrides])
+    cfg = load_config(config, overrides)
+    if cfg.model.path:
+        cfg.model.path = str(resolve_model_dir(cfg.model.path))
+    return cfg
 
 
 def _exec_sglang(cfg, args) -> int:

@@ -22,6 +22,27 @@ def all_mha(arch: "MoEArch", layer: int) -> str:
     return "mha"
 
 
+def all_mla(arch: "MoEArch", layer: int) -> str:
+    """Every layer multi-head latent attention (``moe_rl.model.attention.mla``)."""
+    return "mla"
+
+
+# multi-head latent attention's fields (HF's names; None in families without it)
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_NO_MLA = {k: None for k in MLA_FIELDS} | {"rope_interleave": False}
+# HF's DeepseekV3Config / Glm4MoeLiteConfig defaults, for keys a config.json leaves out
+_HF_MLA_DEFAULTS = {
+    "deepseek_v3": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+                    "routed_scaling_factor": 2.5, "n_shared_experts": 1},
+    "glm4_moe_lite": {"q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+                      "v_head_dim": 256, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.8,
+                      "n_shared_experts": 1},
+}
+# config.json model types that are another family's (Kimi-K2 is DeepSeek-V3's architecture)
+_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
 LAYER_TYPES = ("linear_attention", "full_attention")  # HF's layer_types of the hybrid families
 
 
@@ -71,14 +92,28 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(
         "Qwen3MoeForCausalLM", "softmax", "num_experts",
-        defaults={"use_qk_norm": True, "partial_rotary_factor": 1.0},
+        defaults={"use_qk_norm": True, "partial_rotary_factor": 1.0, "rope_interleave": False},
         fixed={"use_qk_norm": True, "partial_rotary_factor": 1.0, "attention_bias": False, "n_shared_experts": 0,
-               "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0},
+               "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, **_NO_MLA},
     ),
     "glm4_moe": Family(
         "Glm4MoeForCausalLM", "sigmoid", "n_routed_experts",
-        defaults={"use_qk_norm": False, "partial_rotary_factor": 0.5},  # HF Glm4MoeConfig's defaults
-        fixed={"mlp_only_layers": [], "decoder_sparse_step": 1},
+        defaults={"use_qk_norm": False, "partial_rotary_factor": 0.5, "rope_interleave": False},  # HF's defaults
+        fixed={"mlp_only_layers": [], "decoder_sparse_step": 1, **_NO_MLA},
+    ),
+    # multi-head latent attention with GLM-4.5's router and shared experts: DeepSeek-V3 (Kimi-K2,
+    # Moonlight) and GLM-4.7-Flash; RoPE on qk_rope_head_dim dims (HF: head_dim = qk_rope_head_dim)
+    "deepseek_v3": Family(
+        "DeepseekV3ForCausalLM", "sigmoid", "n_routed_experts",
+        defaults={"use_qk_norm": False, "partial_rotary_factor": 1.0, "rope_interleave": True},
+        fixed={"use_qk_norm": False, "partial_rotary_factor": 1.0, "mlp_only_layers": [], "decoder_sparse_step": 1},
+        attention=all_mla,
+    ),
+    "glm4_moe_lite": Family(
+        "Glm4MoeLiteForCausalLM", "sigmoid", "n_routed_experts",
+        defaults={"use_qk_norm": False, "partial_rotary_factor": 1.0, "rope_interleave": True},
+        fixed={"use_qk_norm": False, "partial_rotary_factor": 1.0, "mlp_only_layers": [], "decoder_sparse_step": 1},
+        attention=all_mla,
     ),
 }
 # hybrid Gated DeltaNet families: every layer MoE (SGLang's models have no dense layers), one
@@ -86,20 +121,20 @@ FAMILIES: dict[str, Family] = {
 # qwen3_5_moe) always renormalises the top-k and has no knob for it
 _HYBRID_FIXED = {"use_qk_norm": True, "attention_bias": False, "n_shared_experts": 0, "n_group": 1,
                  "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "mlp_only_layers": [],
-                 "decoder_sparse_step": 1}
+                 "decoder_sparse_step": 1, **_NO_MLA}
 FAMILIES["qwen3_next"] = Family(
     "Qwen3NextForCausalLM", "softmax", "num_experts",
-    defaults={"use_qk_norm": True, "partial_rotary_factor": 0.25}, fixed=_HYBRID_FIXED,
+    defaults={"use_qk_norm": True, "partial_rotary_factor": 0.25, "rope_interleave": False}, fixed=_HYBRID_FIXED,
     attention=hybrid("deltanet_qkvz"), zero_centered_norm=True, gated_shared_expert=True,
 )
 FAMILIES["qwen3_5_moe_text"] = Family(
     "Qwen3_5MoeForCausalLM", "softmax", "num_experts",
-    defaults={"use_qk_norm": True, "partial_rotary_factor": 0.25}, fixed={**_HYBRID_FIXED, "norm_topk_prob": True},
+    defaults={"use_qk_norm": True, "partial_rotary_factor": 0.25, "rope_interleave": False}, fixed={**_HYBRID_FIXED, "norm_topk_prob": True},
     attention=hybrid("deltanet"), zero_centered_norm=True, gated_shared_expert=True,
 )
-MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text"}
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text"}  # a VLM's model_type -> its text model's (text_config)
 HYBRID_KEYS = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-               "linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size")  # a VLM's model_type -> its text model's (text_config)
+               "linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size")
 _BY_ARCHITECTURE = {f.architecture: t for t, f in FAMILIES.items()}
 
 
@@ -112,7 +147,7 @@ class MoEArch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_type: Literal["qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text"] = "qwen3_moe"  # the family (see FAMILIES)
+    model_type: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe_text"] = "qwen3_moe"  # see FAMILIES
     vocab_size: int = 64
     hidden_size: int = 64
     intermediate_size: int = 128  # dense MLP width (dense layers)
@@ -136,8 +171,19 @@ class MoEArch(BaseModel):
     attention_bias: bool = False  # bias on q/k/v projections (GLM-4.5)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    # HF's rope_scaling: rope_type (yarn) and its parameters, HF's names; None: default RoPE
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = Field(None, description=(
+        "HF's rope_scaling / rope_parameters beyond the base: rope_type (default, yarn) and, for yarn, factor, "
+        "original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim; null: default RoPE"))
+    # multi-head latent attention (model_type deepseek_v3, glm4_moe_lite; null in the other families)
+    q_lora_rank: int | None = Field(None, description=(
+        "MLA: width of the compressed query (q_a_proj -> q_a_layernorm -> q_b_proj); null: a plain q_proj"))
+    kv_lora_rank: int | None = Field(None, description="MLA: width of the key/value latent the engine caches")
+    qk_nope_head_dim: int | None = Field(None, description="MLA: query/key dims per head without RoPE")
+    qk_rope_head_dim: int | None = Field(None, description=(
+        "MLA: query/key dims per head with RoPE (one key head shared by all heads; HF's head_dim)"))
+    v_head_dim: int | None = Field(None, description="MLA: value dims per head")
+    rope_interleave: bool | None = Field(None, description=(
+        "RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's) instead of halves; null: the family's"))
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
     # --- Qwen3-Next / Qwen3.5-MoE (hybrid Gated DeltaNet), HF's names ---------------------------
@@ -163,6 +209,8 @@ class MoEArch(BaseModel):
             if getattr(self, k) != v:
                 raise ValueError(f"{k}={getattr(self, k)!r} is not supported by model_type={self.model_type!r} "
                                  f"(it has {v!r}); see moe_rl/model/arch.py FAMILIES")
+        if self.is_mla:
+            self._check_mla()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -225,10 +273,31 @@ class MoEArch(BaseModel):
         """Leading dims of each head that RoPE rotates (HF: ``int(head_dim * partial_rotary_factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def is_mla(self) -> bool:
+        return FAMILIES[self.model_type].attention is all_mla
+
+    def _check_mla(self) -> None:
+        missing = [k for k in MLA_FIELDS[1:] if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"model_type={self.model_type!r} (multi-head latent attention) needs {missing}")
+        bad = [k for k in MLA_FIELDS if getattr(self, k) is not None and getattr(self, k) < 1]
+        if bad:
+            raise ValueError(f"{bad} must be >= 1 (q_lora_rank: null for a plain q_proj)")
+        # HF's convention: the rotary width is the rope part of a head, and one latent serves
+        # every query head (num_key_value_heads is the head count, unused by the math)
+        self.head_dim = self.qk_rope_head_dim
+        self.num_key_value_heads = self.num_attention_heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head of multi-head latent attention (nope + rope)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
     def rope(self) -> Rope:
         """The rotary embedding every layer that rotates shares."""
         try:
-            return Rope.from_hf(self.rope_scaling, self.rotary_dim, self.rope_theta)
+            return Rope.from_hf(self.rope_scaling, self.rotary_dim, self.rope_theta, bool(self.rope_interleave))
         except ValueError as e:
             raise ValueError(f"rope_scaling: {e}") from None
 
@@ -268,7 +337,7 @@ class MoEArch(BaseModel):
             d, model_type = text, MULTIMODAL[model_type]
         if model_type is None and d.get("architectures"):
             model_type = _BY_ARCHITECTURE.get(d["architectures"][0])
-        model_type = model_type or "qwen3_moe"
+        model_type = _ALIASES.get(model_type or "qwen3_moe", model_type or "qwen3_moe")
         if model_type not in FAMILIES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)} "
                              "(docs/architecture.md says how a family is added)")
@@ -296,9 +365,14 @@ class MoEArch(BaseModel):
                 every = int(d.get("full_attention_interval") or 4)
                 d["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                     for i in range(int(d["num_hidden_layers"]))]
+        if FAMILIES[model_type].attention is all_mla:
+            _mla_from_hf(d, model_type)
         if d.get("head_dim") is None:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-        return cls(**{k: d[k] for k in cls.model_fields if d.get(k) is not None})
+        kw = {k: d[k] for k in cls.model_fields if d.get(k) is not None}
+        if "q_lora_rank" in d:  # null is meaningful: a plain q_proj
+            kw["q_lora_rank"] = d["q_lora_rank"]
+        return cls(**kw)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "MoEArch":
@@ -315,6 +389,9 @@ class MoEArch(BaseModel):
         d = self.model_dump()
         d.pop("num_experts")
         d.pop("rope_scaling")
+        if not self.is_mla:
+            for k in (*MLA_FIELDS, "rope_interleave"):
+                d.pop(k)
         rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
         if fam.hybrid:
             return self._hybrid_hf_dict(d, rope)
@@ -328,9 +405,18 @@ class MoEArch(BaseModel):
                      use_sliding_window=False)
         else:
             for k in fam.fixed:  # keys of other families
-                d.pop(k)
+                d.pop(k, None)
             rope["partial_rotary_factor"] = self.partial_rotary_factor
             d["num_nextn_predict_layers"] = 0  # no MTP layers are modelled (or saved)
+        if self.is_mla:
+            for k in ("head_dim", "use_qk_norm", "partial_rotary_factor"):
+                d.pop(k, None)  # HF derives head_dim (= qk_rope_head_dim); MLA has no q/k norm
+            rope.pop("partial_rotary_factor", None)
+            d.update(scoring_func="sigmoid", topk_method="noaux_tc", num_mtp_layers=0)
+            if self.model_type == "glm4_moe_lite":
+                k = self.first_k_dense_replace
+                d.pop("first_k_dense_replace")
+                d["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (self.num_hidden_layers - k)
         d.update(
             {fam.experts_key: self.num_experts},
             architectures=[fam.architecture],
@@ -357,3 +443,23 @@ class MoEArch(BaseModel):
                  attention_dropout=0.0, rope_parameters=rope, use_cache=True, output_router_logits=False,
                  router_aux_loss_coef=0.0)
         return d
+
+def _mla_from_hf(d: dict, model_type: str) -> None:
+    """config.json keys of the multi-head-latent-attention families, in place: HF's defaults for
+    absent keys, GLM-4.7-Flash's ``mlp_layer_types``, and what moe-rl refuses to guess."""
+    for k, v in _HF_MLA_DEFAULTS[model_type].items():
+        d.setdefault(k, v)
+    d.pop("head_dim", None)  # HF: head_dim is qk_rope_head_dim
+    if d.get("scoring_func", "sigmoid") != "sigmoid" or d.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(f"scoring_func={d.get('scoring_func')!r} topk_method={d.get('topk_method')!r}: only "
+                         "DeepSeek-V3's sigmoid / noaux_tc router is supported")
+    quant = d.get("quantization_config")
+    if quant is not None and quant.get("quant_method") != "fp8":
+        raise ValueError(f"quantization_config.quant_method={quant.get('quant_method')!r}: only block-FP8 "
+                         "checkpoints (dequantized on load) or unquantized ones load")
+    types = d.get("mlp_layer_types")
+    if types is not None:
+        k = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+        if types[k:] != ["sparse"] * (len(types) - k) or len(types) != d.get("num_hidden_layers", len(types)):
+            raise ValueError(f"mlp_layer_types={types}: only dense layers first, then sparse ones, are supported")
+        d["first_k_dense_replace"] = k

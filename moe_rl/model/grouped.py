@@ -29,8 +29,12 @@ class Dispatch:
 
     ``order`` [M]: flat row index of each expert-sorted row; ``slot`` [M]: padded-buffer row
     of each flat row (its inverse permutation, plus padding); ``offs`` int32 [E]: end row of
-    each expert's group in the padded buffer, the last one equal to ``rows``; ``rows``: the
-    padded buffer's length, a static bound (M + E * (align - 1)) so that no host sync is needed.
+    each expert's group in the padded buffer; ``rows``: the padded buffer's length, a static
+    bound (M + E * (align - 1)) so that no host sync is needed. With padding the last group
+    ends at or before ``rows``: the rows after ``offs[-1]`` belong to no group, the grouped
+    GEMMs neither compute nor write them (their output rows there are undefined), and
+    :func:`unpermute` never reads them (:func:`in_groups` masks them where a plain op spans
+    every row).
     """
 
     order: torch.Tensor
@@ -63,15 +67,22 @@ def dispatch(ids: torch.Tensor, num_experts: int, align: int = 1) -> Dispatch:
     shift = (padded_ends - padded_counts) - (ends - counts)
     pos = torch.arange(M, device=ids.device) + shift[sorted_ids]
     slot = torch.empty_like(order).scatter_(0, order, pos)
-    # the last group absorbs the tail of the buffer (zero rows), so every row lies in a group
-    offs = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), rows)]).to(torch.int32)
-    return Dispatch(order, slot, offs, rows)
+    # the buffer's tail (up to E * (align - 1) rows after the last group) is in no group: giving
+    # it to the last expert would run that many zero rows through its GEMMs on every call
+    return Dispatch(order, slot, padded_ends.to(torch.int32), rows)
+
+
+def in_groups(rows: int, offs: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] bool: whether each row of a grouped buffer lies in a group (before ``offs[-1]``);
+    a plain op over every row of a grouped GEMM's output masks the undefined tail with it."""
+    return (torch.arange(rows, device=offs.device) < offs[-1])[:, None]
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] grouped by ``offs`` (int32 group ends, the last = rows), w [E, N, K]
+    """x [rows, K] grouped by ``offs`` (int32 group ends; rows after the last one are in no group,
+    their output rows undefined), w [E, N, K]
     (nn.Linear layout per group) -> [rows, N], row r of group e being x[r] @ w[e].T."""
-    kernel = grouped_kernel(x)
+    kernel = grouped_kernel(x, w)
     if kernel == "cutlass" or (kernel == "torch" and x.device.type == "cpu" and not torch.compiler.is_compiling()):
         # eager on a CPU: torch's own op and autograd (the custom op's Python dispatch costs ~0.15
         # ms per forward+backward, ~3% of a tiny CPU step); traced, or on a device standing for a
@@ -82,10 +93,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return grouped_gemm(x, w, offs, impl=kernel)
 
 
-def grouped_kernel(x: torch.Tensor) -> str:
-    """Which grouped GEMM ``grouped_mm`` runs for ``x``'s device and dtype:
+def grouped_kernel(x: torch.Tensor, w: torch.Tensor | None = None) -> str:
+    """Which grouped GEMM ``grouped_mm`` runs for ``x``'s device and dtype (and the weight
+    ``w`` [E, N, K] it multiplies, when given):
 
-    * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90+ (its meta kernel is bf16-only);
+    * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90+ (its meta kernel is bf16-only),
+      when ``w``'s N and K are multiples of 16 bytes (:func:`cutlass_aligned`);
     * "triton": the Triton kernel of ``moe_rl.kernels.grouped_gemm`` (CUDA otherwise);
     * "torch": ``torch._grouped_mm`` (float32, bf16, fp16; the CPU kernel, checked on torch
       2.13), called directly when eager on a CPU and through that module's custom op when traced
@@ -97,22 +110,35 @@ def grouped_kernel(x: torch.Tensor) -> str:
     if x.device.type != "cuda":
         return "torch"
     if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0):
-        return "cutlass"
+        return "cutlass" if w is None or cutlass_aligned(w) else "triton"
     return "triton"
+
+
+def cutlass_aligned(w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes a grouped GEMM with weight ``w`` [E, N, K], forward
+    and backward: it wants every operand's leading stride a multiple of 16 bytes, which for
+    contiguous operands means N and K are. An expert LoRA of rank r gives N = r (x @ A^T) or
+    K = r (h @ B^T): in bf16 a rank that is not a multiple of 8 fails its stride check, so those
+    GEMMs run on the Triton kernel (any strides), forward and backward alike."""
+    per_16_bytes = 16 // w.element_size()
+    return w.shape[1] % per_16_bytes == 0 and w.shape[2] % per_16_bytes == 0
 
 
 def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The same as one batched matmul over groups padded to the largest one. Reading that size
-    is a host sync, the price of this fallback (float64 only: the tests' reference dtype)."""
+    is a host sync, the price of this fallback (float64 only: the tests' reference dtype).
+    Rows after ``offs[-1]`` (in no group) come out as zeros."""
     E, rows = w.shape[0], x.shape[0]
     ends = offs.long()
     starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
     cap = int((ends - starts).max()) if rows else 0
     r = torch.arange(rows, device=x.device)
-    group = torch.searchsorted(ends, r, right=True)
-    slot = group * cap + (r - starts[group])
-    xp = x.new_zeros(E * cap, x.shape[1]).index_copy(0, slot, x).view(E, cap, x.shape[1])
-    return torch.bmm(xp, w.transpose(1, 2)).reshape(E * cap, w.shape[1]).index_select(0, slot)
+    group = torch.searchsorted(ends, r, right=True).clamp(max=E - 1)
+    spare = E * cap  # one row past the padded groups takes the rows in no group
+    slot = torch.where(r < ends[-1], group * cap + (r - starts[group]), spare)
+    xp = x.new_zeros(spare + 1, x.shape[1]).index_copy(0, slot, x)[:spare].view(E, cap, x.shape[1])
+    y = torch.bmm(xp, w.transpose(1, 2)).reshape(spare, w.shape[1])
+    return torch.cat([y, y.new_zeros(1, y.shape[1])]).index_select(0, slot)
 
 
 def permute(x: torch.Tensor, d: Dispatch, k: int = 1) -> torch.Tensor:

@@ -218,23 +218,32 @@ def _checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
-    """Loads an HF safetensors checkpoint into ``model`` (this rank's experts only)."""
+    """Loads an HF safetensors checkpoint into ``model`` (this rank's experts only). Block-FP8
+    weights (``weight_scale_inv`` beside them, DeepSeek-V3's format) are dequantized; layers
+    past ``num_hidden_layers`` (a multi-token-prediction block) are skipped, with a warning."""
     path = Path(path)
     specs = {n for n, _ in hf_param_specs(model.arch)}
     missing = set(specs)
-    skipped: dict[str, int] = {}
+    files = _checkpoint_files(path)
+    scales = _fp8_scales(files)
+    block = _fp8_block(path) if scales else None
+    skipped: set[int] = set()
+    skipped_parts: dict[str, int] = {}
     with torch.no_grad():
-        for f in _checkpoint_files(path):
+        for f in files:
             with safe_open(str(f), framework="pt") as sf:
                 for stored in sf.keys():
                     why = next((w for p, w in SKIPPED_PREFIXES.items() if stored.startswith(p)), None)
                     if why is not None:  # not modelled: the text model is what moe-rl trains
-                        skipped[why] = skipped.get(why, 0) + 1
+                        skipped_parts[why] = skipped_parts.get(why, 0) + 1
                         continue
                     key = "model." + stored[len(TEXT_PREFIX):] if stored.startswith(TEXT_PREFIX) else stored
                     in_layer = _LAYER_RE.match(key)
                     if in_layer and int(in_layer.group(1)) >= model.arch.num_hidden_layers:
-                        continue  # GLM's multi-token-prediction layer (num_nextn_predict_layers): not modelled
+                        skipped.add(int(in_layer.group(1)))  # a multi-token-prediction layer: not modelled
+                        continue
+                    if key.endswith(FP8_SCALE_SUFFIX):
+                        continue  # read with its weight
                     if key not in specs and 0 in sf.get_slice(stored).get_shape():
                         continue  # HF's GLM with n_shared_experts=0 saves a zero-width shared MLP
                     stacked = _STACKED_RE.match(key)
@@ -252,12 +261,57 @@ def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
                     if parse_expert_name(key) and local_hf_tensor(model, key) is None:
                         missing.discard(key)  # another EP rank's expert
                         continue
-                    _assign(model, key, sf.get_tensor(stored), missing, f)
-    for why, n in skipped.items():
-        log.info("%s: skipped %d tensors of %s (not loaded)", path, n, why)
+                    tensor = sf.get_tensor(stored)
+                    if tensor.dtype in FP8_DTYPES:
+                        tensor = _dequantize_fp8(stored, tensor, scales, block, f)
+                    _assign(model, key, tensor, missing, f)
+    if skipped:
+        log.warning("%s: skipped the multi-token-prediction layer %s (layers past num_hidden_layers=%d are not "
+                    "modelled; moe-rl trains and serves without MTP)", path, ", ".join(map(str, sorted(skipped))),
+                    model.arch.num_hidden_layers)
+    for why, n in skipped_parts.items():
+        log.warning("%s: skipped %d tensors of %s (not loaded: moe-rl trains the text model)", path, n, why)
     if missing:
         raise KeyError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     return model
+
+
+# --- block-FP8 checkpoints (DeepSeek-V3's weight + weight_scale_inv) ----------------------------
+FP8_SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def _fp8_scales(files: list[Path]) -> dict[str, Path]:
+    """name of each FP8 weight's scale -> the file that holds it."""
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            out.update({k: f for k in sf.keys() if k.endswith(FP8_SCALE_SUFFIX)})
+    return out
+
+
+def _fp8_block(path: Path) -> tuple[int, int]:
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    size = quant.get("weight_block_size") or [128, 128]
+    return int(size[0]), int(size[1])
+
+
+def _dequantize_fp8(name: str, w: torch.Tensor, scales: dict[str, Path], block, f) -> torch.Tensor:
+    """w [rows, cols] in FP8 times its per-block scale (``weight_scale_inv`` [ceil(rows / b0),
+    ceil(cols / b1)], the factor that turns the stored value back into the weight)."""
+    sname = name + FP8_SCALE_SUFFIX
+    if sname not in scales:
+        raise ValueError(f"{f}: {name} is {w.dtype} without a {sname}; only block-FP8 checkpoints with "
+                         "weight_scale_inv are dequantized on load")
+    with safe_open(str(scales[sname]), framework="pt") as sf:
+        scale = sf.get_tensor(sname).float()
+    rows, cols = w.shape
+    b0, b1 = block
+    if tuple(scale.shape) != (-(-rows // b0), -(-cols // b1)):
+        raise ValueError(f"{f}: {sname} has shape {tuple(scale.shape)}, expected blocks of {b0}x{b1} over "
+                         f"{name} {tuple(w.shape)}")
+    full = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+    return w.float() * full
 
 
 def _assign(model, name, tensor, missing, f):

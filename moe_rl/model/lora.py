@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .attention import MIXERS
-from .grouped import grouped_mm
+from .grouped import grouped_mm, in_groups
 from .hf_io import atomic_dir, iter_local_hf_tensors, parse_expert_name
 from .transformer import MoEForCausalLM
 
@@ -259,11 +259,13 @@ class LoraAdapters(nn.Module):
         over the expert-sorted rows, all experts at once). The hooks read A and B themselves, so
         writing new values into them (a weight sync) changes what the model computes, and
         autograd reaches them. Returns a function that detaches everything again."""
-        handles, experts = [], {}
+        handles, experts, dense = [], {}, []
         for s in self.sites:
             A, B = self.A[_pkey(s.key)], self.B[_pkey(s.key)]
             if A.dim() == 2:
                 handles.append(s.module.register_forward_hook(_linear_hook(A, B, self.scaling)))
+                s.module.lora_delta = (A, B, self.scaling)  # for code that reads the weight (linear_weight)
+                dense.append(s.module)
                 continue
             if id(s.module) not in experts:
                 experts[id(s.module)] = (s.module, ExpertLora(self.scaling))
@@ -278,6 +280,8 @@ class LoraAdapters(nn.Module):
         def detach():
             for h in handles:
                 h.remove()
+            for module in dense:
+                del module.lora_delta
             for module, _ in experts.values():
                 del module.lora  # back to the class default (None)
         return detach
@@ -494,10 +498,21 @@ class ExpertLora:
     def _rows(self, ab, x, offs):
         A, B = ab  # a factor with leading dim 1 is shared by the experts: one plain matmul over all rows
         h = F.linear(x, A[0]) if A.shape[0] == 1 else grouped_mm(x, A, offs)
+        if A.shape[0] == 1 or B.shape[0] == 1:
+            # a plain matmul spans the padded buffer's tail (rows in no group), where a grouped GEMM
+            # leaves its output and its input gradient undefined: the rank-r rows are zeroed there,
+            # so with permute's zero input rows and unpermute's zero gradient rows nothing from the
+            # tail reaches A's or B's gradient
+            h = torch.where(in_groups(h.shape[0], offs), h, 0.0)
         return self.scaling * (F.linear(h, B[0]) if B.shape[0] == 1 else grouped_mm(h, B, offs))
 
-    def add_gate_up(self, gate_up: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return gate_up if self.gate_up is None else gate_up + self._rows(self.gate_up, x, offs)
+    def add_gate_up(self, gate: torch.Tensor, up: torch.Tensor, x: torch.Tensor,
+                    offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate, up) plus the adapter's rows: B's first I rows adapt gate, its last I up."""
+        if self.gate_up is None:
+            return gate, up
+        d_gate, d_up = self._rows(self.gate_up, x, offs).chunk(2, dim=-1)
+        return gate + d_gate, up + d_up
 
     def add_down(self, out: torch.Tensor, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return out if self.down is None else out + self._rows(self.down, h, offs)

@@ -82,11 +82,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden, inter))
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """x [rows, H] grouped by expert (``offs``: int32 end row of each expert's group)."""
-        gate_up = grouped_mm(x, torch.cat((self.gate_proj, self.up_proj), dim=1), offs)
+        """x [rows, H] grouped by expert (``offs``: int32 end row of each expert's group).
+
+        Gate and up are two grouped GEMMs over the same rows, not one over the two weights
+        concatenated: a concatenation would copy every expert's gate and up weights on each
+        forward (and inside every captured decode graph), for the same FLOPs."""
+        gate = grouped_mm(x, self.gate_proj, offs)
+        up = grouped_mm(x, self.up_proj, offs)
         if self.lora is not None:
-            gate_up = self.lora.add_gate_up(gate_up, x, offs)
-        gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = self.lora.add_gate_up(gate, up, x, offs)
         h = F.silu(gate) * up
         out = grouped_mm(h, self.down_proj, offs)
         return out if self.lora is None else self.lora.add_down(out, h, offs)
@@ -179,8 +183,8 @@ class SparseMoE(nn.Module):
     """Router + experts (+ shared experts), the experts optionally sharded over an
     expert-parallel group.
 
-    The (token, slot) rows are sorted by expert once per layer, run through one grouped GEMM
-    for gate+up and one for down, and brought back with one gather and a weighted sum over
+    The (token, slot) rows are sorted by expert once per layer, run through grouped GEMMs
+    (gate, up, down), and brought back with one gather and a weighted sum over
     the k slots (a batched [1, k] x [k, H] product, deterministic unlike an atomic scatter-add).
     Shared experts (GLM) are one dense MLP of ``n_shared_experts x moe_intermediate_size``
     over every token, added to the routed output (HF: ``mlp.shared_experts``).

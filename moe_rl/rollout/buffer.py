@@ -38,6 +38,11 @@ class RolloutBuffer:
         with self._cv:
             return len(self._groups)
 
+    def uids(self) -> set[str]:
+        """The uids of the samples held (their routing records are still needed)."""
+        with self._cv:
+            return {s.uid for g in self._groups for s in g.samples}
+
     def take(self, n: int, min_version: int, timeout: float | None = None, alive=None) -> list[Group]:
         """Blocks until n groups with min_version >= ``min_version`` are there and no group
         submitted at ``min_version`` or before is still in flight; returns the n groups
@@ -55,10 +60,10 @@ class RolloutBuffer:
                     order = sorted(self._groups, key=lambda g: g.submitted_version)
                     self._groups = deque(order[n:])
                     return order[:n]
+                if alive is not None:  # first: a dead producer's own error says more than "closed"
+                    alive()
                 if self.closed:
                     raise RuntimeError("rollout buffer closed while the trainer waits for data")
-                if alive is not None:
-                    alive()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"waited {timeout}s for {n} groups, have {len(self._groups)}")

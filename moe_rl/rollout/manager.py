@@ -18,7 +18,10 @@ Engine failures: a generate call whose engine cannot be reached, drops the conne
 not answer in time or answers HTTP 5xx is resubmitted, under a new rid, to a live engine (the
 client keeps off the failed one for a backoff and tries it again later, so a restarted engine
 at the same URL is used again), for up to ``rollout.engine_retry_s``. Tokens only ever come
-from complete answers, so no prompt is lost and none is counted twice.
+from complete answers, so no prompt is lost and none is counted twice. An engine that gives no
+answer within ``engine.request_timeout_s`` is frozen (stopped or hung, not dead: nothing will
+restart it): its requests go to the others, and when no other engine serves the manager fails
+at once, naming it (docs/run_safety.md).
 """
 from __future__ import annotations
 
@@ -30,11 +33,12 @@ import threading
 import time
 from collections import Counter
 
-from moe_rl.engine.client import EngineError, EngineHTTPError
+from moe_rl.engine.client import EngineError, EngineHTTPError, EngineTimeoutError
 from moe_rl.engine.protocol import output_logprobs, token_weight_versions, version_number
 from moe_rl.replay import RoutingSpec, record_from_responses, routing_covers
 from moe_rl.tasks.plugins import reward_value
 
+from .agent import AgentRunner
 from .buffer import RolloutBuffer
 from .episode import EpisodeRunner
 from .evaluation import score
@@ -42,6 +46,10 @@ from .requests import attempt_rid, sampling_seed
 from .sample import Group, Sample
 
 log = logging.getLogger(__name__)
+
+
+class EngineFrozenError(RuntimeError):
+    """Every engine that could serve gave no answer within engine.request_timeout_s."""
 
 
 class RolloutManager:
@@ -70,8 +78,10 @@ class RolloutManager:
         self._ready: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._stop = False
-        # env.factory set: every sample is a multi-turn episode (moe_rl/rollout/episode.py)
-        self.episodes = EpisodeRunner.from_config(cfg, task) if cfg.env.factory else None
+        # env.factory set: every sample is a multi-turn episode (moe_rl/rollout/episode.py);
+        # env.openai_agent: an episode played by an OpenAI-API agent (moe_rl/rollout/agent.py)
+        self.episodes = (EpisodeRunner.from_config(cfg, task) if cfg.env.factory
+                         else AgentRunner(cfg, task) if cfg.env.openai_agent else None)
 
     # --- control from the trainer thread --------------------------------------------------
     def start(self) -> "RolloutManager":
@@ -152,6 +162,13 @@ class RolloutManager:
                     "submitted": self.submitted - len(self.inflight), "attempt": self.attempt,
                     "buffer": self.buffer.state_dict()}
 
+    def live_uids(self) -> set[str]:
+        """The samples whose routing records may still be read: in the buffer or in flight
+        (the replay log's retention keeps them, moe_rl/replay/log.py)."""
+        n = self.cfg.rollout.group_size
+        with self.lock:
+            return {self._uid(i, j) for i in self.inflight for j in range(n)} | self.buffer.uids()
+
     def busy_fraction_since(self, t0: float) -> float:
         """Fraction of wall time since t0 with at least one request in flight."""
         with self.lock:
@@ -215,6 +232,8 @@ class RolloutManager:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if hasattr(self.episodes, "close"):  # the agent runner's OpenAI client
+                await self.episodes.close()
             await self.client.close()
 
     def _next_prompt_index(self) -> int | None:
@@ -289,6 +308,10 @@ class RolloutManager:
                     raise
                 backoff = self.client.mark_down(e.url)
                 self.stats["engine_failures"] += 1
+                if isinstance(e, EngineTimeoutError) and not self.client.serving_urls():
+                    raise EngineFrozenError(f"{what}: engine {e.url} gave no answer within {self.client.timeout_s:g} s "
+                                            f"(engine.request_timeout_s): it is frozen (stopped or hung), and no other "
+                                            f"engine serves") from e
                 live = bool(self.client.live_urls())
                 log.warning("%s failed on %s (%s); resubmitting it to %s", what, e.url, e,
                             "a live engine" if live else f"the first engine back (in {backoff:.0f} s)")
@@ -303,18 +326,18 @@ class RolloutManager:
             log.warning("reward function raised on sample %s: %r", sample.uid, e)
             return 0.0, f"reward raised {type(e).__name__}: {e}"
 
-    def _uid(self, index: int, j: int) -> str:
-        return f"p{index}-s{j}" if self.attempt == 0 else f"p{index}-s{j}-a{self.attempt}"
+    def _uid(self, index: int, j: int, part: int = 0) -> str:
+        """Sample j of prompt ``index``; ``part`` > 0: another sequence of the same episode."""
+        uid = f"p{index}-s{j}" + (f"-q{part}" if part else "")
+        return uid if self.attempt == 0 else f"{uid}-a{self.attempt}"
 
     @staticmethod
     def next_attempt(checkpointed: int, replay_log=None) -> int:
-        """The attempt of a (re)started run: above the checkpoint's and above that of the last
-        record in the routing log (attempts only grow, so it is the largest there). A run
+        """The attempt of a (re)started run: above the checkpoint's and above every attempt in
+        the routing log (its retention keeps a few steps' worth, so reading all is cheap). A run
         resumed twice from one checkpoint must not reuse the uids its first resumption logged."""
-        logged = -1
-        if replay_log is not None and len(replay_log):
-            uid = replay_log.uids()[-1]
-            logged = int(uid.rsplit("-a", 1)[1]) if "-a" in uid else 0
+        logged = max((int(u.rsplit("-a", 1)[1]) if "-a" in u else 0 for u in replay_log.uids()),
+                     default=-1) if replay_log is not None else -1
         return max(checkpointed, logged) + 1
 
     def _request(self, prompt, index: int, j: int, out: list[int], resumes: int) -> dict:

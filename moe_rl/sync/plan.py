@@ -7,6 +7,7 @@ model's architecture, so no plan is ever exchanged.
 """
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass, field
 
@@ -97,19 +98,33 @@ def _prod(shape) -> int:
     return n
 
 
+# SGLang fuses a latent-attention layer's q_a_proj and kv_a_proj_with_mqa into one parameter and
+# writes it only when both arrive in one load_weights call (one bucket): they travel together
+_FUSED_A_RE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:q_a_proj|kv_a_proj_with_mqa)\.")
+
+
+def _unit_key(name: str):
+    """Tensors that must share a bucket share a key: one layer's experts, one layer's fused pair."""
+    parsed = parse_expert_name(name)
+    if parsed is not None:
+        return "experts", parsed[0]
+    fused = _FUSED_A_RE.match(name)
+    return ("fused_qkv_a", int(fused.group(1))) if fused else None
+
+
 def _units(items):
-    """Runs of consecutive expert tensors of one layer form a unit; other tensors are units alone."""
+    """(key, unit): runs of consecutive tensors with one ``_unit_key`` form a unit; other
+    tensors are units alone (key None)."""
     unit, key = [], None
     for name, shape in items:
-        parsed = parse_expert_name(name)
-        k = parsed[0] if parsed is not None else None
+        k = _unit_key(name)
         if unit and (k is None or k != key):
-            yield unit
+            yield key, unit
             unit = []
         unit.append((name, shape))
         key = k
     if unit:
-        yield unit
+        yield key, unit
 
 
 def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> Plan:
@@ -143,22 +158,26 @@ def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_b
                 buckets.append(Bucket(len(buckets), dtype, tuple(n for n, _ in cur), tuple(s for _, s in cur), tuple(offs), pos))
             cur, cur_bytes = [], 0
 
-        for unit in _units(items):
+        for key, unit in _units(items):
             unit_bytes = sum(_prod(s) for _, s in unit) * es
             # a layer's experts stay in one bucket when they fit in one: the receiver (and a
-            # bound trainer) can then use the bucket as the stacked expert storage itself
-            if cur and unit_bytes <= bucket_bytes and cur_bytes + unit_bytes > bucket_bytes:
+            # bound trainer) can then use the bucket as the stacked expert storage itself; a
+            # fused pair always does (a bucket of its own if it is larger than one)
+            whole = key is not None and key[0] == "fused_qkv_a"
+            if cur and (unit_bytes <= bucket_bytes or whole) and cur_bytes + unit_bytes > bucket_bytes:
                 close()
             for name, shape in unit:
                 nbytes = _prod(shape) * es
                 total += nbytes
                 largest = max(largest, nbytes)
-                if cur and cur_bytes + nbytes > bucket_bytes:
+                if cur and cur_bytes + nbytes > bucket_bytes and not whole:
                     close()
                 cur.append((name, shape))
                 cur_bytes += nbytes
-                if cur_bytes >= bucket_bytes:
+                if cur_bytes >= bucket_bytes and not whole:
                     close()
+            if whole and cur_bytes >= bucket_bytes:
+                close()
         close()
     plan = Plan(buckets, bucket_bytes, total, largest, len(seen))
     for b in buckets:

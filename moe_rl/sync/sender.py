@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl import faults
-from moe_rl.engine.client import EngineError, EngineHTTPError
+from moe_rl.engine.client import EngineError, EngineHTTPError, EngineTimeoutError
 from moe_rl.kernels.bucket_pack import pack
 
 from ..model.hf_io import bind_hf_views, expert_owner
@@ -60,6 +60,17 @@ class SyncStats:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+async def _probe(engine, timeout_s: float) -> EngineError | None:
+    """None when ``engine`` answers ``/health`` within ``timeout_s`` (or has no such endpoint),
+    else the error that says so."""
+    health = getattr(getattr(engine, "client", None), "health", None)
+    if not callable(health):
+        return None
+    if await health(timeout_s=timeout_s):
+        return None
+    return EngineError(engine.name, "/health", f"no healthy answer within {timeout_s:g} s (skipped at the last sync too)")
 
 
 def _unreachable(reply) -> bool:
@@ -93,6 +104,8 @@ class WeightSender:
         *,
         ep_group=None,
         trainer_group=None,
+        ep_wait_group=None,
+        trainer_wait_group=None,
         dp_rank: int = 0,
         engines=(),
         bucket_mb: float = 64.0,
@@ -113,12 +126,17 @@ class WeightSender:
         self.source = model if hasattr(model, "cache_key") else ModelSource(model)
         self.arch = self.source.arch
         self.ep_group, self.trainer_group = ep_group, trainer_group
+        # the same ranks with a long timeout (moe_rl.dist): the other ranks wait on these while
+        # the source talks to the engines
+        self.ep_wait_group, self.trainer_wait_group = ep_wait_group or ep_group, trainer_wait_group or trainer_group
         self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         self.dp_rank = dp_rank
         self.active = dp_rank == 0  # only EP block 0 sends
         self.is_source = self.active and self.ep_rank == 0
-        self.engines = [as_engine(e, timeout_s=timeout_s + 60) for e in engines]
+        # an engine's answer to a bucket comes after the broadcast (timeout_s); then as long again, at most a minute
+        self.engines = [as_engine(e, timeout_s=timeout_s + min(60.0, timeout_s)) for e in engines]
+        self._down: set[str] = set()  # engines the last sync skipped: probed before this one pauses them
         self.verify, self.group_name = verify, group_name
         self.master_address, self.port = master_address, port
         self.device = self.source.device
@@ -178,9 +196,10 @@ class WeightSender:
         """``sync_cfg`` is ``cfg.sync``; ``groups`` a ``moe_rl.dist.Groups`` (None: one rank)."""
         g = {}
         if groups is not None:
-            g = dict(ep_group=groups.ep if groups.layout.ep_size > 1 else None,
-                     trainer_group=groups.trainer if len(groups.layout.trainer_ranks) > 1 else None,
-                     dp_rank=groups.dp_rank)
+            ep, trainers = groups.layout.ep_size > 1, len(groups.layout.trainer_ranks) > 1
+            g = dict(ep_group=groups.ep if ep else None, trainer_group=groups.trainer if trainers else None,
+                     ep_wait_group=groups.ep_wait if ep else None,
+                     trainer_wait_group=groups.trainer_wait if trainers else None, dp_rank=groups.dp_rank)
         return cls(
             model, engines=engines, bucket_mb=sync_cfg.bucket_mb, verify=sync_cfg.verify,
             group_name=sync_cfg.group_name, master_address=sync_cfg.master_address, port=sync_cfg.port,
@@ -254,8 +273,10 @@ class WeightSender:
 
     # --- EP gather ----------------------------------------------------------------------------
     def _ctl(self, value: int) -> int:
+        """The source tells its EP helpers the next bucket (or stop / abort); a helper waits here
+        while the source waits for the engines."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device if self.backend == "nccl" else "cpu")
-        dist.broadcast(t, group=self.ep_group, group_src=0)
+        dist.broadcast(t, group=self.ep_wait_group, group_src=0)
         return int(t.item())
 
     def _prepare(self, i: int):
@@ -394,6 +415,7 @@ class WeightSender:
         nxt = loop.run_in_executor(self._ep_exec, self._prepare, 0)
         end = _ABORT
         cur = None
+        stuck: set[str] = set()  # engines that gave no answer: not asked again (a frozen one costs a timeout each time)
         try:
             for i, b in enumerate(self.plan.buckets):
                 cur, cs = await nxt
@@ -414,13 +436,17 @@ class WeightSender:
                     await loop.run_in_executor(self._bc_exec, self.group.wait_work, work)
                 except Exception as e:
                     self._close_group()
+                    waiting = [eng.name for eng, c in zip(engines, calls) if not c.done()]
+                    stuck.update(waiting)
                     for c in calls:
                         c.cancel()
                     await asyncio.gather(*calls, return_exceptions=True)
-                    raise WeightSyncError(f"broadcast of bucket {i + 1}/{n} (first tensor {b.names[0]}) failed: {e}") from e
+                    raise WeightSyncError(f"broadcast of bucket {i + 1}/{n} (first tensor {b.names[0]}) failed: {e}"
+                                          + (f"; engines still taking it (stuck?): {', '.join(waiting)}" if waiting else "")) from e
                 replies = await asyncio.gather(*calls, return_exceptions=True)
                 bad = [(eng, r) for eng, r in zip(engines, replies) if isinstance(r, BaseException)]
                 if bad:
+                    stuck.update(eng.name for eng, r in bad if isinstance(r, EngineTimeoutError))
                     msg = "; ".join(f"{eng.name}: {r}" for eng, r in bad)
                     if any(not isinstance(r, EngineCallError) for _, r in bad):
                         self._close_group()  # an engine died or timed out: the group is suspect
@@ -431,8 +457,9 @@ class WeightSender:
                 stats.bytes += b.nbytes
             end = _STOP
         finally:
-            ended = await asyncio.gather(*(e.end_weight_update() for e in engines), return_exceptions=True)
-            bad = [f"{e.name}: {r}" for e, r in zip(engines, ended) if isinstance(r, BaseException)]
+            answering = [e for e in engines if e.name not in stuck]
+            ended = await asyncio.gather(*(e.end_weight_update() for e in answering), return_exceptions=True)
+            bad = [f"{e.name}: {r}" for e, r in zip(answering, ended) if isinstance(r, BaseException)]
             end_err = None
             if bad:
                 log.error("end_weight_update failed on %s", "; ".join(bad))
@@ -464,11 +491,19 @@ class WeightSender:
         out: it crashed) is left out of this sync and named in ``stats.skipped``: the others are
         updated in a weight-sync group formed without it, and it must serve no rollouts (its
         weights are behind). Every sync tries all engines again, so one restarted at the same
-        address is back in the group, fully updated, at the next sync."""
-        paused = await asyncio.gather(*(e.pause_generation(mode=self.pause_mode) for e in self.engines),
-                                      return_exceptions=True)
+        address is back in the group, fully updated, at the next sync. An engine the last sync
+        skipped is first asked for ``/health`` (a few seconds at most): one that stays frozen
+        costs each sync that probe, not a whole call's timeout."""
+        probed = await asyncio.gather(*(_probe(e, min(5.0, self.timeout_s)) for e in self.engines
+                                        if e.name in self._down))
+        gone = {e.name: err for e, err in zip([e for e in self.engines if e.name in self._down], probed) if err}
+        asked = [e for e in self.engines if e.name not in gone]
+        replies = dict(zip((e.name for e in asked), await asyncio.gather(
+            *(e.pause_generation(mode=self.pause_mode) for e in asked), return_exceptions=True)))
+        paused = [replies[e.name] if e.name in replies else gone[e.name] for e in self.engines]
         down = [e for e, r in zip(self.engines, paused) if self.skip_down_engines and _unreachable(r)]
         live = [e for e, r in zip(self.engines, paused) if not isinstance(r, BaseException)]
+        self._down = {e.name for e in down}
         err = None
         try:
             bad = [f"{e.name}: {r}" for e, r in zip(self.engines, paused)
@@ -520,8 +555,9 @@ class WeightSender:
         return stats
 
     def _share_status(self, err: str | None) -> str | None:
+        """The outcome of the sync, from the source to every trainer rank (which waited for it)."""
         obj = [err]
-        dist.broadcast_object_list(obj, group=self.trainer_group, group_src=0)
+        dist.broadcast_object_list(obj, group=self.trainer_wait_group, group_src=0)
         return obj[0]
 
     def sync(self, version) -> SyncStats | None:

@@ -82,13 +82,14 @@ register_task("arith", _jsonl(ARITH_EXAMPLE, "arith"), JsonlMathTask.__init__)
 _NOT_TASK_ARGS = {"self", "name", "seed", "path", "model_path", "format", "prompt_key", "answer_key"}  # data.*
 
 
-def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens: int = 16) -> Task:
+def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens: int = 16,
+             tokenizer_path: str | None = None) -> Task:
     """The task ``data.task`` with ``data.task_args``; ``model_path`` is where an HF
     tokenizer is found (``model.path``), ``max_new_tokens`` the default response budget
     (``rollout.max_new_tokens``) for tasks whose reward depends on it. A ``data.task`` of the
     form ``package.module:factory`` is a plug-in (:mod:`.plugins`)."""
     if is_plugin_path(data.task):
-        return load_task(data, model_path=model_path, max_new_tokens=max_new_tokens)
+        return load_task(data, model_path=model_path, max_new_tokens=max_new_tokens, tokenizer_path=tokenizer_path)
     if data.task not in _REGISTRY:
         close = difflib.get_close_matches(data.task, list(_REGISTRY), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -115,7 +116,8 @@ def get_task(data: DataConfig, *, model_path: str | None = None, max_new_tokens:
 
 def task_from_config(cfg: Any) -> Task:
     """``get_task`` for a whole ``ExperimentConfig``, its reward replaced by ``reward.fn`` if set."""
-    task = get_task(cfg.data, model_path=cfg.model.path, max_new_tokens=cfg.rollout.max_new_tokens)
+    task = get_task(cfg.data, model_path=cfg.model.path, max_new_tokens=cfg.rollout.max_new_tokens,
+                    tokenizer_path=cfg.model.tokenizer_path)
     fn = getattr(getattr(cfg, "reward", None), "fn", None)
     return PluginRewardTask(task, fn) if fn else task
 

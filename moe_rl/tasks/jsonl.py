@@ -16,8 +16,8 @@ Files (``data.path``; ``data.format`` names the format, ``auto`` tells it from t
 Rows, in every format:
 
 * the prompt is ``data.prompt_key``, else the first present of ``"prompt"``, ``"question"``,
-  ``"problem"``: a string, or a list of chat messages (objects with string ``role`` and
-  ``content``, verl's and slime's form);
+  ``"problem"``, ``"messages"``: a string, or a list of chat messages (objects with string
+  ``role`` and ``content``, verl's and slime's form);
 * the answer is ``data.answer_key``, else ``"answer"``, ``"solution"`` or
   ``reward_model.ground_truth``: a string or a number. A dotted key reads a nested field
   (``reward_model.ground_truth``, ``extra_info.answer``). GSM8K lines (``question`` + a worked
@@ -26,6 +26,10 @@ Rows, in every format:
   (see :mod:`moe_rl.tasks.answers`);
 * ``data_source`` and ``extra_info`` (verl), when present, are kept in ``Prompt.meta`` for a
   ``reward.fn`` plug-in; other keys are ignored.
+
+``Prompt.meta`` holds the ``answer`` and, for agents (``env.openai_agent``), the question as
+``text`` (a chat-message prompt's last user message) and the chat ``messages`` where the row's
+prompt is in that form.
 
 A row that is not an object, lacks its prompt or answer, or has a value of the wrong type
 raises :class:`DatasetError` naming ``file:line`` (JSONL) or ``file: row i`` (Parquet and
@@ -65,7 +69,7 @@ from .base import DatasetError, Prompt, cut_at_stop, rng_for
 
 log = logging.getLogger(__name__)
 
-PROMPT_KEYS = ("prompt", "question", "problem")
+PROMPT_KEYS = ("prompt", "question", "problem", "messages")
 ANSWER_KEYS = ("answer", "solution", "reward_model.ground_truth")
 DEFAULT_TEMPLATE = "{prompt}\nPut your final answer within \\boxed{{}}."
 FORMATS = ("jsonl", "parquet", "hf_disk")
@@ -356,6 +360,13 @@ class JsonlMathTask:
         if i not in self._ids:
             self._ids[i] = self._encode(ex["prompt"])
         meta = {k: v for k, v in ex.items() if k != "prompt"}
+        prompt = ex["prompt"]
+        if isinstance(prompt, str):
+            meta["text"] = prompt
+        else:
+            users = [m["content"] for m in prompt if m["role"] == "user"]
+            meta["text"] = users[-1] if users else prompt[-1]["content"]
+            meta["messages"] = [dict(m) for m in prompt]
         return Prompt(index, list(self._ids[i]), None, {**meta, "example": i, "source": self.path})
 
     def reward(self, prompt: Prompt, response_ids: list[int]) -> float:

@@ -1,12 +1,15 @@
 """Plug-ins named in the config by import path ``package.module:name`` (DESIGN.md contract 8).
 
 * ``data.task``   a factory returning a Task; called with ``data.task_args`` as keyword
-                  arguments, plus ``seed`` / ``model_path`` / ``max_new_tokens`` when it declares
+                  arguments, plus ``seed`` / ``model_path`` / ``max_new_tokens`` /
+                  ``tokenizer_path`` (model.tokenizer_path, else model.path) when it declares
                   parameters of those names.
 * ``reward.fn``   ``fn(prompt, response_ids, response_text)``, sync or async, returning a float
                   or a dict with a float ``"reward"`` and other numeric metrics (logged).
 * ``env.factory`` called once per episode with ``env.args`` (and ``task=`` when it declares
                   it); returns an environment (:mod:`moe_rl.tasks.env`).
+* ``env.openai_agent`` an async ``agent(client, prompt, **env.args)`` called once per episode
+                  (:mod:`moe_rl.rollout.agent`).
 
 Every failure names the config key and the plug-in: :class:`PluginError` at load time (cannot
 import, not callable, wrong signature, bad task), and for a reward at run time (raises, bad
@@ -80,11 +83,12 @@ def call_with_optional(fn: Callable, args: dict, optional: dict) -> Any:
 _TASK_MEMBERS = ("name", "vocab_size_needed", "stop_token_ids", "num_prompts", "prompt", "reward", "decode")
 
 
-def load_task(data, *, model_path: str | None, max_new_tokens: int):
+def load_task(data, *, model_path: str | None, max_new_tokens: int, tokenizer_path: str | None = None):
     """The Task made by the factory at ``data.task``."""
     key = "data.task"
     factory = load_plugin(data.task, key)
-    optional = {"seed": data.seed, "model_path": model_path, "max_new_tokens": max_new_tokens}
+    optional = {"seed": data.seed, "model_path": model_path, "max_new_tokens": max_new_tokens,
+                "tokenizer_path": tokenizer_path or model_path}
     params = inspect.signature(factory).parameters
     check_signature(factory, key, data.task, **data.task_args,
                     **{k: v for k, v in optional.items() if k in params and k not in data.task_args})
@@ -175,4 +179,8 @@ def check_plugins(cfg) -> list[str]:
     if cfg.env.factory:
         load_plugin(cfg.env.factory, "env.factory")
         checked.append(f"env.factory={cfg.env.factory}")
+    if cfg.env.openai_agent:
+        fn = load_plugin(cfg.env.openai_agent, "env.openai_agent")
+        check_signature(fn, "env.openai_agent", cfg.env.openai_agent, None, Prompt(0, [1]), **cfg.env.args)
+        checked.append(f"env.openai_agent={cfg.env.openai_agent}")
     return checked

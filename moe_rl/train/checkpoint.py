@@ -1,5 +1,11 @@
 """Checkpoints: HF weights (loadable by transformers) + trainer state for an exact resume.
 
+``hf/`` is a complete model directory (DESIGN.md contract 6): config.json and
+model.safetensors, plus the tokenizer files and chat template of model.tokenizer_path (else
+model.path, else the task's data.task_args.tokenizer_path) and generation_config.json (from
+model.path, else the tokenizer's directory); config.json keeps model.path's token ids
+(bos/eos/pad). transformers, ``moe-rl serve DIR`` and SGLang load it as it is.
+
 Layout: ``<output_dir>/checkpoints/step_<N>/{hf/, adapter/ (LoRA, PEFT format), trainer_rank<r>.pt, rollout.pt}`` and a
 ``latest`` file naming the newest complete one, written last (atomically), so a crash while
 saving leaves the previous checkpoint in charge. A write that fails (a full disk) removes the
@@ -7,6 +13,7 @@ partial checkpoint and raises CheckpointWriteError, which names the intact one.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -21,6 +28,42 @@ from moe_rl.rundir import latest_step
 from moe_rl.model import hf_param_specs, save_hf
 
 log = logging.getLogger(__name__)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json")
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def model_file_sources(cfg) -> tuple[Path | None, Path | None]:
+    """(model.path, the tokenizer's directory) a checkpoint's hf/ takes its other files from."""
+    model = Path(cfg.model.path) if cfg.model.path else None
+    tok = cfg.model.tokenizer_path or cfg.model.path or cfg.data.task_args.get("tokenizer_path")
+    return model, Path(tok) if tok else None
+
+
+def copy_model_files(dst: Path, model_path: Path | None, tokenizer_path: Path | None) -> list[str]:
+    """Completes the HF directory ``dst`` (config.json and weights already there): tokenizer
+    files and chat template from ``tokenizer_path``, generation_config.json from
+    ``model_path`` else ``tokenizer_path``, the token ids of ``model_path``'s config.json.
+    Returns the names of the files copied."""
+    copied = []
+    if tokenizer_path is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_path / name).is_file():
+                shutil.copyfile(tokenizer_path / name, dst / name)
+                copied.append(name)
+    for src in (model_path, tokenizer_path):
+        if src is not None and (src / "generation_config.json").is_file():
+            shutil.copyfile(src / "generation_config.json", dst / "generation_config.json")
+            copied.append("generation_config.json")
+            break
+    if model_path is not None and (model_path / "config.json").is_file():
+        ids = {k: v for k, v in json.loads((model_path / "config.json").read_text()).items() if k in _TOKEN_IDS}
+        if ids:
+            cfg = json.loads((dst / "config.json").read_text())
+            (dst / "config.json").write_text(json.dumps({**cfg, **ids}, indent=2))
+    return copied
 
 
 class CheckpointWriteError(RuntimeError):
@@ -81,6 +124,7 @@ def save_checkpoint(run_dir: Path, step: int, backend, groups, trainer_state: di
                 shutil.rmtree(ckpt)  # a partial one, left by a run that crashed while writing it
             ckpt.mkdir(parents=True, exist_ok=True)
             save_hf(state, ckpt / "hf", arch=backend.arch)  # with LoRA: the merged model
+            copy_model_files(ckpt / "hf", *model_file_sources(backend.cfg))  # tokenizer, template, generation config
             faults.point("checkpoint.write")
             if getattr(backend, "lora", None) is not None:
                 if backend.ep_size == 1:
@@ -140,5 +184,7 @@ def load_checkpoint(ckpt: Path, backend, rank: int) -> tuple[dict, dict | None]:
 
 
 def _barrier(groups) -> None:
+    """The trainer ranks wait for rank 0's writes: on the wait group (moe_rl.dist), as a large
+    model's files may take longer than a collective's timeout."""
     if groups is not None and len(groups.layout.trainer_ranks) > 1:
-        dist.barrier(group=groups.trainer)
+        dist.barrier(group=groups.trainer_wait or groups.trainer)

@@ -41,6 +41,7 @@ from moe_rl.config import ConfigError
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.host import exchange_urls
 from moe_rl.engine.protocol import version_number
+from moe_rl.liveness import describe, record_failure
 from moe_rl.replay import ReplayLog, RoutingSpec, align_replay, filler_ids, packed_layout
 from moe_rl.replay.match import routing_match
 from moe_rl.rollout.buffer import RolloutBuffer
@@ -224,7 +225,7 @@ class Trainer:
 
     # --- set-up ---------------------------------------------------------------------------
     def _engine_urls(self) -> list[str]:
-        urls = exchange_urls(None)  # collective with the engine ranks
+        urls = exchange_urls(None, self.cfg.dist.timeout_s)  # collective with the engine ranks (moe_rl.dist)
         urls = urls + list(self.cfg.engine.urls)
         if not urls:
             raise RuntimeError("no rollout engines: pools.rollout=0 and engine.urls is empty")
@@ -270,6 +271,8 @@ class Trainer:
             m = rollout_state or {}
             if m:
                 self.buffer.load_state_dict(m["buffer"])
+                if self.writer is not None:  # the checkpoint resumed from: its buffer's records stay
+                    self.writer.set_pinned(self.step, _buffer_uids(m))
             self.manager = RolloutManager(
                 cfg, self.task, client, self.buffer, self.writer, spec,
                 start_index=m.get("next_index", 0), pending=m.get("pending"), version=self.version,
@@ -284,7 +287,12 @@ class Trainer:
 
     def _trainer_barrier(self):
         if self.n_trainers > 1:
-            dist.barrier(group=self.groups.trainer)
+            dist.barrier(group=self.groups.trainer_wait)
+
+    def _note(self, where: str) -> None:
+        """Where this rank is: the heartbeat carries it, and a watcher names it if this rank freezes."""
+        if self.groups.liveness is not None:
+            self.groups.liveness.set_note(where)
 
     # --- one step -------------------------------------------------------------------------
     def _take_batch(self) -> tuple[list[dict], dict]:
@@ -310,8 +318,8 @@ class Trainer:
                 reward_metrics=[s.metrics for s in samples if s.failed is None],
             )
             obj = [(batch, info)]
-        if self.n_trainers > 1:
-            dist.broadcast_object_list(obj, group=self.groups.trainer, group_src=0)
+        if self.n_trainers > 1:  # on the wait group: the other ranks wait here while rank 0 waits for rollouts
+            dist.broadcast_object_list(obj, group=self.groups.trainer_wait, group_src=0)
         return obj[0]
 
     def train_step(self, batch: list[dict]) -> dict:
@@ -492,6 +500,7 @@ class Trainer:
         busy = 0.0
         try:
             while self.step < cfg.train.steps:
+                self._note(f"step {self.step + 1}")
                 batch, info = self._take_batch()
                 t0 = time.perf_counter()
                 metrics = self.train_step(batch)
@@ -516,6 +525,12 @@ class Trainer:
                 every = cfg.checkpoint.every
                 if (every and self.step % every == 0) or self.step == cfg.train.steps:
                     self._checkpoint()
+                if self.lead and self.writer is not None and cfg.replay.retention:
+                    self._drop_routing()
+        except Exception as e:
+            e.add_note(f"the run stopped at step {self.step + 1} of {cfg.train.steps}; resume=true continues from "
+                       f"the latest checkpoint")
+            raise
         finally:
             if self.lead:
                 self.manager.stop()
@@ -590,6 +605,16 @@ class Trainer:
                 self.writer.flush()
         save_checkpoint(self.run_dir, self.step, self.backend, self.groups,
                         {"step": self.step, "version": self.version}, rollout_state, self.cfg.checkpoint.keep)
+        if self.lead and self.writer is not None:  # durable now: a resume starts from it
+            self.writer.set_pinned(self.step, _buffer_uids(rollout_state))
+
+    def _drop_routing(self) -> None:
+        """Rank 0, after a step: the routing log starts a new generation and deletes the older
+        ones that hold no record still in use (the step's batch is trained on: the other ranks
+        read their records before its gradient all-reduce). Records the latest checkpoint's
+        buffer needs are kept (moe_rl/replay/log.py)."""
+        self.writer.roll()
+        self.writer.drop_unused(self.manager.live_uids())
 
 
 def replay_rows(engine: list[torch.Tensor], own: list[torch.Tensor] | None, fresh: list[bool],
@@ -614,6 +639,11 @@ def stale_rows(fresh: list[bool], cu_seqlens: torch.Tensor) -> torch.Tensor:
     lengths = torch.diff(cu_seqlens)
     stale = torch.repeat_interleave(~torch.tensor(fresh, dtype=torch.bool), lengths[: len(fresh)])
     return torch.cat([stale, torch.ones(int(cu_seqlens[-1]) - stale.numel(), dtype=torch.bool)])
+
+
+def _buffer_uids(rollout_state: dict) -> set[str]:
+    """The samples in a checkpoint's rollout buffer: a resume from it trains on them."""
+    return {s["uid"] for g in rollout_state["buffer"]["groups"] for s in g["samples"]}
 
 
 def _loss_mask(s: dict) -> list[int]:
@@ -650,9 +680,16 @@ def use_fused_loss(cfg, logger=None) -> bool:
 
 def run_trainer(cfg, groups) -> None:
     trainer = Trainer(cfg, groups)
+    completed = False
     try:
         trainer.run()
-    finally:
-        dist.barrier()  # releases the engine ranks (see moe_rl.engine.host)
+        completed = True
+    except Exception as e:  # recorded first: a frozen engine killed below ends the world at once
+        record_failure(describe(e))
+        raise
+    finally:  # releases the engine ranks, however the run ended (moe_rl.liveness)
+        groups.liveness.trainer_done()
+        if trainer.lead:
+            groups.liveness.release_engines(completed)
     if trainer.lead:
         log.info("done: %d steps; metrics in %s", trainer.step, Path(cfg.output_dir) / "metrics.jsonl")

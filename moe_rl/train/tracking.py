@@ -96,7 +96,14 @@ class Tracker:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
-        curve = plot_reward_curve(self.path, self.run_dir / "reward_curve.png")
+        # the curve is a convenience: a plotting failure (matplotlib missing or broken) must not
+        # turn a finished, checkpointed run into a failed one, nor hide the error that ended it
+        try:
+            curve = plot_reward_curve(self.path, self.run_dir / "reward_curve.png")
+        except Exception:
+            log.exception("could not plot %s (the run's metrics are in %s)", self.run_dir / "reward_curve.png",
+                          self.path)
+            curve = None
         if self._trackers is not None:
             if curve is not None:
                 self._trackers.log_image("reward_curve", curve)

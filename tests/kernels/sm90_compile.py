@@ -12,8 +12,9 @@ outputs are garbage and are not looked at.
 
 Run it without ``TRITON_INTERPRET`` (the GPU branch of each module must be the one imported):
 ``python tests/kernels/sm90_compile.py [--json OUT]``; tests/kernels/test_sm90_compile.py runs it
-in a subprocess. Per compile: kernel, config, shared memory (bytes), whether the K loop was
-software-pipelined (multi-buffered shared memory), seconds.
+in a subprocess. Per compile: kernel, dtype, constexpr variant, config, shared memory (bytes),
+registers and stack (bytes of local memory per thread, from ``cuobjdump -res-usage``: register
+spills), whether the K loop was software-pipelined (multi-buffered shared memory), seconds.
 """
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ import importlib
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +40,31 @@ SM90_MAX_SHARED = 232448
 def _target():
     from triton.backends.compiler import GPUTarget
     return GPUTarget("cuda", 90, 32)
+
+
+def _cuobjdump() -> str:
+    """Triton's wheel carries cuobjdump beside its ptxas (3.6 and 3.9); else the CUDA toolkit's."""
+    from triton.backends.nvidia import compiler
+    bundled = Path(compiler.__file__).parent / "bin" / "cuobjdump"
+    found = str(bundled) if bundled.exists() else shutil.which("cuobjdump")
+    if found is None:
+        raise RuntimeError("sm90_compile: no cuobjdump (neither in Triton's wheel nor on PATH)")
+    return found
+
+
+def res_usage(cubin: bytes) -> dict:
+    """Registers and stack (bytes of local memory per thread: register spills, or arrays the
+    compiler could not keep in registers) of the one kernel in ``cubin``, from
+    ``cuobjdump -res-usage``. A GEMM tile whose stack is not 0 spills its accumulators or
+    operands to local memory on every K step, which costs far more than a smaller tile."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"sm90_compile: cannot read cuobjdump -res-usage's output: {out[:500]!r}")
+    return {"regs": int(m.group(1)), "stack": int(m.group(2))}
 
 
 class Recorder:
@@ -56,6 +86,10 @@ class Recorder:
         tuned = isinstance(self.kernel, triton.runtime.Autotuner)
         fn = self.kernel.fn if tuned else self.kernel  # (a JITFunction's own .fn is the Python function)
         configs = self.kernel.configs if tuned else [None]
+        if tuned and self.kernel.early_config_prune is not None:  # the configs the autotuner would try
+            configs = self.kernel.early_config_prune(configs, dict(zip(fn.arg_names, args)), **kwargs)
+        dtype = next(str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor))
+        variant = ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if isinstance(v, bool))
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         for cfg in configs:
             kw = dict(kwargs, debug=False)
@@ -63,7 +97,7 @@ class Recorder:
                 kw.update(cfg.all_kwargs())
             label = ", ".join(f"{k}={v}" for k, v in sorted(kw.items())
                               if k.startswith(("BLOCK", "num_warps", "num_stages")))
-            row = {"kernel": self.name, "config": label, "ok": False}
+            row = {"kernel": self.name, "dtype": dtype, "variant": variant, "config": label, "ok": False}
             t0 = time.perf_counter()
             try:
                 bound, spec, options = binder(*args, **kw)
@@ -73,13 +107,15 @@ class Recorder:
                 ttgir = compiled.asm["ttgir"]
                 row.update(ok=True, shared=int(compiled.metadata.shared),
                            pipelined=bool(re.search(r"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<\d+x", ttgir)),
-                           signature={k: v for k, v in signature.items() if v != "constexpr"})
+                           signature={k: v for k, v in signature.items() if v != "constexpr"},
+                           **res_usage(compiled.asm["cubin"]))
             except Exception as e:  # reported per config, the caller decides
                 row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
             row["seconds"] = round(time.perf_counter() - t0, 2)
             self.results.append(row)
-            print(f"  {self.name} [{row['config']}]: " + (
-                f"shared {row['shared']} B, pipelined {row['pipelined']}, {row['seconds']} s" if row["ok"]
+            print(f"  {self.name} {dtype} ({variant}) [{row['config']}]: " + (
+                f"shared {row['shared']} B, {row['regs']} registers, stack {row['stack']} B, "
+                f"pipelined {row['pipelined']}, {row['seconds']} s" if row["ok"]
                 else row["error"].splitlines()[0][:300]), file=sys.stderr, flush=True)
 
 
@@ -88,42 +124,59 @@ def _patch(module, names: list[str], results: list):
         setattr(module, n, Recorder(n, getattr(module, n), results))
 
 
+# every Triton kernel the package launches on a GPU, by module (a new one belongs here and in
+# drive_every_launch)
+LAUNCHES = {"moe_rl.kernels.fused_logprobs": ["_fwd_launch", "_dlogits_launch"],
+            "moe_rl.kernels.fused_token_loss": ["_probs_launch", "_dz_kernel"],
+            "moe_rl.kernels.grouped_gemm": ["_gmm_kernel", "_gmm_wgrad_kernel"],
+            "moe_rl.kernels.bucket_pack": ["_bucket_copy_kernel"],
+            "moe_rl.kernels.gated_delta": ["_gdn_scan_fwd_kernel", "_gdn_scan_bwd_kernel"]}
+
+
 def run_all() -> list[dict]:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("sm90_compile: unset TRITON_INTERPRET (the GPU branch of each kernel module must be imported)")
     results: list[dict] = []
+    for module, names in LAUNCHES.items():
+        _patch(importlib.import_module(module), names, results)
+    drive_every_launch()
+    _compile_exact_kernels(results)
+    return results
+
+
+def drive_every_launch() -> None:
+    """Calls each kernel's launcher the way the GPU path does, on CPU tensors, with whatever the
+    caller put in place of the kernels (LAUNCHES): nothing here reads the outputs."""
     fl = importlib.import_module("moe_rl.kernels.fused_logprobs")
     ftl = importlib.import_module("moe_rl.kernels.fused_token_loss")
     gg = importlib.import_module("moe_rl.kernels.grouped_gemm")
     bp = importlib.import_module("moe_rl.kernels.bucket_pack")
     gd = importlib.import_module("moe_rl.kernels.gated_delta")
-    _patch(fl, ["_fwd_launch", "_dlogits_launch"], results)
-    _patch(ftl, ["_probs_launch", "_dz_kernel"], results)
-    _patch(gg, ["_gmm_kernel", "_gmm_wgrad_kernel"], results)
-    _patch(bp, ["_bucket_copy_kernel"], results)
-    _patch(gd, ["_gdn_scan_fwd_kernel", "_gdn_scan_bwd_kernel"], results)
     torch.manual_seed(0)
 
-    # The LM head: bf16 (the GPU configs), shapes divisible by 16 as in training.
+    # The LM head in bf16 (its 16-bit configs) and fp32 (its own: e.g. configs/gpu_1x.yaml's
+    # trainer), shapes divisible by 16 as in training.
     n, h, v = 256, 128, 1024
-    hidden = torch.randn(n, h, dtype=torch.bfloat16)
-    weight = torch.randn(v, h, dtype=torch.bfloat16)
     labels = torch.randint(0, v, (n,))
     inv_t = 1.0
-    # forward partials (with entropy), then the backward's d_logits with both upstream gradients
-    fl._partials_triton(hidden, weight, labels, inv_t, True)
-    mx = torch.zeros(n); log_s = torch.zeros(n); ent = torch.zeros(n)
-    out = torch.empty(n, v, dtype=torch.bfloat16)
-    err = torch.zeros(v // fl._ERR_GROUP, n)
-    fl._dlogits_triton(hidden, weight, labels, mx, log_s, ent, torch.ones(n), torch.ones(n), 0, inv_t, out, err)
-    fl._dlogits_triton(hidden, weight, labels, mx, log_s, None, torch.ones(n), None, 0, inv_t, out, None)
-
-    # the fused policy loss: the whole Triton path (probabilities, d_logits), loss and gradients
-    ftl_plan = ftl._plan_fused(n, h, v, 2)
 
     def token_loss(logp, ent_, rows):
         return logp + (ent_ if ent_ is not None else 0.0)
-    ftl._fused_triton(hidden, weight, labels, labels < 0, token_loss, inv_t, True, ftl_plan, None, True, True)
+    for dt in (torch.bfloat16, torch.float32):
+        hidden = torch.randn(n, h, dtype=dt)
+        weight = torch.randn(v, h, dtype=dt)
+        # forward partials (with entropy), then the backward's d_logits with both upstream
+        # gradients; 16-bit tracks the rounding of d_logits (TRACK_ERR), fp32 is exact
+        fl._partials_triton(hidden, weight, labels, inv_t, True)
+        mx = torch.zeros(n); log_s = torch.zeros(n); ent = torch.zeros(n)
+        out = torch.empty(n, v, dtype=dt)
+        err = torch.zeros(v // fl._ERR_GROUP, n) if dt != torch.float32 else None
+        fl._dlogits_triton(hidden, weight, labels, mx, log_s, ent, torch.ones(n), torch.ones(n), 0, inv_t, out, err)
+        if dt != torch.float32:
+            fl._dlogits_triton(hidden, weight, labels, mx, log_s, None, torch.ones(n), None, 0, inv_t, out, None)
+        # the fused policy loss: the whole Triton path (probabilities, d_logits), loss and gradients
+        ftl_plan = ftl._plan_fused(n, h, v, dt.itemsize)
+        ftl._fused_triton(hidden, weight, labels, labels < 0, token_loss, inv_t, True, ftl_plan, None, True, True)
 
     # grouped GEMM (the MoE experts): every dtype the Triton path serves, forward and weight grad
     for dt in (torch.float32, torch.bfloat16, torch.float16):
@@ -147,7 +200,28 @@ def run_all() -> list[dict]:
     first, nch, s0 = torch.tensor([0, 1]), torch.tensor([1, 3]), torch.randn(2, H, D, D)
     gd._scan_fwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0)
     gd._scan_bwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0, torch.randn(NC, H, C, D), torch.randn(2, H, D, D))
-    return results
+
+
+def _compile_exact_kernels(results: list) -> None:
+    """The batch-invariant ("exact") kernels: the one config of each dtype (grouped GEMM: above)."""
+    ex = {n: importlib.import_module(f"moe_rl.kernels.exact.{n}") for n in ("linear", "norm", "softmax", "attention", "moe")}
+    _patch(ex["linear"], ["_exact_linear_kernel"], results)
+    _patch(ex["norm"], ["_exact_rms_norm_kernel"], results)
+    _patch(ex["softmax"], ["_exact_softmax_kernel"], results)
+    _patch(ex["attention"], ["_exact_attention_kernel"], results)
+    _patch(ex["moe"], ["_exact_combine_kernel"], results)
+    for dt in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(64, 128, dtype=dt), torch.randn(96, 128, dtype=dt)
+        ex["linear"]._linear_triton(x, w, torch.randn(96, dtype=dt))
+        ex["norm"]._rms_norm_triton(x, torch.ones(128, dtype=dt), torch.empty_like(x), 1e-6)
+        ex["softmax"]._softmax_triton(x, torch.empty(64, 128), None, True)
+        ex["softmax"]._softmax_triton(x, torch.empty(64), torch.zeros(64, dtype=torch.long), True)
+        q, kc = torch.randn(48, 8, 128, dtype=dt), torch.randn(4, 512, 2, 128, dtype=dt)
+        cu = torch.tensor([0, 16, 47, 48], dtype=torch.int32)
+        ex["attention"]._attention_triton(q, kc, kc, torch.empty_like(q), cu, torch.tensor([0, 3, 7], dtype=torch.int32),
+                                          torch.tensor([0, 1, 3]), torch.zeros(3, dtype=torch.long), 0.1, 64,
+                                          torch.zeros(8))
+        ex["moe"]._combine_triton(torch.randn(128, 128, dtype=dt), torch.rand(64, 2), torch.empty(64, 128, dtype=dt))
 
 
 def main(argv=None):

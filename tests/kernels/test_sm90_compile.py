@@ -6,8 +6,8 @@ Why: the rest of the CPU suite runs the kernels under TRITON_INTERPRET=1, which 
 them and never sees their GPU configs; a kernel that only the interpreter has run can fail to
 build on its first GPU (tl.dot shapes, shared memory per config, dtype rules). This test catches
 that in CI, against the installed Triton (3.9 on the CPU machines; the H200 image has 3.6, checked
-by hand: docs/benchmarks.md). The planted case shows the check can fail on a kernel the
-interpreter runs.
+by hand: docs/gpu.md). The planted cases show the checks can fail: a kernel the interpreter
+runs that does not compile, and a tile that spills registers.
 """
 from __future__ import annotations
 
@@ -24,10 +24,14 @@ triton = pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sm90_compile.py"
-# every Triton kernel the package launches on a GPU (a new one belongs in sm90_compile.run_all)
+# every Triton kernel the package launches on a GPU (a new one belongs in sm90_compile.LAUNCHES)
 KERNELS = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_dz_kernel", "_gmm_kernel",
            "_gmm_wgrad_kernel", "_bucket_copy_kernel", "_gdn_scan_fwd_kernel", "_gdn_scan_bwd_kernel"}
 GEMMS = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_gmm_kernel", "_gmm_wgrad_kernel"}
+# the batch-invariant ("exact") kernels, moe_rl.kernels.exact
+KERNELS |= {"_exact_linear_kernel", "_exact_rms_norm_kernel", "_exact_softmax_kernel", "_exact_attention_kernel",
+            "_exact_combine_kernel"}
+GEMMS |= {"_exact_linear_kernel"}
 
 
 def _nvidia_backend() -> bool:
@@ -62,10 +66,49 @@ def test_every_kernel_compiles_for_sm90_with_its_gpu_configs(tmp_path):
     assert {r["kernel"] for r in rows} == KERNELS
     too_big = [(r["kernel"], r["config"], r["shared"]) for r in rows if r["shared"] > max_shared]
     assert not too_big, f"configs over sm_90's {max_shared} B of shared memory: {too_big}"
+    # no register spills: a config whose cubin uses stack (local memory) reloads its tile from
+    # memory on every K step (the LM head's 128x256 bf16 tiles spilled 0.4-1.2 KB per thread)
+    spills = [(r["kernel"], r["dtype"], r["variant"], r["config"], r["stack"]) for r in rows if r["stack"] > 0]
+    assert not spills, f"configs with stack (spilled registers) on sm_90: {spills}"
+    # the LM head is built for both operand widths, each with its own configs
+    lm_head = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_dz_kernel"}
+    assert {(r["kernel"], r["dtype"]) for r in rows if r["kernel"] in lm_head} == {
+        (k, d) for k in lm_head for d in ("bfloat16", "float32")}
     # the GEMM K loops are software-pipelined (multi-buffered), as they are when a GPU launch
     # specialises 16-byte-aligned pointers and strides: the binder saw what a GPU would
     unpiped = [(r["kernel"], r["config"]) for r in rows if r["kernel"] in GEMMS and not r["pipelined"]]
     assert not unpiped, unpiped
+
+
+def test_the_stack_check_sees_a_tile_that_spills(tmp_path):
+    # a 256x256 fp32 accumulator on 4 warps is 512 registers per thread, twice what sm_90 has
+    code = textwrap.dedent(f"""
+        import sys, torch, triton, triton.language as tl
+        sys.path.insert(0, {str(HERE)!r})
+        from sm90_compile import Recorder
+
+        @triton.jit
+        def big_tile(a_ptr, b_ptr, c_ptr, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+            m = tl.arange(0, BM); n = tl.arange(0, BN); k = tl.arange(0, BK)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                a = tl.load(a_ptr + m[:, None] * K + (k0 + k)[None, :])
+                b = tl.load(b_ptr + (k0 + k)[:, None] * BN + n[None, :])
+                acc = tl.dot(a, b, acc)
+            tl.store(c_ptr + m[:, None] * BN + n[None, :], acc)
+
+        rows = []
+        a = torch.zeros(256, 64, dtype=torch.bfloat16); b = torch.zeros(64, 256, dtype=torch.bfloat16)
+        Recorder("big_tile", big_tile, rows)[(1,)](a, b, torch.zeros(256, 256), 64, BM=256, BN=256, BK=16,
+                                                   num_warps=4)
+        print(rows[0]["ok"], rows[0].get("stack"), rows[0].get("regs"))
+    """)
+    planted = tmp_path / "planted_spill.py"
+    planted.write_text(code)
+    p = subprocess.run([sys.executable, str(planted)], env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ok, stack, regs = p.stdout.split()
+    assert ok == "True" and int(stack) > 0 and int(regs) <= 255, p.stdout
 
 
 def test_the_check_fails_on_a_kernel_only_the_interpreter_runs(tmp_path):

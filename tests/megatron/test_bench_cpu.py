@@ -26,10 +26,12 @@ def test_rows_op_tables_and_a_failing_backend(tmp_path, monkeypatch):
     monkeypatch.setattr(megatron, "MegatronBackend", recompute_breaks)
     out = tmp_path / "bench.json"
     rc = bench.main(["--device", "cpu", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--peak-tflops", "1",
-                     "--backends", "native,megatron,megatron_recompute", "--profile-dir", str(tmp_path / "p"),
+                     "--backends", "megatron,megatron_recompute,native", "--profile-dir", str(tmp_path / "p"),
                      "--out", str(out)])
     r = json.loads(out.read_text())
     assert rc == 1
+    # rows run in the order asked (gpu_round.sh puts megatron's before the compiled native row)
+    assert [k for k in r if k in bench.BACKENDS] == ["megatron", "megatron_recompute", "native"]
     for b in ("native", "megatron"):
         assert r[b]["tokens_per_s"] > 0 and r[b]["mfu"] > 0 and r[b]["profile_top_ops"]
         assert "Self CPU" in (tmp_path / "p" / f"{b}_ops.txt").read_text()

@@ -23,7 +23,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from moe_rl.model import MoEArch, MoEForCausalLM
 from moe_rl.model.lora import LoraAdapters
-from moe_rl.model.attention import PackedCausal, packed_positions, rope_cos_sin
+from moe_rl.model.attention import PackedCausal, packed_positions
 
 COMMON = dict(vocab_size=48, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, num_hidden_layers=1)
@@ -31,9 +31,15 @@ ARCHS = {
     "qwen3_moe": MoEArch(**COMMON),
     "glm4_moe": MoEArch(model_type="glm4_moe", n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.0,
                         attention_bias=True, **COMMON),
+    # multi-head latent attention (expanded K/V in training), YaRN, the sigmoid router
+    "deepseek_v3": MoEArch(model_type="deepseek_v3", n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=12,
+                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0}, **COMMON),
 }
 LORA_TARGETS = {"qwen3_moe": ["q_proj", "o_proj", "router", "experts.gate_up_proj", "experts.down_proj"],
-                "glm4_moe": ["v_proj", "router", "experts.gate_up_proj", "experts.down_proj", "shared_experts.up_proj"]}
+                "glm4_moe": ["v_proj", "router", "experts.gate_up_proj", "experts.down_proj", "shared_experts.up_proj"],
+                "deepseek_v3": ["q_b_proj", "kv_b_proj", "router", "experts.down_proj"]}
 
 
 def make(family: str, lora: bool, seed: int = 0):
@@ -117,18 +123,18 @@ def _block_inputs(model, lens, replay):
     ids, cu, rec = batch(lens, 0, replay)
     T = ids.shape[1]
     h = model.model.embed_tokens(ids[0])
-    cos, sin = rope_cos_sin(packed_positions(cu, T), model.arch.rotary_dim, model.arch.rope_theta, h.dtype)
+    cos, sin = model.rope.cos_sin(packed_positions(cu, T), h.dtype)
     return h, cos, sin, PackedCausal(cu, T, max(lens)), None if rec is None else rec[0]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_no_graph_break(family):
     """torch._dynamo.explain of a decoder block: one graph, no break, with and without replay,
     LoRA and a sigmoid router that counts its experts' load (train.expert_bias_update_rate);
     on the padded attention path and the block-mask one."""
     for lora in (False, True):
         model, _ = make(family, lora)
-        if family == "glm4_moe":
+        if model.arch.router == "sigmoid":
             model.track_expert_load()
         block = model.model.layers[0]
         for replay in (False, True):

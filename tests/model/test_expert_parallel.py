@@ -9,10 +9,11 @@ from tests.distributed import run_distributed
 ARCHS = {
     "qwen3": MoEArch(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
                      mlp_only_layers=[1], moe_intermediate_size=16, head_dim=8),
-    # GLM: sigmoid router with correction bias and groups, shared experts, a dense first layer
-    "glm": MoEArch(model_type="glm4_moe", vocab_size=48, hidden_size=32, num_hidden_layers=3, num_experts=8,
-                   num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
-                   routed_scaling_factor=2.0, attention_bias=True, moe_intermediate_size=16, head_dim=8),
+    # DeepSeek-V3: GLM's router and shared experts behind multi-head latent attention
+    "dsv3": MoEArch(model_type="deepseek_v3", vocab_size=48, hidden_size=32, num_hidden_layers=3, num_experts=8,
+                    num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                    routed_scaling_factor=2.0, moe_intermediate_size=16, q_lora_rank=12, kv_lora_rank=16,
+                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
     # Qwen3-Next: Gated DeltaNet and gated attention layers, every layer MoE with a gated shared expert
     "qwen3_next": MoEArch(model_type="qwen3_next", vocab_size=48, hidden_size=32, num_hidden_layers=2, num_experts=8,
                           num_experts_per_tok=3, shared_expert_intermediate_size=16, moe_intermediate_size=16,
@@ -88,7 +89,8 @@ def _grad_of(model, hf_name):
     return getattr(moe.experts, proj).grad[expert - moe.ep_rank * moe.num_local].clone()
 
 
-@pytest.mark.parametrize("use_replay,arch", [(False, "qwen3"), (True, "qwen3"), (True, "glm"), (True, "qwen3_next")],
-                         ids=["routed", "replayed", "glm-replayed", "qwen3_next-replayed"])
+# dsv3 carries GLM-4.5's router and shared experts (the MoE block EP shards) behind latent attention
+@pytest.mark.parametrize("use_replay,arch", [(False, "qwen3"), (True, "qwen3"), (True, "dsv3"), (True, "qwen3_next")],
+                         ids=["routed", "replayed", "dsv3-replayed", "qwen3_next-replayed"])
 def test_ep2_equals_ep1(use_replay, arch):
     run_distributed(_ep_equals_reference, 2, use_replay, arch)

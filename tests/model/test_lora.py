@@ -347,3 +347,62 @@ def test_glm_peft_loads_adapter_on_hf_base(tmp_path, monkeypatch):
     load_peft(back, tmp_path / "adapter")
     for n, p in ad.named_parameters():
         assert torch.equal(dict(back.named_parameters())[n], p)
+
+
+# DeepSeek-V3: multi-head latent attention's projections, the sigmoid router, routed and shared experts
+DSV3 = MoEArch(model_type="deepseek_v3", vocab_size=97, hidden_size=32, moe_intermediate_size=16, intermediate_size=48,
+               num_hidden_layers=3, num_attention_heads=4, num_experts=6, num_experts_per_tok=2, n_group=2,
+               topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5, q_lora_rank=12,
+               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_theta=10000.0)
+MLA_ALL = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "router", "experts.gate_up_proj",
+           "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]
+
+
+def test_mla_adapters_equal_hand_merge_in_training_and_in_the_engine():
+    """Adapters on the latent-attention projections: the trainer's form (hooks, expanded K/V) and
+    the engine's (absorbed attention, which reads kv_b_proj's weight plus the adapter's delta)
+    both compute the hand-merged model; an MHA target on an MLA model is refused by name."""
+    from moe_rl.engine.engine import Engine
+    from moe_rl.model.lora import AdapterServing
+
+    from tests.engine.helpers import generate_queued
+
+    model, ad = make(MLA_ALL, None, arch=DSV3)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    merged = merged_by_hand(model, ad)
+    with torch.no_grad():
+        expected = merged(ids)
+        base = model(ids)
+    with ad.in_forward():
+        got = model(ids)
+        got.square().mean().backward()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert (got - base).abs().max() > 1e-3
+    assert all(ad.B[n].grad.abs().sum() > 0 for n in ad.B if "kv_b_proj" in n)
+    # the engine serving the adapter unmerged: log-probs of the merged model's forward
+    serving = AdapterServing(model, 4, 8.0, MLA_ALL)
+    with torch.no_grad():
+        for n, t in serving.named_tensors().items():
+            t.copy_(dict(ad.hf_tensors())[n])
+    body = {"input_ids": [3, 9, 27, 81, 50], "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
+    out = generate_queued(Engine(model, max_running_requests=2, max_context=64), [body])[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(merged(torch.tensor([body["input_ids"] + out["output_ids"]]))[0], -1)
+    want = [lp[4 + j, t].item() for j, t in enumerate(out["output_ids"])]
+    got_lp = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want), atol=1e-5, rtol=0)
+    with pytest.raises(LoraError, match="\\['k_proj'\\] is not a projection of this model's attention"):
+        LoraAdapters(MoEForCausalLM(DSV3), 4, 8.0, ["q_a_proj", "k_proj"])
+
+
+def test_mla_peft_loads_adapter_on_hf_base(tmp_path, monkeypatch):
+    """PEFT's LoRA on transformers' DeepseekV3ForCausalLM gives moe-rl's merged logits, key for key."""
+    from peft.utils import transformers_weight_conversion
+
+    monkeypatch.setattr(transformers_weight_conversion, "_convert_peft_config_moe", lambda cfg, model: None)
+    model, ad = make(MLA_ALL, None, arch=DSV3)
+    pm, ours, theirs, base = _peft_on_hf_base(tmp_path, model, ad, transformers.DeepseekV3ForCausalLM)
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    assert (ours - base).abs().max() > 1e-3
+    assert sorted(peft.get_peft_model_state_dict(pm)) == sorted(ad.peft_state_dict())

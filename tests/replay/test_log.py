@@ -14,6 +14,7 @@ import torch
 from moe_rl.replay import CorruptRecordError, ReplayLog
 
 L, K, E = 4, 3, 16
+GEN0 = "gen-000000"  # the first generation's folder: its segments and index (moe_rl/replay/log.py)
 
 
 def rec(seed, tokens=None):
@@ -96,7 +97,7 @@ def test_segments_roll_over(tmp_path):
     log = ReplayLog(tmp_path, L, K, E, segment_bytes=300)
     for i in range(20):
         log.append(str(i), rec(i, 30))  # 30*4*3*4 bits = 180 B + 16 per record
-    assert len(list(tmp_path.glob("segment-*.bin"))) == 20
+    assert len(list((tmp_path / GEN0).glob("segment-*.bin"))) == 20
     log.close()
     log = ReplayLog(tmp_path, mode="r")
     assert all(np.array_equal(log.get(str(i)), rec(i, 30)) for i in range(20))
@@ -109,7 +110,7 @@ def test_overhead_is_16_bytes_per_record(tmp_path):
     st = log.stats()
     assert st["payload_bytes"] == 100 * 48 * 8 * 7 // 8  # 7 bits per id
     assert st["record_bytes"] == st["payload_bytes"] + 16
-    assert (tmp_path / "segment-000000.bin").stat().st_size == st["record_bytes"]
+    assert (tmp_path / GEN0 / "segment-000000.bin").stat().st_size == st["record_bytes"]
     assert st["disk_bytes"] == st["record_bytes"] + st["index_bytes"] + (
         tmp_path / "meta.json").stat().st_size
 
@@ -126,7 +127,7 @@ def test_corrupted_byte_names_uid_and_segment(tmp_path):
     log = ReplayLog(tmp_path, L, K, E)
     for i in range(3):
         log.append(f"u{i}", rec(i, 20))
-    seg = tmp_path / "segment-000000.bin"
+    seg = tmp_path / GEN0 / "segment-000000.bin"
     info = log.info("u1")
     _flip(seg, info["offset"] + 16 + 7)  # payload byte of u1
     with pytest.raises(CorruptRecordError, match=r"uid 'u1' in segment .*segment-000000\.bin"):
@@ -154,7 +155,7 @@ def test_corrupted_index_entry_is_reported(tmp_path):
     for i in range(3):
         log.append(f"u{i}", rec(i))
     log.close()
-    _flip(tmp_path / "index.bin", 30)  # inside the first entry, not the tail
+    _flip(tmp_path / GEN0 / "index.bin", 30)  # inside the first entry, not the tail
     with pytest.raises(CorruptRecordError, match=r"index\.bin is corrupted at byte 0"):
         ReplayLog(tmp_path, mode="r")
 
@@ -165,7 +166,7 @@ def test_torn_last_record_dropped_on_reopen(tmp_path, cut):
     for i in range(4):
         log.append(f"u{i}", rec(i, 25))
     log.close()
-    seg, idx = tmp_path / "segment-000000.bin", tmp_path / "index.bin"
+    seg, idx = tmp_path / GEN0 / "segment-000000.bin", tmp_path / GEN0 / "index.bin"
     if cut == "segment":  # died while writing the record: its index entry was never written
         with open(idx, "r+b") as f:
             entries = f.read()

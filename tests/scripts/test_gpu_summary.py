@@ -43,13 +43,19 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     rc, s = summarize(work, tmp_path / "out")
     assert rc == 0 and s["missing"] == {}
     assert set(s["stage_rc"]) == {"install", "train_medium", "train_large", "logprobs", "engine", "engine_bf16",
-                                  "pytest_gpu", "gpu_1x", "train_fused"}
+                                  "pytest_gpu", "gpu_1x", "train_fused", "train_large_megatron"}
     assert set(s["stage_rc"].values()) == {0}
     assert s["commit"] and s["device"] == json.loads((work / "install.json").read_text())["device"]
 
-    for preset in ("medium", "large"):
-        t = json.loads((work / f"train_{preset}.json").read_text())
-        assert s[f"train_{preset}_native_mfu"] == t["native"]["mfu"] > 0
+    # the large preset's native row is train_large's (in `all`); its megatron, recompute and eager
+    # rows the by-name stage train_large_megatron's
+    assert json.loads((work / "train_large.json").read_text())["backends"] == ["native"]
+    assert s["train_large_native_mfu"] == json.loads((work / "train_large.json").read_text())["native"]["mfu"] > 0
+    for preset, stage in (("medium", "train_medium"), ("large", "train_large_megatron")):
+        t = json.loads((work / f"{stage}.json").read_text())
+        assert t["backends"][:2] == ["megatron", "megatron_recompute"]  # before the compiled native row
+        if preset == "medium":
+            assert s[f"train_{preset}_native_mfu"] == t["native"]["mfu"] > 0
         assert s[f"megatron_vs_native_{preset}"] == pytest.approx(
             t["megatron"]["tokens_per_s"] / t["native"]["tokens_per_s"])
         assert s[f"recompute_step_ratio_{preset}"] == pytest.approx(
@@ -88,6 +94,7 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     assert s["gpu_1x_reward_first10"] == pytest.approx(sum(r["reward_mean"] for r in m[:10]) / 10)
     assert s["gpu_1x_reward_last10"] == pytest.approx(sum(r["reward_mean"] for r in m[-10:]) / 10)
     assert s["gpu_1x_s_per_step"] == pytest.approx((m[-1]["wall_s"] - m[0]["wall_s"]) / (len(m) - 1))
+    assert s["gpu_1x_compiled_s_per_step"] is None  # the by-name stage did not run
 
     assert (s["pytest_gpu_passed"], s["pytest_gpu_failed"]) == (0, 0) and s["pytest_gpu_skipped"] > 0
 
@@ -112,10 +119,12 @@ def test_failed_skipped_and_missing_stages_give_null_and_keep_their_exit_code(wo
 
     assert rc == 1
     assert s["stage_rc"] == {"install": 0, "train_medium": 0, "train_large": 124, "logprobs": 137, "engine": 2,
-                             "engine_bf16": 0, "pytest_gpu": None, "gpu_1x": 124, "train_fused": 0}
+                             "engine_bf16": 0, "pytest_gpu": None, "gpu_1x": 124, "train_fused": 0,
+                             "train_large_megatron": 0}
     assert s["stages"]["pytest_gpu"]["status"] == "skipped" and s["stages"]["engine"]["status"] == "failed"
-    for key in ("train_large_native_mfu", "megatron_vs_native_large", "recompute_step_ratio_large",
-                "train_large_native_eager_mfu", "train_large_compile_speedup",
+    # the large preset's other rows come from their own stage, which ran
+    assert s["megatron_vs_native_large"] is not None and s["recompute_step_ratio_large"] is not None
+    for key in ("train_large_native_mfu", "train_large_compile_s",
                 "logprobs_fwd_vs_gemm", "logprobs_fwd_bwd_vs_gemm", "logprobs_extra_mem_fraction",
                 "engine_tokens_per_s_1", "engine_tokens_per_s_concurrent", "pytest_gpu_passed", "pytest_gpu_failed"):
         assert s[key] is None, key
@@ -195,3 +204,23 @@ def test_the_round_skips_a_stage_its_budget_cannot_fit(tmp_path):
     assert r.returncode == 1
     assert s["stage_rc"] == {"engine": None} and s["stages"]["engine"]["status"] == "skipped"
     assert s["engine_tokens_per_s_1"] is None
+
+
+def test_a_pytest_run_stopped_by_its_cap_still_gives_the_tests_that_ended(work, tmp_path):
+    """gpu_round.sh sends pytest a SIGINT before the stage's cap: pytest stops and still writes
+    its JUnit report, so the summary counts the tests that ended instead of giving null."""
+    tests = tmp_path / "t" / "test_cut.py"
+    tests.parent.mkdir()
+    tests.write_text("import os, signal\n"
+                     "def test_a(): pass\n"
+                     "def test_b(): pass\n"
+                     "def test_c(): os.kill(os.getpid(), signal.SIGINT)\n"  # the cap's SIGINT, mid-run
+                     "def test_d(): pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+                        f"--junitxml={work / 'pytest_gpu.json.xml'}"], cwd=tests.parent, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "KeyboardInterrupt" in r.stdout, r.stdout  # interrupted
+    set_stage(work, "pytest_gpu", rc=124)
+    _, s = summarize(work, tmp_path / "out")
+    assert (s["pytest_gpu_passed"], s["pytest_gpu_failed"]) == (2, 0)
+    assert s["stages"]["pytest_gpu"]["status"] == "time cap"

@@ -127,7 +127,10 @@ def test_glm_sync_carries_the_correction_bias_through_bound_buffers():
         sender.sync("g1")
         assert ctl.call("hashes")["result"] == H.model_hashes(model)
         model.track_expert_load()
-        model(torch.randint(0, 48, (2, 5))).sum().backward()
+        # fixed tokens: an unseeded batch can give every expert the same load, and no update
+        model(torch.randint(0, 48, (2, 5), generator=torch.Generator().manual_seed(3))).sum().backward()
+        load = model.model.layers[1].mlp.gate.load
+        assert not torch.all(load == load.mean()), load
         before = model.model.layers[1].mlp.gate.e_score_correction_bias.clone()
         model.update_expert_bias(0.5)
         assert not torch.equal(model.model.layers[1].mlp.gate.e_score_correction_bias, before)

@@ -3,6 +3,9 @@ pause -> buckets -> commit -> weight_version -> continue; outputs then match the
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -50,14 +53,29 @@ def test_sender_updates_served_model():
         s.stop()
 
 
-def test_sync_leaves_out_a_dead_engine_and_updates_it_once_it_is_back():
+def test_sync_leaves_out_a_dead_or_frozen_engine_and_updates_it_once_it_is_back():
     a, b = ServerProc(), ServerProc()
     port_a = int(a.url.rsplit(":", 1)[1])
     model = build_model(CFG).init_weights(seed=31)
     sender = WeightSender(model, engines=[a.url, b.url], bucket_mb=0.01, timeout_s=30)
     strict = None
     prompt = [3, 1, 4, 1, 5, 9]
+    quick = WeightSender(model, engines=[a.url, b.url], bucket_mb=0.01, timeout_s=3, group_name="quick")
     try:
+        # b freezes (SIGSTOP: its connections are accepted, nothing answers): the sync that finds
+        # it waits out its timeout, the next ones only probe /health, and it is back when it answers
+        assert quick.sync(11).skipped == []
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert quick.sync(12).skipped == [b.url]
+        first, t0 = time.monotonic() - t0, time.monotonic()
+        assert quick.sync(13).skipped == [b.url]
+        probed = time.monotonic() - t0
+        assert first < 3 + 3 + 5 and probed < 3 + 3, (first, probed)  # timeout + answer margin; health probe
+        os.kill(b.proc.pid, signal.SIGCONT)
+        assert quick.sync(14).skipped == []
+        assert asyncio.run(_generate(b.url, prompt))[1]["weight_version"] == "14"
+
         assert sender.sync(1).skipped == []
         a.kill()  # crashed: no answer at all
         stats = sender.sync(2)
@@ -78,7 +96,8 @@ def test_sync_leaves_out_a_dead_engine_and_updates_it_once_it_is_back():
             assert info["weight_version"] == "3"
             check_against_native(model, prompt, out, 0.0)
     finally:
-        sender.close()
+        os.kill(b.proc.pid, signal.SIGCONT)
+        sender.close(), quick.close()
         if strict is not None:
             strict.close()
         a.stop()

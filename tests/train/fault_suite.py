@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -36,25 +37,33 @@ PER_STEP = {"engine.generate": 8, "routing.append": 32}
 CKPT_WRITES = 4  # checkpoint.write points per checkpoint on rank 0: hf/, rollout.pt, trainer_rank0.pt, latest
 
 
+# a frozen (SIGSTOPped) rank is found within these (docs/run_safety.md, "Long runs"); the run
+# must end within the bound that applies plus 30 s
+FROZEN = ("engine.request_timeout_s=4", "sync.timeout_s=4", "dist.peer_timeout_s=4")
+
+
 @dataclass(frozen=True)
 class Fault:
     name: str
     point: str
     action: str
     rank: int | None = None
+    expect: str | None = None  # a frozen rank: what the run's error must say (a regex)
+    bound_s: float = 0.0  # a frozen rank: the timeout within which it is found
 
     def at(self, rng: random.Random, steps: int) -> int:
         """The hit of the point that lands about ``steps`` steps into a run (counted in the
         crashed process, from its start)."""
         if self.point in PER_STEP:
             return PER_STEP[self.point] * steps + rng.randrange(PER_STEP[self.point])
-        if self.point == "sync.bucket":  # one bucket per sync on tiny; a resumed run syncs once at start
+        if self.point in ("sync.bucket", "engine.update"):  # one bucket per sync on tiny; a resumed run syncs once at start
             return steps
         return CKPT_WRITES * max(0, steps // EVERY - 1) + rng.randrange(1, CKPT_WRITES + 1)  # checkpoint.write
 
     def overrides(self, at: int) -> list[str]:
         ov = [f"fault.point={self.point}", f"fault.action={self.action}", f"fault.at={at}"]
-        return ov + ([f"fault.rank={self.rank}"] if self.rank is not None else [])
+        return ov + ([f"fault.rank={self.rank}"] if self.rank is not None else []) + (
+            list(FROZEN) if self.action == "stop" else [])
 
 
 FAULTS = (
@@ -64,6 +73,18 @@ FAULTS = (
     Fault("SIGKILL of the whole tree mid-routing-log append", "routing.append", "kill_tree"),
     Fault("engine rank SIGKILLed mid-rollout", "engine.generate", "kill", rank=1),
     Fault("checkpoint write fails with ENOSPC", "checkpoint.write", "enospc", rank=0),
+    # frozen, not dead: the one engine gives no answer (a rollout's request or the sync's pause
+    # times out), the trainer ends the run naming it and the step
+    Fault("engine rank frozen (SIGSTOP) mid-rollout", "engine.generate", "stop", rank=1, bound_s=4 + 4,
+          expect=r"engine http://\S+ gave no answer within 4 s .*no other engine serves|every engine is down: "
+                 r"http://\S+: .*no answer within"),
+    # the engine host watching trainer rank 0 finds it silent and ends the run naming it
+    Fault("trainer rank frozen (SIGSTOP) mid-weight-sync", "sync.bucket", "stop", rank=0, bound_s=4,
+          expect=r"rank 1 \(engine host\): FrozenPeerError: trainer rank 0 \(pid \d+ on host \S+\) has sent no "
+                 r"heartbeat for [\d.]+ s \(dist.peer_timeout_s=4\); its last one said: step \d+"),
+    # the bucket's broadcast or the engine's answer times out: the sync names the engine
+    Fault("engine rank frozen (SIGSTOP) mid-weight-sync", "engine.update", "stop", rank=1, bound_s=4 + 4 + 4,
+          expect=r"engines still taking it \(stuck\?\): http://\S+|rejected: http://\S+: .*no answer within"),
 )
 
 
@@ -197,6 +218,7 @@ def run_chain(out: Path, seed: int, kills: int, faults=FAULTS, log=print) -> Cha
                 ov = fault.overrides(fault.at(rng, ahead))
         t = time.monotonic()
         r = train(out, *seeded(seed), *resume, *ov)
+        ended = time.time()
         gone = wait_gone(out)
         event = dict(fault=fault.name if fault else None, overrides=ov, resumed_from=start, rc=r.returncode,
                      wall_s=time.monotonic() - t, gone_s=gone)
@@ -215,6 +237,12 @@ def run_chain(out: Path, seed: int, kills: int, faults=FAULTS, log=print) -> Cha
             assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
         elif fault.action == "kill":
             assert "rank 1 (engine host) ended first, with signal SIGKILL" in r.stderr, r.stderr[-3000:]
+        elif fault.action == "stop":  # named, the step said, and within its timeout + 30 s of freezing
+            assert re.search(fault.expect, r.stderr), r.stderr[-3000:]
+            assert re.search(r"the run stopped at step \d+ of \d+|its last one said: step \d+", r.stderr), r.stderr[-3000:]
+            frozen_at = float(re.search(r"\[fault injection\] stop at .* at unix time ([\d.]+)", r.stderr).group(1))
+            event["ended_after_s"] = ended - frozen_at
+            assert ended - frozen_at < fault.bound_s + 30, (ended - frozen_at, r.stderr[-3000:])
         else:  # enospc: said why, removed the partial checkpoint, kept the previous one in charge
             assert "could not be written: [Errno 28] No space left on device" in r.stderr, r.stderr[-3000:]
             assert ("is intact (`latest` names it)" if after["latest"] else "no earlier checkpoint") in r.stderr
@@ -231,8 +259,6 @@ def run_chain(out: Path, seed: int, kills: int, faults=FAULTS, log=print) -> Cha
 
 
 def _failed_steps(stderr: str) -> list[str]:
-    import re
-
     return re.findall(r"checkpoint \S*/step_(\d+) could not be written", stderr)
 
 

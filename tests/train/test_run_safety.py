@@ -3,9 +3,11 @@ writer per run directory, no worker outliving its launcher, and a fault-injectio
 every crash is resumed with nothing lost or repeated. The long seed sweep is
 ``python -m tests.train.fault_suite`` (its figures are in docs/run_safety.md)."""
 import os
+import re
 import signal
 import socket
 import time
+from pathlib import Path
 
 from tests.train.fault_suite import (STEPS, check_chain, check_run_dir, final_reward, read_rows, run_chain,
                                      run_processes, seeded, start, train, wait_gone)
@@ -62,10 +64,12 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_the_run_resumes(tmp_pat
 
 def test_crashes_at_every_fault_point_lose_and_repeat_nothing(tmp_path):
     """One chain (seed 0): the whole tree SIGKILLed mid-rollout, mid-weight-sync, mid-checkpoint
-    write and mid-routing-log append, an engine rank SIGKILLed mid-rollout and a checkpoint
-    write failing with ENOSPC, each resumed; fault_suite checks the directory after each."""
-    chain = run_chain(tmp_path / "chain", seed=0, kills=6)
-    assert chain.kills == 6, chain.events
+    write and mid-routing-log append, an engine rank SIGKILLed mid-rollout, a checkpoint write
+    failing with ENOSPC and the engine rank frozen (SIGSTOP) mid-rollout, each resumed, with the
+    routing log's retention on; fault_suite checks the directory after each (the sweep also
+    freezes the trainer and the engine mid-weight-sync)."""
+    chain = run_chain(tmp_path / "chain", seed=0, kills=7)
+    assert chain.kills == 7, chain.events
     check_chain(chain)
     ref = tmp_path / "uninterrupted"
     r = train(ref, *seeded(0))
@@ -78,3 +82,32 @@ def test_crashes_at_every_fault_point_lose_and_repeat_nothing(tmp_path):
     assert resumed > first + 0.15 and resumed > 0.5 * uninterrupted, (first, resumed, uninterrupted)
     print(f"{STEPS} steps, {chain.kills} crashes: final reward {resumed:.3f} (uninterrupted {uninterrupted:.3f}, "
           f"first 10 steps {first:.3f}), chain {chain.wall_s:.0f} s")
+
+
+def _rank_of(pid: int) -> int | None:
+    env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return next((int(kv[5:]) for kv in env if kv.startswith(b"RANK=")), None)
+
+
+def test_a_frozen_trainer_rank_of_an_ep_group_ends_the_run_naming_it(tmp_path):
+    """Trainer rank 1 of an EP group of two is SIGSTOPped mid-run (not dead: torchrun sees
+    nothing, and rank 0 would wait on it in a collective for the group's timeout). Rank 0, which
+    watches it, ends the run within dist.peer_timeout_s, naming it; no process is left."""
+    out = tmp_path / "run"
+    proc = start(out, "pools.trainer=2", "train.ep_size=2", "train.steps=100000", "dist.peer_timeout_s=5")
+    try:
+        _wait_for_steps(proc, out, 3)
+        frozen = next(p for p in run_processes(out) if p != proc.pid and _rank_of(p) == 1)
+        os.kill(frozen, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+        gone_s = wait_gone(out, within=5.0)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(rf"rank 0 \(trainer\): FrozenPeerError: trainer rank 1 \(pid {frozen} on host \S+, EP group of "
+                     rf"ranks \[0, 1\]\) has sent no heartbeat for [\d.]+ s \(dist.peer_timeout_s=5\); its last one "
+                     rf"said: step \d+", err), err[-3000:]
+    assert took < 5 + 30, took
+    print(f"frozen EP rank: the run ended {took:.1f} s after the SIGSTOP, its processes gone {gone_s:.2f} s later")

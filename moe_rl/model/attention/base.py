@@ -44,3 +44,14 @@ class Mixer(nn.Module):
     def init_special(self, generator: torch.Generator) -> None:
         """Re-draws the parameters a plain normal draw does not fit (a decay rate, a conv
         kernel), after ``MoEForCausalLM.init_weights``' draw; nothing by default."""
+
+
+def linear_weight(linear: nn.Linear) -> torch.Tensor:
+    """The weight ``linear`` applies, with the delta s * B @ A of a LoRA adapter served in the
+    forward (``moe_rl.model.lora`` hooks the module's output and leaves ``lora_delta`` on it),
+    for a kind that uses a projection's weight other than by calling the module."""
+    delta = getattr(linear, "lora_delta", None)
+    if delta is None:
+        return linear.weight
+    A, B, scaling = delta
+    return torch.addmm(linear.weight, B, A, alpha=scaling)

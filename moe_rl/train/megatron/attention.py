@@ -19,15 +19,17 @@ from moe_rl.model.attention import PackedCausal
 
 class TorchSDPAttention(nn.Module):
     def __init__(self, config, layer_number: int = 1, attn_mask_type=None, attention_type=None, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **extra):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None, **extra):
         super().__init__()
         _refuse_unknown("constructor", extra)
-        if (attention_dropout or config.attention_dropout) or softmax_scale is not None \
-                or config.apply_query_key_layer_scaling or config.context_parallel_size != 1 \
-                or config.tensor_model_parallel_size != 1:
-            raise ValueError("TorchSDPAttention: no attention dropout, default softmax scale, TP = CP = 1 only")
+        if (attention_dropout or config.attention_dropout) or config.apply_query_key_layer_scaling \
+                or config.context_parallel_size != 1 or config.tensor_model_parallel_size != 1:
+            raise ValueError("TorchSDPAttention: no attention dropout or query-key layer scaling, TP = CP = 1 only")
         self.config = config
         self.layer_number = layer_number
+        # None: 1/sqrt(head dim); multi-latent attention passes its own (YaRN's mscale);
+        # k_channels / v_channels (MLA: they differ) are read off the tensors
+        self.softmax_scale = softmax_scale
 
     # (mask, its layout): every layer of a forward gets the same mask object, so the layout is
     # read once per micro-batch forward; holding the mask keeps the identity test sound
@@ -59,7 +61,7 @@ class TorchSDPAttention(nn.Module):
         if attention_mask is None:
             raise ValueError("TorchSDPAttention needs the block-causal mask the megatron backend passes")
         s = query.shape[0]
-        out = self.packing(attention_mask)(self.layer_number, query[:, 0], key[:, 0], value[:, 0])
+        out = self.packing(attention_mask)(self.layer_number, query[:, 0], key[:, 0], value[:, 0], scale=self.softmax_scale)
         return out.reshape(s, 1, -1)
 
 

@@ -49,6 +49,7 @@ import torch
 
 from moe_rl.model import MoEArch, hf_param_specs, parse_expert_name
 from moe_rl.model.arch import FAMILIES
+from moe_rl.model.attention import mixer_class
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,29 @@ def check_arch(arch: MoEArch, layout: MegatronLayout) -> None:
             problems.append(f"n_group={arch.n_group} with num_experts_per_tok // topk_group = "
                             f"{arch.num_experts_per_tok // arch.topk_group}: megatron-core scores a group by its "
                             "top (num_experts_per_tok // topk_group) experts, HF by its top 2")
+    if arch.is_mla:
+        problems += _mla_problems(arch, layout)
     if problems:
         raise ValueError("cannot convert this model to Megatron: " + "; ".join(problems))
+
+
+def _mla_problems(arch: MoEArch, layout: MegatronLayout) -> list[str]:
+    """What megatron-core's multi-latent attention (MLATransformerConfig) cannot express."""
+    problems = []
+    if layout.tp_size > 1:
+        problems.append("multi-head latent attention with tp_size > 1 (its tensor-parallel shards are not mapped)")
+    if arch.attention_bias:
+        problems.append("attention_bias=True with multi-head latent attention (megatron-core's MLA has no biases)")
+    rope = arch.rope()
+    if rope.rope_type == "yarn":
+        if rope.attention_factor is not None:
+            problems.append("rope_scaling.attention_factor (megatron-core derives it from factor and mscale)")
+        if not rope.truncate:
+            problems.append("rope_scaling.truncate=false (megatron-core's YaRN rounds the correction range)")
+        if rope.mscale_all_dim and not rope.mscale:
+            problems.append("rope_scaling with mscale_all_dim but no mscale (megatron-core then scales cos/sin by "
+                            "mscale / mscale_all_dim, HF by mscale(factor))")
+    return problems
 
 
 # --- names ---------------------------------------------------------------------------------
@@ -111,7 +133,23 @@ def _layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, str
             "mlp.linear_fc1.layer_norm_weight" if layout.te and not moe else "pre_mlp_layernorm.weight"
         ),
     }
-    if arch.attention_bias:
+    if arch.is_mla:
+        del names["self_attn.qkv"]
+        a = p + "self_attention."
+        if layout.te:  # TE fuses each norm into the linear after it, as for the input norm
+            names["input_layernorm.weight"] = p + "input_layernorm.weight"
+        if arch.q_lora_rank is None:
+            names["self_attn.q_proj.weight"] = a + "linear_q_proj.weight"
+        else:
+            names["self_attn.q_a_proj.weight"] = a + "linear_q_down_proj.weight"
+            names["self_attn.q_a_layernorm.weight"] = a + (
+                "linear_q_up_proj.layer_norm_weight" if layout.te else "q_layernorm.weight")
+            names["self_attn.q_b_proj.weight"] = a + "linear_q_up_proj.weight"
+        names["self_attn.kv_a_proj_with_mqa.weight"] = a + "linear_kv_down_proj.weight"
+        names["self_attn.kv_a_layernorm.weight"] = a + (
+            "linear_kv_up_proj.layer_norm_weight" if layout.te else "kv_layernorm.weight")
+        names["self_attn.kv_b_proj.weight"] = a + "linear_kv_up_proj.weight"
+    elif arch.attention_bias:
         names["self_attn.qkv_bias"] = p + "self_attention.linear_qkv.bias"
     if arch.use_qk_norm:
         names["self_attn.q_norm.weight"] = p + "self_attention.q_layernorm.weight"
@@ -150,10 +188,15 @@ def megatron_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[st
     for i in range(arch.num_hidden_layers):
         n = _layer_names(arch, layout, i)
         moe = arch.is_moe_layer(i)
-        specs += [(n["input_layernorm.weight"], (H,)), (n["self_attn.qkv"], ((nq + 2 * nkv) * hd // tp, H))]
+        specs.append((n["input_layernorm.weight"], (H,)))
+        if arch.is_mla:  # HF's shapes (tp 1)
+            shapes = dict(mixer_class(arch, i).hf_specs(arch, i))
+            specs += [(n["self_attn." + k], shapes[k]) for k in shapes if "self_attn." + k in n and k != "o_proj.weight"]
+        else:
+            specs.append((n["self_attn.qkv"], ((nq + 2 * nkv) * hd // tp, H)))
         if "self_attn.qkv_bias" in n:
             specs.append((n["self_attn.qkv_bias"], ((nq + 2 * nkv) * hd // tp,)))
-        specs.append((n["self_attn.o_proj.weight"], (H, nq * hd // tp)))
+        specs.append((n["self_attn.o_proj.weight"], (H, nq * (arch.v_head_dim if arch.is_mla else hd) // tp)))
         if "self_attn.q_norm.weight" in n:
             specs += [(n["self_attn.q_norm.weight"], (hd,)), (n["self_attn.k_norm.weight"], (hd,))]
         specs.append((n["post_attention_layernorm.weight"], (H,)))
@@ -216,6 +259,30 @@ def _unfc1(full: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return shards[:, 0].reshape(-1, full.shape[1]), shards[:, 1].reshape(-1, full.shape[1])
 
 
+# multi-head latent attention: HF tensors that map one to one (tp 1), but for the RoPE rows
+_MLA_SUFFIXES = tuple(f"self_attn.{x}.weight" for x in (
+    "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"))
+
+
+def _mla_rope_rows(t: torch.Tensor, suffix: str, arch: MoEArch, to_megatron: bool) -> torch.Tensor:
+    """megatron-core's MLA always reads the RoPE dims of q and k as interleaved pairs (HF's
+    rope_interleave=True). For a NeoX-layout checkpoint (rope_interleave=False) the output rows
+    that feed them are reordered, half i going to pair slot 2i and half-rope + i to 2i + 1, so
+    that megatron's de-interleave gives back HF's halves (and the inverse on the way back)."""
+    if arch.rope_interleave or suffix not in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight",
+                                              "self_attn.kv_a_proj_with_mqa.weight"):
+        return t
+    r = arch.qk_rope_head_dim
+    pairs = torch.arange(r).view(2, r // 2).t().reshape(-1)  # slot j holds HF row pairs[j]
+    perm = pairs if to_megatron else torch.argsort(pairs)
+    if suffix == "self_attn.kv_a_proj_with_mqa.weight":
+        c = arch.kv_lora_rank
+        return torch.cat([t[:c], t[c:][perm]])
+    per = t.view(arch.num_attention_heads, arch.qk_head_dim, -1)
+    nope = arch.qk_nope_head_dim
+    return torch.cat([per[:, :nope], per[:, nope:][:, perm]], dim=1).reshape(t.shape)
+
+
 # --- HF -> Megatron -------------------------------------------------------------------------
 def hf_to_megatron(
     get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor], arch: MoEArch, layout: MegatronLayout
@@ -237,6 +304,9 @@ def hf_to_megatron(
         hp = f"model.layers.{i}."
         n = _layer_names(arch, layout, i)
         put(n["input_layernorm.weight"], fetch(hp + "input_layernorm.weight"))
+        for key in _MLA_SUFFIXES:
+            if key in n:
+                put(n[key], _mla_rope_rows(fetch(hp + key), key, arch, to_megatron=True))
         for kind, key in (("weight", "self_attn.qkv"), ("bias", "self_attn.qkv_bias")):
             if key in n:
                 qkv = fuse_qkv(*(fetch(hp + f"self_attn.{x}_proj.{kind}") for x in "qkv"), arch)
@@ -321,7 +391,9 @@ def megatron_to_hf(
             i = int(hf_name.split(".")[2])
             suffix = hf_name.split(".", 3)[3]
             n = _layer_names(arch, layout, i)
-            if suffix in _QKV_SUFFIXES:
+            if arch.is_mla and suffix in _MLA_SUFFIXES:
+                yield hf_name, _mla_rope_rows(fetch(n[suffix]), suffix, arch, to_megatron=False)
+            elif suffix in _QKV_SUFFIXES:
                 key = n["self_attn.qkv" if suffix.endswith(".weight") else "self_attn.qkv_bias"]
                 if key not in cache:
                     cache[key] = split_qkv(full(key, 0), arch)

@@ -14,6 +14,9 @@ q_proj, k_proj, v_proj     ``self_attention.linear_qkv.weight``: the fused QKV i
                            query group (``convert.split_qkv``), each targeted part gets
                            W + s*B@A (the native op), and they are fused back
 o_proj                     ``self_attention.linear_proj.weight``
+q_a_proj, q_b_proj,        (multi-head latent attention) ``self_attention.linear_q_down_proj``,
+kv_a_proj_with_mqa,        ``linear_q_up_proj``, ``linear_kv_down_proj``, ``linear_kv_up_proj``,
+kv_b_proj, q_proj          ``linear_q_proj``: B's RoPE rows reordered as the weight's (convert)
 router                     ``mlp.router.weight``
 experts.gate_up_proj       each local expert's ``linear_fc1`` = [gate; up]: B's first I rows
                            adapt gate, the last I rows up, exactly fc1's row order
@@ -40,7 +43,12 @@ from torch import nn
 from moe_rl.model import MoEArch, MoEForCausalLM
 from moe_rl.model.lora import LoraAdapters, LoraError, per_expert, swapped_parameters
 
-from .convert import MegatronLayout, expert_names, fuse_qkv, split_qkv
+from .convert import MegatronLayout, _mla_rope_rows, expert_names, fuse_qkv, split_qkv
+
+# multi-head latent attention: target -> the Megatron weight it changes (o_proj as for MHA)
+MLA_TARGETS = {"q_proj": "linear_q_proj.weight", "q_a_proj": "linear_q_down_proj.weight",
+               "q_b_proj": "linear_q_up_proj.weight", "kv_a_proj_with_mqa": "linear_kv_down_proj.weight",
+               "kv_b_proj": "linear_kv_up_proj.weight"}
 
 
 def build_native_adapters(arch: MoEArch, lora_cfg, ep_group, device, dtype) -> LoraAdapters:
@@ -87,7 +95,12 @@ class MegatronLora:
         out: dict[str, torch.Tensor] = {}
         qkv = {}
         for s in self.by_layer.get(layer, []):
-            if s.target in ("q_proj", "k_proj", "v_proj"):
+            if self.arch.is_mla and s.target in MLA_TARGETS:  # one Megatron weight per HF one
+                name = p + "self_attention." + MLA_TARGETS[s.target]
+                A, B = self._ab(s.key, get(name))
+                B = _mla_rope_rows(B, f"self_attn.{s.target}.weight", self.arch, to_megatron=True)
+                out[name] = torch.addmm(get(name), B, A, alpha=s_)
+            elif s.target in ("q_proj", "k_proj", "v_proj"):
                 qkv[s.target[0]] = s
             elif s.target == "o_proj":
                 name = p + "self_attention.linear_proj.weight"

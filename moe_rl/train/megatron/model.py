@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -157,20 +158,24 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
     finalize_model_grads, which moe-rl does not call. Shared experts: megatron's SharedExpertMLP
     of n_shared_experts x moe_intermediate_size, no gate. No aux loss, no capacity (dropless).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_arch(arch, MegatronLayout(te=opts.use_te, tp_size=tp_size, ep_size=ep_size))
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if opts.recompute else {}
-    return TransformerConfig(
+    return (MLATransformerConfig if arch.is_mla else TransformerConfig)(
         num_layers=arch.num_hidden_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_key_value_heads,
-        kv_channels=arch.head_dim,
+        kv_channels=arch.v_head_dim if arch.is_mla else arch.head_dim,
         ffn_hidden_size=arch.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
-        qk_layernorm=arch.use_qk_norm,
+        # MLA: megatron's local spec builds the latent norms only with qk_layernorm
+        qk_layernorm=arch.use_qk_norm or arch.is_mla,
+        **(_mla_fields(arch) if arch.is_mla else {}),
+        # megatron-core 0.19's MLA picks its norm / linear classes from transformer_impl, not the spec
+        **({"transformer_impl": "local"} if arch.is_mla and not opts.use_te else {}),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -203,6 +208,24 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
         perform_initialization=False,  # weights always come from an HF state (checkpoint or seeded init)
         **recompute,
     )
+
+
+def _mla_fields(arch: MoEArch) -> dict:
+    """MLATransformerConfig's fields from HF's. Its defaults are DeepSeek-V3's YaRN (rope_type
+    "yarn", factor 40), and its softmax scale takes mscale(rotary_scaling_factor,
+    mscale_all_dim)^2 whatever the rope type: every one is set here (check_arch refuses the YaRN
+    variants it computes differently)."""
+    rope = arch.rope()
+    fields = dict(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+                  qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+                  v_head_dim=arch.v_head_dim, rotary_base=arch.rope_theta, rotary_percent=1.0)
+    if rope.rope_type == "default":
+        return dict(fields, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    both = bool(rope.mscale and rope.mscale_all_dim)  # HF: mscale / mscale_all_dim only with both
+    return dict(fields, rope_type="yarn", rotary_scaling_factor=rope.factor,
+                original_max_position_embeddings=rope.original_max_position_embeddings, beta_fast=rope.beta_fast,
+                beta_slow=rope.beta_slow, mscale=rope.mscale if both else 1.0,
+                mscale_all_dim=float(rope.mscale_all_dim or 0.0))
 
 
 def _router_fields(arch: MoEArch) -> dict:
@@ -243,7 +266,8 @@ _TE_NAMES_OF_MOE_UTILS = (
 def _compat_megatron_without_te() -> None:
     """megatron-core 0.16.x binds its TE kernels in moe_utils only when TE imports, yet the
     router's gating reads ``te_general_gemm`` unconditionally (NameError without TE; later
-    releases bind them to None). Bind the missing names to None, as those releases do."""
+    releases bind them to None). Bind the missing names to None, as those releases do; and tell
+    multi-latent attention that TE is absent when its TE classes are mocks."""
     from megatron.core.transformer.moe import moe_utils
 
     missing = [n for n in _TE_NAMES_OF_MOE_UTILS if not hasattr(moe_utils, n)]
@@ -251,6 +275,12 @@ def _compat_megatron_without_te() -> None:
         for n in missing:
             setattr(moe_utils, n, None)
         log.info("megatron-core without Transformer Engine: bound %d missing TE names in moe_utils to None", len(missing))
+    # multi-latent attention tests isinstance(linear, TELinear) when its TE import succeeded, which
+    # it does without TE too (megatron's TE extension then hands out mocks, not classes)
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if mla.HAVE_TE and not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
 
 
 @contextlib.contextmanager
@@ -294,7 +324,14 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
         use_torch_grouped_experts(spec)
     if not opts.use_te:
         use_torch_sdpa_attention(spec)
-    return GPTModel(
+    if arch.is_mla and arch.q_lora_rank is None:
+        if importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None:
+            raise ValueError("multi-head latent attention without q_lora_rank (a plain q_proj: Moonlight, "
+                             "DeepSeek-V2-Lite) on megatron-core >= 0.19: its MLA then builds q_proj as a fused "
+                             "norm+linear, which HF's model does not have; use megatron-core 0.16 or the native "
+                             "backend (train.backend=native)")
+        no_q_norm(spec)
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
@@ -307,6 +344,28 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         parallel_output=True,
     )
+    if arch.is_mla:
+        _latent_norms_at_hf_eps(model)
+    return model
+
+
+def _latent_norms_at_hf_eps(model) -> None:
+    """HF builds MLA's q_a_layernorm / kv_a_layernorm with eps 1e-6 whatever rms_norm_eps is;
+    megatron-core builds them with layernorm_epsilon. Set after the build (the local spec's
+    norms, or TE's norm-fused linears)."""
+    from moe_rl.model.attention.mla import LATENT_NORM_EPS
+
+    for layer in model.decoder.layers:
+        att = layer.self_attention
+        for norm, fused in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
+            m = getattr(att, norm, None)
+            if m is None or not hasattr(m, "eps"):  # IdentityOp: TE fuses the norm into the up projection
+                m = getattr(att, fused, None)
+            if m is None:
+                continue  # no q_lora_rank: no q norm
+            if not hasattr(m, "eps"):
+                raise RuntimeError(f"megatron MLA: cannot set the eps of {norm} ({type(m).__name__})")
+            m.eps = LATENT_NORM_EPS
 
 
 def hybrid_block_spec(arch: MoEArch, config):
@@ -369,6 +428,15 @@ def use_torch_sdpa_attention(block_spec) -> None:
 
     for s in block_spec.layer_specs:
         _spec_submodules(_spec_submodules(s).self_attention).core_attention = TorchSDPAttention
+
+
+def no_q_norm(block_spec) -> None:
+    """Multi-latent attention without q_lora_rank has no query norm: megatron-core 0.19 refuses a
+    spec that still names one (0.16 builds none)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    for s in block_spec.layer_specs:
+        _spec_submodules(_spec_submodules(s).self_attention).q_layernorm = IdentityOp
 
 
 # --- routing replay ---------------------------------------------------------------------------

@@ -1,0 +1,214 @@
+"""Chat messages to prompt ids and model output to tool calls, as SGLang's OpenAI serving does
+them (read from sglang 0.5.23's ``serving_chat.py`` and ``function_call/``); no HTTP here.
+
+* **Template**: the tokenizer's chat template renders the messages to text
+  (``apply_chat_template(..., tokenize=False)``, ``tools`` as the request's
+  ``[{"type": "function", "function": {...}}]``), which is encoded without special tokens
+  added (the template holds them). Before rendering, as SGLang: a ``None`` content is ``""``,
+  a tool message's list of text parts is joined, and an assistant's tool-call ``arguments``
+  (a JSON string on the wire) is parsed to an object.
+* **Tool calls** in the model family's format (SGLang's ``--tool-call-parser``): Qwen3-MoE
+  writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (``hermes``), GLM-4.5
+  ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`` (``glm45``;
+  a value is JSON unless the tool's schema says string). The content is the text before the
+  first ``<tool_call>`` (stripped); calls naming a tool the request did not declare are
+  dropped; a call that does not parse leaves the whole text as content and no call.
+* **Continuing an episode's conversation** (:func:`continuation`): when a request's messages
+  repeat an earlier request's messages plus the assistant message that was returned for it,
+  the prompt is that earlier prompt's ids + the ids the model sampled + the ids of the text
+  the template puts after them; the model's turn is never re-tokenised from its text.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+# SGLang's parser of each model family (what --tool-call-parser names for its checkpoints)
+TOOL_FORMATS = {"qwen3_moe": "hermes", "glm4_moe": "glm45"}
+
+
+# --- messages and the template --------------------------------------------------------------
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Copies of ``messages`` ready for a chat template (module docstring)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        if m.get("role") == "tool" and isinstance(m["content"], list) and all(
+                isinstance(p, str) or (isinstance(p, dict) and p.get("type") == "text") for p in m["content"]):
+            m["content"] = " ".join(p if isinstance(p, str) else p.get("text", "") for p in m["content"])
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls = []
+            for c in m["tool_calls"]:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"an assistant tool call's function.arguments is not valid JSON: {e}") from None
+                c["function"] = fn
+                calls.append(c)
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool,
+           template_kwargs: dict | None = None) -> str:
+    """The chat template's text of ``messages`` (already through :func:`template_messages`)."""
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False, **(template_kwargs or {}))
+    if not isinstance(text, str):
+        raise ValueError("the chat template did not render to a string")
+    return text
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Ids of rendered template text (its special tokens parsed, none added)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def canonical(message: dict) -> str:
+    """A message as a comparable string: what a template can render of it (tool-call ids,
+    which the model never wrote, left out; arguments parsed)."""
+    m = template_messages([message])[0]
+    calls = [{"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
+             for c in m.get("tool_calls") or []]
+    keep = {k: v for k, v in m.items() if k not in ("tool_calls",) and v not in (None, [], "")}
+    keep["content"] = m.get("content") or ""
+    if calls:
+        keep["tool_calls"] = calls
+    return json.dumps(keep, sort_keys=True, default=str)
+
+
+# --- tool calls ------------------------------------------------------------------------------
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as the OpenAI API carries it
+
+
+def _schema_type(tools: list[dict], name: str, key: str) -> Any:
+    for t in tools:
+        fn = t.get("function") or {}
+        if fn.get("name") == name:
+            props = (fn.get("parameters") or {}).get("properties") or {}
+            return (props.get(key) or {}).get("type")
+    return None
+
+
+def _glm_calls(text: str, tools: list[dict]) -> list[dict]:
+    import re
+
+    calls = []
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
+        head, sep, rest = body.partition("\n")
+        if not sep:
+            head, rest = body, ""
+        name = head.strip()
+        args: dict[str, Any] = {}
+        for key, value in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", rest, re.DOTALL):
+            key = key.strip()
+            if _schema_type(tools, name, key) == "string":
+                args[key] = value
+                continue
+            try:
+                args[key] = json.loads(value)
+            except json.JSONDecodeError:
+                args[key] = value
+        calls.append({"name": name, "arguments": args})
+    return calls
+
+
+def _hermes_calls(text: str) -> list[dict]:
+    import re
+
+    calls = []
+    for closed, open_ in re.findall(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, re.DOTALL):
+        raw = (closed or open_).strip()
+        if not raw:
+            continue
+        parsed = json.loads(raw)
+        for c in parsed if isinstance(parsed, list) else [parsed]:
+            calls.append({"name": c.get("name"), "arguments": c.get("parameters") or c.get("arguments") or {}})
+    return calls
+
+
+def parse_tool_calls(text: str, fmt: str, tools: list[dict]) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a model's output text in format ``fmt`` (module docstring)."""
+    idx = text.find(TOOL_CALL_START)
+    if idx == -1:
+        return text, []
+    try:
+        found = _hermes_calls(text) if fmt == "hermes" else _glm_calls(text, tools)
+    except (json.JSONDecodeError, AttributeError, TypeError):
+        return text, []
+    declared = {(t.get("function") or {}).get("name") for t in tools}
+    calls = [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in found
+             if c["name"] in declared]
+    return text[:idx].strip(), calls
+
+
+# --- an episode's conversation, continued token for token ------------------------------------
+@dataclass
+class Turn:
+    """One answered chat request of an episode: what it was asked and what it returned."""
+
+    messages: list[str]  # canonical() of each message
+    tools: str
+    template_kwargs: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    returned: str  # canonical() of the assistant message returned for it
+    record: int  # index of its record in the episode
+    prompt_text: str | None = None  # the template's text of its messages (with the generation prompt)
+
+
+def continuation(tokenizer, turn: Turn, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
+                 stop_texts: list[str]) -> tuple[list[int], str] | None:
+    """The prompt ids of ``messages`` continuing ``turn`` token for token (and the template's
+    text of ``messages``), or None when they do
+    not continue it (other history, other tools) or the template renders them in a way that
+    does not extend the earlier prompt's text.
+
+    ``messages[:k]`` must be ``turn``'s messages and ``messages[k]`` the assistant message it
+    returned. With A = render(messages[:k], generation prompt), P = render(messages[:k+1])
+    and F = render(messages, generation prompt), P must extend A and F extend P; the ids are
+    turn.prompt_ids + turn.output_ids + encode(rest), where rest is the text the template puts
+    after the model's output: the part of P after A that the output did not write (e.g. the
+    ``<|im_end|>\\n`` closing the turn), then F after P. ``stop_texts``: the text of the
+    tokens that end a model turn (EOS), to find where the model's output ends in P."""
+    k = len(turn.messages)
+    if len(messages) <= k or turn.tools != fingerprint(tools) or turn.template_kwargs != fingerprint(template_kwargs):
+        return None
+    if [canonical(m) for m in messages[:k]] != turn.messages or canonical(messages[k]) != turn.returned:
+        return None
+    tm = template_messages(messages)
+    a = turn.prompt_text
+    if a is None:
+        a = render(tokenizer, tm[:k], tools, add_generation_prompt=True, template_kwargs=template_kwargs)
+    p = render(tokenizer, tm[: k + 1], tools, add_generation_prompt=False, template_kwargs=template_kwargs)
+    f = render(tokenizer, tm, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
+    if not (p.startswith(a) and f.startswith(p)):
+        return None
+    written = p[len(a):]  # the assistant turn as the template writes it
+    out_text = tokenizer.decode(turn.output_ids, skip_special_tokens=False)
+    if written.startswith(out_text):
+        closing = written[len(out_text):]
+    else:  # the template writes the turn otherwise (re-serialised calls, dropped text): cut at its end token
+        ends = [(written.rfind(s), s) for s in stop_texts if s and s in written]
+        if not ends:
+            return None
+        pos, stop = max(ends)
+        closing = written[pos + len(stop):] if out_text.endswith(stop) else written[pos:]
+    return list(turn.prompt_ids) + list(turn.output_ids) + encode(tokenizer, closing + f[len(p):]), f
+
+
+def fingerprint(v: Any) -> str:
+    """A comparable string of tools / template arguments."""
+    return json.dumps(v, sort_keys=True, default=str)
