@@ -256,7 +256,7 @@ class OpenAIServer:
         self.text = server.text  # TextCodec or None
         self.tokenizer = self.text.tokenizer if self.text is not None else None
         self.model_name = self.engine.model_path or DEFAULT_MODEL_NAME
-        self.tool_format = chat.TOOL_FORMATS[self.engine.arch.model_type]
+        self.tool_format = chat.TOOL_FORMATS.get(self.engine.arch.model_type)  # None: tool calls are refused
         self.defaults = _generation_defaults([self.engine.model_path, getattr(self.engine, "tokenizer_path", None)])
         self.stop_texts = ([self.tokenizer.decode([t], skip_special_tokens=False) for t in sorted(server.eos_token_ids)]
                            if self.tokenizer is not None else [])
@@ -322,6 +322,10 @@ class OpenAIServer:
                 raise OpenAIError(400, "the engine has no tokenizer with a chat template (model.path / "
                                   "model.tokenizer_path); use /v1/completions with token ids or /generate", "messages")
             use_tools = bool(req.tools) and req.tool_choice != "none"
+            if use_tools and self.tool_format is None:
+                raise OpenAIError(400, f"tool calls are not parsed for model_type {self.engine.arch.model_type!r} "
+                                  f"(parsed for: {sorted(chat.TOOL_FORMATS)}); send no tools or tool_choice 'none'",
+                                  "tools")
             tools = req.tools if use_tools else None
             prompt, parent, prompt_text = self._chat_prompt(ep, req.messages, tools, req.chat_template_kwargs)
             gens = self._requests(req, [prompt], ep, parent, max_tokens=req.max_completion_tokens or req.max_tokens,
