@@ -40,6 +40,8 @@ import os
 import torch
 from torch import Tensor
 
+from .launch import on_device_of
+
 try:  # Triton is optional: the torch implementation needs none of it.
     import triton
     import triton.language as tl
@@ -328,9 +330,10 @@ def _scan_fwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0, keep_states: bool
     states = u.new_zeros(NC, H, Dk, Dv) if keep_states else final  # (unused unless kept)
     if s0.shape[0] * H:
         grid, bk, bv = _scan_grid(s0, u)
-        _gdn_scan_fwd_kernel[grid](qg, kd, w, u, aqk, decay, first, nch, s0, o, final, states, H, Dk, Dv,
-                                   int(keep_states), C=C, BLOCK_K=bk, BLOCK_V=bv, PRECISION=_precision(u.dtype),
-                                   **_launch_options())
+        with on_device_of(u):  # the engine's prefill runs in its step thread
+            _gdn_scan_fwd_kernel[grid](qg, kd, w, u, aqk, decay, first, nch, s0, o, final, states, H, Dk, Dv,
+                                       int(keep_states), C=C, BLOCK_K=bk, BLOCK_V=bv, PRECISION=_precision(u.dtype),
+                                       **_launch_options())
     return o, final, (states if keep_states else None)
 
 
@@ -348,9 +351,10 @@ def _scan_bwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0, do, dfinal):
     dqg, dkd, dw = (u.new_zeros((nv,) + tuple(t.shape)) for t in (qg, kd, w))
     daqk = u.new_zeros((nv,) + tuple(aqk.shape))
     ddecay = u.new_zeros((nv,) + tuple(decay.shape))
-    _gdn_scan_bwd_kernel[grid](qg, kd, w, u, aqk, decay, first, nch, states, do.contiguous(), dfinal.contiguous(),
-                               dqg, dkd, dw, du, daqk, ddecay, ds0, H, NC, Dk, Dv,
-                               C=C, BLOCK_K=bk, BLOCK_V=bv, PRECISION=_precision(u.dtype), **_launch_options())
+    with on_device_of(u):
+        _gdn_scan_bwd_kernel[grid](qg, kd, w, u, aqk, decay, first, nch, states, do.contiguous(),
+                                   dfinal.contiguous(), dqg, dkd, dw, du, daqk, ddecay, ds0, H, NC, Dk, Dv,
+                                   C=C, BLOCK_K=bk, BLOCK_V=bv, PRECISION=_precision(u.dtype), **_launch_options())
     return dqg.sum(0), dkd.sum(0), dw.sum(0), du, daqk.sum(0), ddecay.sum(0), ds0
 
 
