@@ -474,7 +474,7 @@ def _split_sizes(arch: MoEArch) -> list[int]:
     return [qk, qk, v, v, arch.linear_num_value_heads, arch.linear_num_value_heads]
 
 
-def _layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, str]:
+def _hybrid_layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, str]:
     """Megatron name of each non-expert tensor of layer i, keyed by HF suffix (the DeltaNet
     input projection and the gated QKV under the keys ``linear_attn.in_proj`` / ``self_attn.qkv``)."""
     p = f"decoder.layers.{i}."
@@ -505,7 +505,7 @@ def hybrid_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[str,
     conv = 2 * arch.linear_num_key_heads * arch.linear_key_head_dim + arch.linear_num_value_heads * arch.linear_value_head_dim
     hv, dv = arch.linear_num_value_heads, arch.linear_value_head_dim
     for i in range(arch.num_hidden_layers):
-        n = _layer_names(arch, layout, i)
+        n = _hybrid_layer_names(arch, layout, i)
         specs.append((n["input_layernorm.weight"], (H,)))
         if "linear_attn.in_proj" in n:
             specs += [(n["linear_attn.in_proj"], (sum(_split_sizes(arch)), H)),
@@ -583,7 +583,7 @@ def hybrid_hf_to_megatron(get: Callable[[str], torch.Tensor] | Mapping[str, torc
     E_local = arch.num_experts // layout.ep_size
     for i in range(arch.num_hidden_layers):
         hp = f"model.layers.{i}."
-        for key, name in _layer_names(arch, layout, i).items():
+        for key, name in _hybrid_layer_names(arch, layout, i).items():
             if key == "linear_attn.in_proj":
                 t = fuse_in_proj(arch, fetch, hp + "linear_attn.")
             elif key == "self_attn.qkv":
@@ -636,7 +636,7 @@ def hybrid_megatron_to_hf(get: Callable[[str], torch.Tensor] | Mapping[str, torc
 
 def _layer_to_hf(fetch, arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, torch.Tensor]:
     out = {}
-    for key, name in _layer_names(arch, layout, i).items():
+    for key, name in _hybrid_layer_names(arch, layout, i).items():
         t = fetch(name)
         if key == "linear_attn.in_proj":
             out.update({"linear_attn." + k: v for k, v in split_in_proj(arch, t).items()})
