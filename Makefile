@@ -4,7 +4,7 @@ CONFIG ?= configs/tiny.yaml
 # instead of ~9.5 serially); PYTEST_WORKERS=0 runs it in one process
 PYTEST_WORKERS ?= 2
 
-.PHONY: install install-test run test
+.PHONY: install install-test run test docs
 
 install:
 	bash scripts/install.sh
@@ -22,3 +22,7 @@ run: install
 test: install-test
 	rc=0; TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) tests || rc=$$?; \
 	TRITON_INTERPRET=1 PYTHON=$(PYTHON) bash scripts/megatron_core.sh test -n $(PYTEST_WORKERS) || rc=1; exit $$rc
+
+# Regenerates docs/config.md from the config schema (tests/test_docs.py fails while it is stale).
+docs:
+	$(PYTHON) -m moe_rl.config_doc

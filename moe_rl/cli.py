@@ -2,10 +2,14 @@
 
   moe-rl validate CONFIG [key=value ...]   print the resolved config, or exit 2 naming the bad key
   moe-rl train CONFIG [key=value ...]      launch the local torchrun world for CONFIG
+  moe-rl keys [PREFIX ...]                 what each config key means: type, allowed values, default
   moe-rl serve CONFIG [--host H] [--port N] [--api-key K]   an embedded engine, SGLang's HTTP API
   moe-rl bench NAME [--json] [...]         microbenchmarks: %s
   moe-rl sweep CONFIG [--grid KEY=V1,V2 ...] [--seeds N] [--steps S] [--parallel P]
                                            arms x seeds, each a `moe-rl train` run; summary + plots
+  moe-rl --version                         the installed version
+
+Every config key, its type, default and meaning: docs/config.md (or `moe-rl keys PREFIX`).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import importlib
 import os
 import sys
 
+from . import __version__
 from .config import ConfigError, dump_config, load_config
 
 # bench name -> module with ``main(argv: list[str]) -> int``
@@ -24,17 +29,37 @@ BENCHES = {
     "sync": "moe_rl.bench.sync",
     "async": "moe_rl.bench.async_rl",
     "routing": "moe_rl.bench.routing",
+    "on-policy": "moe_rl.bench.on_policy",
 }
 USAGE = (__doc__ or "") % ", ".join(BENCHES)
+CONFIG_HELP = """CONFIG is an experiment YAML (configs/ has the shipped ones); each key=value overrides one key,
+e.g. train.lr=3e-4 lora.rank=16 (a value is read as YAML: true, null, [a, b]).
+Every key, its type, allowed values, default and meaning: docs/config.md, or `moe-rl keys PREFIX`."""
+HELP = {
+    "validate": "usage: moe-rl validate CONFIG [key=value ...]\n\nPrint the resolved config (and check that "
+                "its plug-ins import), or exit 2 naming the bad key.\n\n" + CONFIG_HELP,
+    "train": "usage: moe-rl train CONFIG [key=value ...]\n\nLaunch the local torchrun world for CONFIG. "
+             "resume=true continues a run from its latest\ncheckpoint, overwrite_output_dir=true starts over "
+             "(docs/run_safety.md).\n\n" + CONFIG_HELP,
+}
+
+
+def _wants_help(name: str, argv: list[str]) -> bool:
+    if argv and argv[0] in ("-h", "--help"):
+        print(HELP[name])
+        return True
+    return False
 
 
 def _load(argv: list[str]):
     if not argv:
-        raise ConfigError("a CONFIG file is required")
+        raise ConfigError("a CONFIG file is required (moe-rl validate --help)")
     return load_config(argv[0], argv[1:])
 
 
 def cmd_validate(argv: list[str]) -> int:
+    if _wants_help("validate", argv):
+        return 0
     cfg = _load(argv)
     from .tasks.plugins import check_plugins
 
@@ -51,6 +76,8 @@ def cmd_validate(argv: list[str]) -> int:
 def cmd_train(argv: list[str]) -> int:
     from .lifetime import PARENT_ENV, die_with_parent
 
+    if _wants_help("train", argv):
+        return 0
     if os.environ.get(PARENT_ENV):  # started by `moe-rl sweep`: the run ends with the sweep
         die_with_parent(int(os.environ[PARENT_ENV]))
     cfg = _load(argv)  # fail here, before any process starts, on a bad config ...
@@ -146,12 +173,31 @@ def cmd_sweep(argv: list[str]) -> int:
     return sweep_main(argv)
 
 
+def cmd_keys(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: moe-rl keys [PREFIX ...]\n\nEvery config key under PREFIX (a section such as train, or a key "
+              "such as train.lr; all keys without one): its type, allowed values, default and meaning, as in "
+              "docs/config.md.")
+        return 0
+    from .config_doc import render_text
+
+    try:
+        print(render_text(argv), end="")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 COMMANDS = {"validate": cmd_validate, "train": cmd_train, "serve": cmd_serve, "bench": cmd_bench,
-            "sweep": cmd_sweep}
+            "sweep": cmd_sweep, "keys": cmd_keys}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"moe-rl {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -28,14 +28,19 @@ class Strict(BaseModel):
 class ModelConfig(MoEArch):
     """Architecture (HF field names; ``model_type`` picks the family) plus where the weights come from."""
 
-    path: str | None = None  # HF checkpoint dir; its config.json overrides the fields above
+    path: str | None = Field(None, description="HF checkpoint directory (config.json + safetensors) to start "
+                             "from; its config.json replaces every architecture key above. null = a seeded random "
+                             "init of the architecture above (model.init_seed, model.init_std)")
     tokenizer_path: str | None = Field(None, description="HF tokenizer directory (tokenizer files, chat template, "
                                        "generation_config.json) used instead of model.path's, e.g. for a random-init "
                                        "model: engines serve text and the OpenAI API with it, plug-in tasks with a "
                                        "tokenizer_path parameter receive it, checkpoints copy it into hf/")
-    init_seed: int = 0  # seeded random init when path is unset
-    init_std: float = Field(0.02, gt=0)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    init_seed: int = Field(0, description="seed of the random init when model.path is unset (the trainer and the "
+                           "embedded engines build the same weights from it)")
+    init_std: float = Field(0.02, gt=0, description="standard deviation of the random init's normal weights "
+                            "(model.path unset)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the trainer's parameter "
+                                                             "and compute dtype (the engines' is engine.dtype)")
 
     def arch(self) -> MoEArch:
         if self.path:
@@ -44,25 +49,45 @@ class ModelConfig(MoEArch):
 
 
 class PoolsConfig(Strict):
+    """How many ranks of the torchrun world train and how many host embedded engines."""
+
     trainer: int = Field(1, ge=1, description="number of trainer ranks")
     rollout: int = Field(1, ge=0, description="number of ranks hosting embedded engines")
-    nnodes: int = Field(1, ge=1)
-    nproc_per_node: int | None = None  # default: all ranks on one node
+    nnodes: int = Field(1, ge=1, description="nodes of the torchrun world; > 1: start `torchrun --nnodes N --nproc-per-node G ... -m moe_rl.launch CONFIG` on every node (docs/multinode.md)")
+    nproc_per_node: int | None = Field(None, ge=1, description="ranks per node; null = every rank on one node "
+                                       "(pools.trainer + pools.rollout)")
 
 
 class EngineConfig(Strict):
-    kind: Literal["embedded", "sglang"] = "embedded"
-    urls: list[str] = []  # attach to running SGLang servers (kind=sglang)
-    host: str = "127.0.0.1"
-    port: int = Field(30000, ge=0, le=65535)  # first engine's port; 0 = pick a free one
-    api_key: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_running_requests: int = Field(64, ge=1)
-    max_context: int = Field(512, ge=8)
-    request_timeout_s: float = Field(600.0, gt=0)
-    connect_retries: int = Field(3, ge=0)
+    """The rollout engines: moe-rl's embedded engine or SGLang servers, both driven over SGLang's HTTP API
+    (docs/sglang.md, docs/serving.md)."""
+
+    kind: Literal["embedded", "sglang"] = Field("embedded", description="embedded: moe-rl's own engine in the "
+                                               "pools.rollout ranks of the torchrun world; sglang: SGLang servers, "
+                                               "attached (engine.urls) or launched (engine.sglang_model_path) "
+                                               "(docs/sglang.md)")
+    urls: list[str] = Field([], description="base URLs of running SGLang-API servers to use as rollout engines "
+                            "(http://host:port), beside any embedded ones")
+    host: str = Field("127.0.0.1", description="address an embedded engine's HTTP server binds (and a launched "
+                      "SGLang server's --host); 0.0.0.0 to reach it from other machines")
+    port: int = Field(30000, ge=0, le=65535, description="port of the first engine: embedded engine i listens "
+                      "on port + i; 0 = a free port each (embedded engines only; a launched SGLang server needs "
+                      "a fixed one)")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on every request to the "
+                                "engines (and send it); null = no key")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the engines' weight and "
+                                                             "compute dtype; weight syncs are sent in it")
+    max_running_requests: int = Field(64, ge=1, description="requests decoded together (KV-cache slots of an "
+                                      "embedded engine; SGLang's --max-running-requests)")
+    max_context: int = Field(512, ge=8, description="longest sequence (prompt + response) an engine holds, in "
+                             "tokens; also the default episode budget (env.max_episode_tokens)")
+    request_timeout_s: float = Field(600.0, gt=0, description="seconds a request to an engine may take before "
+                                     "the engine is treated as frozen and its requests go to the others")
+    connect_retries: int = Field(3, ge=0, description="retries, with backoff, of a request whose TCP connection "
+                                 "could not be made")
     threads: int | None = Field(None, ge=1, description="torch threads of an embedded engine")
-    weight_version: str = "0"  # weight_version an embedded engine reports before its first update
+    weight_version: str = Field("0", description="weight_version an engine reports before its first update "
+                                "(SGLang's --weight-version)")
     # decode steps of an embedded engine (moe_rl/engine/decode.py, docs/gpu.md); a launched SGLang
     # server takes its own flags through engine.sglang_extra_args (--cuda-graph-max-bs-decode, ...)
     cuda_graph: bool | None = Field(None, description="capture the decode step as one CUDA graph per batch-size "
@@ -91,23 +116,38 @@ class EngineConfig(Strict):
                                              "Retry-After; passed to a launched SGLang server as "
                                              "--max-queued-requests; null = no bound")
     # kind=sglang, launched by moe-rl: arguments passed to `python -m sglang.launch_server`
-    sglang_model_path: str | None = None
-    sglang_ep_size: int = Field(1, ge=1)
-    sglang_tp_size: int = Field(1, ge=1)
-    sglang_extra_args: list[str] = []
+    sglang_model_path: str | None = Field(None, description="engine.kind=sglang: the HF checkpoint the launched "
+                                          "server loads; null = model.path")
+    sglang_ep_size: int = Field(1, ge=1, description="engine.kind=sglang: expert-parallel size of a launched "
+                                "server (--ep-size)")
+    sglang_tp_size: int = Field(1, ge=1, description="engine.kind=sglang: tensor-parallel size of a launched "
+                                "server (--tp-size)")
+    sglang_extra_args: list[str] = Field([], description="engine.kind=sglang: further arguments of `python -m "
+                                         "sglang.launch_server`, e.g. [--mem-fraction-static, '0.35']")
 
 
 class RolloutConfig(Strict):
-    prompts_per_step: int = Field(8, ge=1)
+    """What the rollout pool samples for each training step, and how far it may run ahead of the trainer."""
+
+    prompts_per_step: int = Field(8, ge=1, description="prompts (GRPO groups) per training step")
     group_size: int = Field(4, ge=1, description="samples per prompt (GRPO group)")
-    max_new_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
-    max_staleness: int = Field(2, ge=0, description="eta: no token older than v - eta is trained on")
-    partial_rollout: Literal["abort", "in_place"] = "abort"
-    reward_workers: int = Field(2, ge=1)
-    max_inflight_groups: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(16, ge=1, description="response budget per sample, in tokens")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the smallest set of tokens whose "
+                         "probability reaches top_p; 1 = off")
+    top_k: int = Field(-1, description="sample among the k most probable tokens; -1 = off")
+    max_staleness: int = Field(2, ge=0, description="eta: the most policy versions a trained token may lag behind "
+                               "the trainer (a token sampled by version v is trained on by version v + eta at the "
+                               "latest; older groups are dropped, and counted); 0 = synchronous, generation waits "
+                               "for each step")
+    partial_rollout: Literal["abort", "in_place"] = Field("abort", description="not read by the rollout loop: "
+                                                          "what a weight update does to in-flight requests is "
+                                                          "sync.pause_mode. Only lora.sync=adapter with "
+                                                          "engine.kind=sglang checks it (it needs abort)")
+    reward_workers: int = Field(2, ge=1, description="threads scoring responses (reward functions run off the "
+                                "rollout loop)")
+    max_inflight_groups: int | None = Field(None, ge=1, description="groups generating at once at most; null = "
+                                            "as many as the staleness bound allows")
     engine_retry_s: float = Field(300.0, ge=0, description="how long a generate request whose engine failed "
                                   "(refused, dropped, no answer, HTTP 5xx) is resubmitted to live engines; 0 = never")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and sample "
@@ -116,32 +156,48 @@ class RolloutConfig(Strict):
 
 
 class ReplayConfig(Strict):
-    enabled: bool = True  # R3: trainer replays the engine's routing
-    # a stale sample (made by older weights than the trainer's): its engine routing replayed like
-    # a fresh one's ("engine", R3 as slime/MILES do it), or routed by the trainer itself as the
-    # decoupled objective's proximal policy would be ("trainer"); docs/algorithms.md
-    stale: Literal["engine", "trainer"] = "engine"
-    dir: str | None = None  # default: <output_dir>/routing
+    """Routing replay (R3): the experts each token used in the engine, logged and replayed by the trainer."""
+
+    enabled: bool = Field(True, description="routing replay (R3): the engines log the experts each token used and "
+                          "the trainer replays them, so the trained policy routes as the sampling one did")
+    stale: Literal["engine", "trainer"] = Field(
+        "engine", description="a stale sample (made by older weights than the trainer's): engine = replay its "
+        "engine routing like a fresh one's (R3 as slime and MILES do it); trainer = route it with the trainer's "
+        "own router, as the decoupled objective's proximal policy would (docs/algorithms.md)")
+    dir: str | None = Field(None, description="directory of the routing log; null = <output_dir>/routing")
     retention: bool = Field(True, description="drop the routing records no sample can still use (trained on or "
                             "dropped, and not in the buffer of the latest checkpoint): the log then holds a few "
                             "steps' worth however long the run (docs/run_safety.md); false keeps every record")
 
 
 class SyncConfig(Strict):
-    bucket_mb: float = Field(64.0, gt=0)
-    verify: bool = False
-    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
-    group_name: str = "moe_rl_weight_sync"
-    port: int = Field(0, ge=0, le=65535)  # rendezvous port of the weight-sync group; 0 = free port
-    bind_params: bool = True  # EP=1: the trainer's parameters live in the bucket buffers (no pack per sync)
-    master_address: str = "127.0.0.1"  # address of trainer rank 0 as the engines reach it
-    timeout_s: float = Field(120.0, gt=0, description="weight-sync group and broadcast timeout")
+    """The weight sync from the trainers to the engines after every step (docs/architecture.md)."""
+
+    bucket_mb: float = Field(64.0, gt=0, description="size of a weight-sync bucket in MiB: the weights go to the "
+                             "engines as packed buckets of at most this, one broadcast each")
+    verify: bool = Field(False, description="the engines check a checksum of every bucket (embedded engines "
+                         "only; SGLang drops the field): for debugging a transfer")
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "abort", description="what a weight update does to requests in flight (SGLang's pause modes): abort = "
+        "they end with their partial output and are resubmitted as prompt + partial output; retract = their KV "
+        "cache is dropped and they are recomputed after the update; in_place = they keep their KV cache and continue "
+        "on the new weights. Every token keeps the version that produced it")
+    group_name: str = Field("moe_rl_weight_sync", description="name of the weight-sync process group the "
+                            "engines join (SGLang's group_name)")
+    port: int = Field(0, ge=0, le=65535, description="rendezvous port of the weight-sync group; 0 = a free port")
+    bind_params: bool = Field(True, description="train.ep_size=1: the trainer's parameters live in the bucket "
+                              "buffers, so a sync sends them without packing")
+    master_address: str = Field("127.0.0.1", description="address of trainer rank 0 as the engines reach it "
+                                "(the weight-sync group's rendezvous); set it for engines on other machines")
+    timeout_s: float = Field(120.0, gt=0, description="seconds the weight-sync group's setup and each "
+                             "broadcast may take before the sync fails")
     skip_down_engines: bool = Field(True, description="a sync leaves out an engine that cannot be reached "
                                     "(it serves no rollouts until a later sync reaches it) instead of failing")
-    # auto: nccl when train.device=cuda, gloo on CPU. NCCL cannot join two ranks on one GPU, so a
-    # trainer colocated with its engine uses gloo (CUDA buckets staged through host memory by
-    # gloo) or ipc (the engine maps the trainer's bucket: CUDA IPC; one machine, embedded engines)
-    backend: Literal["auto", "nccl", "gloo", "ipc"] = "auto"
+    backend: Literal["auto", "nccl", "gloo", "ipc"] = Field(
+        "auto", description="transport of the weight sync: auto = nccl with train.device=cuda, gloo on the CPU. "
+        "NCCL cannot join two ranks on one GPU, so a trainer sharing its GPU with its engine uses gloo (CUDA "
+        "buckets staged through host memory) or ipc (the engine maps the trainer's bucket by CUDA IPC; one "
+        "machine, embedded engines) (docs/gpu.md)")
 
 
 class PlacementConfig(Strict):
@@ -156,48 +212,75 @@ class PlacementConfig(Strict):
 
 
 class AlgoConfig(Strict):
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"  # docs/algorithms.md
-    std_normalize: bool = True  # grpo only
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
+    """Advantages, the policy loss and its corrections for stale and mismatched samples (docs/algorithms.md)."""
+
+    advantage: Literal["grpo", "drgrpo", "rloo"] = Field(
+        "grpo", description="advantage estimator over each prompt's group: grpo = reward minus the group mean "
+        "(divided by the group's std with algo.std_normalize); drgrpo = minus the mean, never divided; rloo = "
+        "minus the mean of the other samples (docs/algorithms.md)")
+    std_normalize: bool = Field(True, description="grpo: divide the centred rewards by the group's standard "
+                                "deviation")
+    policy_loss: Literal["ppo", "gspo", "cispo"] = Field(
+        "ppo", description="ppo = per-token clipped ratio; gspo = one clipped ratio per sequence (the geometric "
+        "mean of its tokens'); cispo = the clipped ratio as a stop-gradient weight of the log-prob "
+        "(docs/algorithms.md)")
+    clip_low: float = Field(0.2, ge=0, description="the ratio is clipped below at 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0, description="the ratio is clipped above at 1 + clip_high (DAPO's "
+                             "clip-higher)")
     tis_cap: float | None = Field(2.0, gt=0, description="truncated importance sampling cap; null = off")
     tis_level: Literal["token", "sequence"] = Field(
         "token", description="behaviour correction pi_prox/pi_behav per token, or one weight per sequence "
         "(the product over its tokens, truncated at tis_cap): docs/algorithms.md")
-    icepop_low: float | None = Field(0.5, gt=0)
-    icepop_high: float | None = Field(2.0, gt=0)
+    icepop_low: float | None = Field(0.5, gt=0, description="IcePop: tokens whose train/infer ratio "
+                                     "pi_prox/pi_behav is below this are masked out of the loss; null = no lower "
+                                     "bound")
+    icepop_high: float | None = Field(2.0, gt=0, description="IcePop: tokens whose train/infer ratio is above "
+                                      "this are masked out; null = no upper bound")
     ratio_anchor: Literal["proximal", "behaviour"] = Field(
         "proximal", description="the policy the ratio and its clip are taken against: the trainer before its "
         "update (decoupled PPO, corrected by the behaviour weight: TIS, IcePop), or the engine that sampled "
         "(coupled PPO, slime's --use-rollout-logprobs; the behaviour weight is then 1). behaviour keeps "
         "staleness from costing reward per sample with ppo; configs/tiny.yaml sets it (docs/algorithms.md)")
-    loss_agg: Literal["token", "sequence", "token_sum_norm"] = "token"
+    loss_agg: Literal["token", "sequence", "token_sum_norm"] = Field(
+        "token", description="how token losses make the step's loss: token = mean over every token of the "
+        "step; sequence = mean over each sequence, then over sequences; token_sum_norm = sum over tokens divided "
+        "by a constant (algo.loss_norm_tokens; Dr. GRPO)")
     loss_norm_tokens: int | None = Field(None, ge=1, description="token_sum_norm's constant divisor; "
                                          "null = rollout.max_new_tokens x sequences in the step")
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: last tokens before "
                                  "rollout.max_new_tokens that are penalised; 0 = off")
     overlong_penalty: float = Field(1.0, ge=0, description="reward penalty of a response cut at max_new_tokens")
-    kl_coef: float = Field(0.0, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="weight of a per-token KL penalty (k3) against the initial policy, kept "
+                      "frozen as a second model; 0 = off (no reference model)")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus; 0 = off")
 
 
 class TrainConfig(Strict):
-    backend: Literal["native", "megatron"] = "native"
-    device: Literal["cpu", "cuda"] = "cpu"
-    steps: int = Field(20, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float | None = Field(1.0, gt=0)
+    """The trainer: backend, device, optimizer, parallelism, compilation."""
+
+    backend: Literal["native", "megatron"] = Field("native", description="native = moe-rl's torch trainer; "
+                                                   "megatron = Megatron-core with expert parallelism "
+                                                   "(pip install 'moe-rl[megatron]'; docs/megatron.md)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where trainers and embedded engines run: cpu "
+                                           "(gloo) or cuda (one GPU per rank unless placement.gpus says; "
+                                           "docs/gpu.md)")
+    steps: int = Field(20, ge=1, description="training steps (optimizer updates of one rollout batch each) of "
+                       "the run")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate (constant)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2)")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the gradient's global norm to this; null = "
+                                    "no clipping")
     micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch")
-    # optimizer updates per rollout batch (slime's num_steps_per_rollout, AReaL's ppo_n_minibatches):
-    # the batch is split into this many minibatches; weights sync, and the version advances, once per batch
-    minibatches: int = Field(1, ge=1)
-    ep_size: int = Field(1, ge=1)
-    tp_size: int = Field(1, ge=1)
+    minibatches: int = Field(1, ge=1, description="optimizer updates per rollout batch (slime's "
+                             "num_steps_per_rollout, AReaL's ppo_n_minibatches): the batch is split into this "
+                             "many minibatches; weights sync, and the version advances, once per batch")
+    ep_size: int = Field(1, ge=1, description="expert-parallel size of the trainer pool: experts sharded over "
+                         "this many ranks (pools.trainer a multiple of it)")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel size (train.backend=megatron only; > 1 is "
+                         "refused for now, docs/megatron.md)")
     threads: int | None = Field(None, ge=1, description="torch threads of a trainer rank")
-    seed: int = 0
+    seed: int = Field(0, description="torch seed of the trainer (and Megatron's parallel RNG state)")
     fused_loss: Literal["auto"] | bool = Field(
         "auto", description="the policy loss fused into the LM-head kernel (moe_rl.kernels.fused_token_loss: "
         "d_hidden and d_weight made in the forward, 3 GEMMs instead of 4): auto = when algo's loss is per-token "
@@ -209,22 +292,37 @@ class TrainConfig(Strict):
         "all-to-all's split sizes are host integers), off on the CPU (the compile costs more than a CPU run saves: "
         "docs/benchmarks.md); "
         "true = refuse what cannot be compiled; false = eager. train.backend=megatron: no effect (docs/megatron.md)")
-    # sigmoid routers (GLM): the expert-score correction bias is frozen (0) or moved after each
-    # optimizer step by DeepSeek-V3's rule, bias += rate * sign(mean load - load) (docs/architecture.md)
-    expert_bias_update_rate: float = Field(0.0, ge=0)
-    # train.backend=megatron only (docs/megatron.md)
-    megatron_use_te: bool | None = None  # Transformer Engine layer specs; None = when TE imports
-    megatron_grouped_gemm: bool | None = None  # grouped experts (TEGroupedMLP with TE, else TorchGroupedMLP); None = true
-    megatron_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    megatron_router_fusion: bool = False  # fused TE router: refused while routing replay is on
-    megatron_recompute: bool = False  # full activation recompute (replay via REPLAY_BACKWARD)
+    expert_bias_update_rate: float = Field(0.0, ge=0, description="sigmoid routers (GLM, DeepSeek): 0 = the "
+                                           "expert-score correction bias stays frozen; > 0 = after each optimizer "
+                                           "step bias += rate * sign(mean load - load), DeepSeek-V3's rule "
+                                           "(docs/models.md)")
+    megatron_use_te: bool | None = Field(None, description="train.backend=megatron: Transformer Engine layer "
+                                         "specs; null = when transformer_engine imports (docs/megatron.md)")
+    megatron_grouped_gemm: bool | None = Field(None, description="train.backend=megatron: grouped experts "
+                                               "(TEGroupedMLP with TE, else TorchGroupedMLP); false = "
+                                               "SequentialMLP, a loop over experts; null = true")
+    megatron_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="train.backend="
+                                                                  "megatron: Megatron's token dispatcher")
+    megatron_router_fusion: bool = Field(False, description="train.backend=megatron: TE's fused top-k router; "
+                                         "refused while replay.enabled (it would skip the replayed routing)")
+    megatron_recompute: bool = Field(False, description="train.backend=megatron: full activation recompute, one "
+                                     "layer per checkpoint (routing replayed in the recompute too)")
 
 
 class DataConfig(Strict):
-    task: str = "reverse"  # a shipped task name (moe_rl.tasks), "jsonl", or a plug-in 'package.module:factory'
-    path: str | None = None  # JSONL file for file-backed tasks
-    seed: int = 0
-    task_args: dict[str, Any] = {}
+    """The prompts: a shipped task, a dataset file or a plug-in task (docs/environments.md)."""
+
+    task: str = Field("reverse", description="the task: a shipped one (echo, copy, reverse: tiny-model tasks; "
+                      "jsonl: math problems at data.path scored by math-verify; arith: jsonl on a shipped "
+                      "48-problem file; guess: guess the number, multi-turn) or a plug-in 'package.module:factory' "
+                      "(docs/environments.md)")
+    path: str | None = Field(None, description="the dataset of data.task=jsonl: a JSONL or Parquet file or a "
+                             "datasets directory (data.format)")
+    seed: int = Field(0, description="seed of the prompt order and of sampling: prompt i is drawn from "
+                      "(data.seed, i) and each request's sampling seed from it, so a resumed run draws as an "
+                      "uninterrupted one")
+    task_args: dict[str, Any] = Field({}, description="keyword arguments of the task (or of a plug-in task's "
+                                      "factory); an unknown one is an error naming the accepted ones")
     # file-backed tasks (data.task: jsonl) read datasets as verl and slime users have them (docs/coming_from_verl_slime.md)
     format: Literal["auto", "jsonl", "parquet", "hf_disk"] = Field(
         "auto", description="how data.path is read: jsonl (one JSON object per line), parquet (verl's files), hf_disk "
@@ -264,10 +362,13 @@ class EnvConfig(Strict):
 
     factory: str | None = Field(None, description=f"environment plug-in, {_PLUGIN_HELP}: called once per "
                                 "episode with env.args (and task=, if it takes one), returns the environment")
-    args: dict[str, Any] = {}
+    args: dict[str, Any] = Field({}, description="keyword arguments passed to env.factory (or to env.openai_agent) "
+                                 "for every episode")
     max_turns: int = Field(4, ge=1, description="model turns per episode")
-    max_new_tokens_per_turn: int | None = Field(None, ge=1, description="default: rollout.max_new_tokens")
-    max_episode_tokens: int | None = Field(None, ge=2, description="prompt + all turns; default: engine.max_context")
+    max_new_tokens_per_turn: int | None = Field(None, ge=1, description="response budget of one model turn, in "
+                                                "tokens; null = rollout.max_new_tokens")
+    max_episode_tokens: int | None = Field(None, ge=2, description="token budget of a whole episode (prompt and "
+                                           "every turn); null = engine.max_context")
     episode_timeout_s: float = Field(300.0, gt=0, description="an episode running longer is marked failed")
     max_concurrent_episodes: int = Field(64, ge=1, description="episodes in flight at once (all groups)")
     openai_agent: str | None = Field(None, description=f"agent plug-in, {_PLUGIN_HELP}: an async function "
@@ -279,10 +380,15 @@ class EnvConfig(Strict):
 
 
 class LoggingConfig(Strict):
-    progress: bool = True
-    tensorboard: bool = True
-    log_every: int = Field(1, ge=1)
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """What a run logs besides metrics.jsonl (written always): TensorBoard, W&B, MLflow, the console."""
+
+    progress: bool = Field(True, description="a progress bar of the steps on the trainer's terminal")
+    tensorboard: bool = Field(True, description="TensorBoard logs in <output_dir>/tensorboard beside "
+                              "metrics.jsonl")
+    log_every: int = Field(1, ge=1, description="not read: every step is logged to metrics.jsonl and the "
+                           "trackers")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Python log level of every "
+                                                                "rank and of moe-rl serve")
     # trackers beside TensorBoard (moe_rl/train/tracking.py): trainer rank 0 logs what metrics.jsonl holds
     wandb: bool = Field(False, description="also log to Weights & Biases (pip install 'moe-rl[wandb]'); W&B's own "
                         "environment variables apply (WANDB_MODE=offline, WANDB_DIR, WANDB_API_KEY, WANDB_BASE_URL, ...)")
@@ -295,16 +401,22 @@ class LoggingConfig(Strict):
 
 
 class CheckpointConfig(Strict):
+    """Checkpoints in <output_dir>/checkpoints: an hf/ model directory and the trainer state to resume from
+    (docs/run_safety.md)."""
+
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
-    keep: int = Field(2, ge=1)
+    keep: int = Field(2, ge=1, description="checkpoints kept on disk; older ones are deleted once a newer one "
+                      "is complete")
 
 
 class LoraConfig(Strict):
     """LoRA adapters (moe_rl.model.lora): base weights frozen, only adapters trained and synced."""
 
-    enabled: bool = False
-    rank: int = Field(16, ge=1)
-    alpha: float = Field(32.0, gt=0)
+    enabled: bool = Field(False, description="train LoRA adapters on frozen base weights (setting lora.rank alone "
+                          "also turns it on, as in verl; docs/lora.md)")
+    rank: int = Field(16, ge=1, description="adapter rank r (0 in a config given without lora.enabled means off, "
+                      "as in verl)")
+    alpha: float = Field(32.0, gt=0, description="adapter scale: the update is (alpha / rank) B A")
     dropout: float = Field(0.0, ge=0, le=0, description="must be 0: adapter dropout is not implemented")
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "router", "experts.gate_up_proj",
                           "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
@@ -319,8 +431,8 @@ class LoraConfig(Strict):
                     "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; Gated DeltaNet layers: "
                     "in_proj_qkvz, in_proj_ba (Qwen3-Next) or in_proj_qkv, in_proj_z, in_proj_b, in_proj_a "
                     "(Qwen3.5), out_proj)")
-    layers: list[int] | None = None  # decoder layers to adapt; None = all
-    seed: int = 0
+    layers: list[int] | None = Field(None, description="indices of the decoder layers to adapt; null = all")
+    seed: int = Field(0, description="seed of the adapters' init (A random, B zero)")
     sync: Literal["adapter", "merged"] = Field("merged", description="what a weight sync sends: the adapter "
                                                "tensors only, or the full merged weights")
     experts_shared_outer: bool = Field(False, description="one A of experts.gate_up_proj and one B of "
@@ -355,13 +467,16 @@ class SweepConfig(Strict):
     """``moe-rl sweep``: arms = the cross product of ``grid`` (config key -> values), each run
     once per seed (docs/experiments.md). ``moe-rl train`` ignores this section."""
 
-    grid: dict[str, list[Any]] = {}
+    grid: dict[str, list[Any]] = Field({}, description="config key -> values; the arms are their cross product "
+                                       "(--grid KEY=V1,V2 on the command line replaces a key's entry)")
     seeds: int = Field(1, ge=1, description="runs per arm, seeds 0..seeds-1 (seed, train.seed, data.seed, model.init_seed)")
     steps: int | None = Field(None, ge=1, description="train.steps of every run; None = the config's")
     threshold: float = Field(0.5, description="reward whose first crossing (trailing mean) is 'steps to threshold'")
     parallel: int = Field(1, ge=1, description="runs at a time (each is a whole torchrun world)")
-    output_dir: str | None = None  # default: <output_dir>/sweep
-    overrides: list[str] = []  # key=value applied to every run (e.g. the bench's long_tail task)
+    output_dir: str | None = Field(None, description="the sweep's directory (its runs, summary.md, plots); "
+                                   "null = <output_dir>/sweep")
+    overrides: list[str] = Field([], description="key=value overrides applied to every run, e.g. "
+                                 "data.task_args.long_tail=true")
     final_eval: bool = Field(False, description="score each run's final checkpoint as the eval section says "
                              "(eval.prompts, eval.samples, eval.temperature, eval.data; moe_rl/experiments/evaluate.py)")
 
@@ -392,7 +507,11 @@ class FaultConfig(Strict):
     named point is reached the ``at``-th time in a process (of ``rank``, or any), ``action``
     happens there. Off (``point: null``) in every real run."""
 
-    point: Literal["engine.generate", "sync.bucket", "engine.update", "checkpoint.write", "routing.append"] | None = None
+    point: Literal["engine.generate", "sync.bucket", "engine.update", "checkpoint.write", "routing.append"] | None = Field(
+        None, description="where the fault fires: engine.generate (an engine receives a /generate), sync.bucket "
+        "(trainer rank 0 has posted a bucket's broadcast), engine.update (an engine receives a bucket), "
+        "checkpoint.write (a checkpoint file before its rename), routing.append (a routing record before its "
+        "index entry); null = off, as in every real run")
     at: int = Field(1, ge=1, description="fire on the at-th time the point is reached in a process")
     action: Literal["kill_tree", "kill", "stop", "enospc"] = Field(
         "kill_tree", description="kill_tree: SIGKILL the launcher and every process under it at once; kill: SIGKILL "
@@ -418,12 +537,18 @@ class EvalConfig(Strict):
 
 
 class ExperimentConfig(Strict):
-    name: str = "moe-rl"
-    output_dir: str = "runs/default"
+    """A whole experiment: the keys at the top level, then one section per part."""
+
+    name: str = Field("moe-rl", description="the experiment's name: the W&B project / MLflow experiment when "
+                      "logging.project and their environment variables are unset")
+    output_dir: str = Field("runs/default", description="the run's directory: metrics.jsonl, TensorBoard logs, "
+                            "checkpoints, the routing log, the reward curve; one run writes into it at a time "
+                            "(docs/run_safety.md)")
     resume: bool = Field(False, description="continue the run in output_dir from its latest checkpoint")
     overwrite_output_dir: bool = Field(False, description="start over in an output_dir that holds a run: its "
                                        "metrics, checkpoints, routing log and TensorBoard logs are deleted first")
-    seed: int = 0
+    seed: int = Field(0, description="the experiment's seed as moe-rl sweep sets it per run (with train.seed, "
+                      "data.seed and model.init_seed, which are what a run draws from)")
     model: ModelConfig = ModelConfig()
     pools: PoolsConfig = PoolsConfig()
     engine: EngineConfig = EngineConfig()
@@ -444,6 +569,13 @@ class ExperimentConfig(Strict):
     eval: EvalConfig = EvalConfig()
 
     sweep: SweepConfig = SweepConfig()
+    true_on_policy: bool = Field(
+        False, description="engine and trainer compute with one set of batch-invariant kernels (moe_rl.kernels.exact), "
+        "so a token's log-prob is the same bits in the embedded engine (alone or batched, prefill or decode) and in "
+        "the trainer's forward: at staleness 0 mismatch_k3 is 0, and minibatches after the first need no proximal "
+        "forward. Costs engine and trainer speed (docs/true_on_policy.md); needs train.backend=native, equal "
+        "model.dtype and engine.dtype (float32 or bfloat16), lora.sync=adapter with LoRA, train.compile not true. "
+        "With engine.kind=sglang the trainer's side only: the mismatch metrics report what is left")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
@@ -527,10 +659,36 @@ class ExperimentConfig(Strict):
         if self.eval.data and self.data.task != "jsonl":
             raise ValueError(f"eval.data is a held-out dataset for data.task=jsonl; data.task is {self.data.task!r} "
                              "(its evaluation draws the task's own prompts: leave eval.data unset)")
+        if self.true_on_policy:
+            self._check_true_on_policy()
         if self.eval.every and self.env.factory:
             raise ValueError("eval.every with env.factory: evaluation runs single-turn prompts; multi-turn episodes "
                              "are not evaluated (set eval.every=0)")
         return self
+
+    def _check_true_on_policy(self) -> None:
+        """true_on_policy: what has an exact path (docs/true_on_policy.md)."""
+        where = "true_on_policy=true"
+        if self.train.backend != "native":
+            raise ValueError(f"{where} needs train.backend=native (Megatron's kernels are not the engine's)")
+        if self.model.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"{where}: model.dtype={self.model.dtype}; the exact kernels take float32 or bfloat16")
+        if self.engine.kind == "embedded" and self.engine.dtype != self.model.dtype:
+            raise ValueError(f"{where}: engine.dtype={self.engine.dtype} and model.dtype={self.model.dtype} differ; "
+                             "the engine must compute in the trainer's dtype to give its bits")
+        if self.train.compile is True:
+            raise ValueError(f"{where} with train.compile=true: the exact kernels are not custom ops torch.compile "
+                             "can trace; set train.compile to auto (off under true_on_policy) or false")
+        if self.lora.enabled and self.lora.sync != "adapter":
+            raise ValueError(f"{where} with LoRA needs lora.sync=adapter: merged weights (W + s*B@A in one matrix) "
+                             "round differently from the trainer's unmerged adapter")
+        if not self.model.path:
+            from .model.attention import MIXERS
+
+            kinds = sorted({k for k in self.model.arch().layer_kinds() if not MIXERS[k].exact_path})
+            if kinds:
+                raise ValueError(f"{where}: model.model_type={self.model.model_type} has attention kinds without an "
+                                 f"exact path: {kinds}")
 
     def _check_sglang_lora(self) -> None:
         """lora.sync=adapter with SGLang servers (moe_rl.sync.adapter_files, docs/lora.md)."""

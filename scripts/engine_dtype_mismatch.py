@@ -1,4 +1,4 @@
-"""Issue 30's dtype question, as figures: the trainer/engine agreement that the R3 metrics
+"""bf16 or fp32 engine, as figures: the trainer/engine agreement that the R3 metrics
 report when the embedded engine runs in bf16 (or fp32) and the trainer in fp32.
 
     python scripts/engine_dtype_mismatch.py [--config configs/gpu_1x.yaml] [--device cuda]

@@ -1,4 +1,4 @@
-"""Issue 17's fp32 question, as figures: how far from the fp64 reference the log-probs and
+"""How accurate fp32 log-probs are, as figures: how far from the fp64 reference the log-probs and
 entropy are for the plain materialised fp32 computation and for each fused provider, on one
 device, at the shape of the test that failed on an H100 (1024 x 4096 x 32000, T = 0.7).
 

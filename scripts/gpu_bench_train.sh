@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# Every open GPU figure of issue 16 (training speed), as JSON under $OUT. Run from the checkout
+# The GPU figures of training speed, as JSON under $OUT. Run from the checkout
 # root on a one-GPU H100/H200 machine prepared as in /work/shared/GPU.md (wheels in .whl/):
 #
 #     OUT=/some/dir bash scripts/gpu_bench_train.sh [STAGE ...]      # default: all stages
 #
-# Stages (each writes its own files, so a session limited to ~10 minutes per command can run
+# Stages (each writes its own files, so a machine limited to ~10 minutes per command can run
 # them as separate commands: `... medium large` then `... ab`):
 #   install  pip-installs .whl/*.whl into /tmp/site and this checkout (editable), once
 #   medium   native, megatron, megatron + full recompute on preset medium (bf16): tokens/s, MFU,
 #            megatron/native and the recompute step ratio, plus one profiled step per backend
 #   large    the same on preset large (Qwen3-30B-A3B layer shapes, 16k tokens/step)
-#   ab       native before/after issue 16 on medium (466346e = the code before), alternating
+#   ab       native before/after the grouped-GEMM experts on medium (466346e = the per-expert loop), alternating
 #            fresh processes, 3 rounds
 #   base     (not in the default list; run where git history is) writes that baseline tree into
-#            the ignored folder .base_issue16/, to carry to a device machine without git
-# Targets (docs/benchmarks.md, issue 16): native MFU >= 15% (medium), >= 35% (large); megatron/
+#            the ignored folder .base_per_expert/, to carry to a device machine without git
+# Targets (docs/benchmarks.md, "Training step"): native MFU >= 15% (medium), >= 35% (large); megatron/
 # native >= 1.0 on both; recompute step ratio <= 1.4.
 set -euo pipefail
 OUT=${OUT:?set OUT to a directory for the JSON results}
@@ -42,10 +42,10 @@ for stage in "${stages[@]}"; do
         --out "$OUT/train_$stage.json" 2>&1 | tee "$OUT/train_$stage.txt"
       ;;
     ab)
-      # the baseline checkout: .base_issue16/ if present (a device copy of the working tree has no
+      # the baseline checkout: .base_per_expert/ if present (a device copy of the working tree has no
       # git history: make it where git is, `bash scripts/gpu_bench_train.sh base`, and carry it),
       # else a git worktree
-      base=$PWD/.base_issue16
+      base=$PWD/.base_per_expert
       [ -d "$base" ] || git worktree add --detach "$base" 466346e
       cp moe_rl/_C*.so "$base/moe_rl/" 2>/dev/null || true
       ln -sfn ../kernels "$base/moe_rl/kernels"
@@ -55,8 +55,8 @@ for stage in "${stages[@]}"; do
       ;;
     base)  # here, with git: the baseline tree for `ab`, an ignored folder to carry to the device
       exclude="$(git rev-parse --git-common-dir)/info/exclude"
-      grep -qx '/.base_issue16/' "$exclude" 2>/dev/null || echo /.base_issue16/ >> "$exclude"
-      rm -rf .base_issue16 && mkdir .base_issue16 && git archive 466346e | tar -x -C .base_issue16
+      grep -qx '/.base_per_expert/' "$exclude" 2>/dev/null || echo /.base_per_expert/ >> "$exclude"
+      rm -rf .base_per_expert && mkdir .base_per_expert && git archive 466346e | tar -x -C .base_per_expert
       ;;
     *) echo "unknown stage $stage (base, install, medium, large, ab)" >&2; exit 2 ;;
   esac

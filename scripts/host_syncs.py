@@ -5,7 +5,7 @@
 Runs ``Trainer.train_step`` once on the batch of tests/train/test_device_discipline.py (replayed
 and stale samples, a multi-turn episode) with the model on ``fakedev`` (tests/fake_device.py: a
 second device with real values on which every host read is recorded) and prints the count and
-each site (the innermost moe_rl / kernels frame). issue 30's target is 1: the step's read of its
+each site (the innermost moe_rl / kernels frame). The target is 1: the step's read of its
 metrics at its end.
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ device tensor), ``d2h`` (``.cpu()``, ``.tolist()``, ``.to("cpu")``), ``h2d_block
 device copy without ``non_blocking``: CUDA synchronises the stream for it), ``shape`` (an op
 whose output size depends on device data: nonzero, masked_select, unique, boolean-mask
 indexing, repeat_interleave without output_size). Counting them over one training step is what
-issue 30 asks for; ``Recording.syncs`` is that count.
+the one-sync target needs; ``Recording.syncs`` is that count.
 
 Process-global: PrivateUse1 can be renamed once per process, and the rename makes ``fakedev``
 PyTorch's current accelerator. Use it in a fresh process (:func:`fresh_process`) so that no

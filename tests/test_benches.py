@@ -21,6 +21,8 @@ CASES = {
                 ["kl_replay", "kl_no_replay", "routing_match_replay", "routing_match_no_replay"]),
     "exact": (["--shapes", "tiny", "--rounds", "1"],
               ["tiny", "accuracy_ok", "invariant", "torch_variant_cases", "checks_can_fail"]),
+    "on-policy": (["--rounds", "1"], ["engine_time_on_vs_off", "train_step_on_vs_off", "skip_saving", "exact",
+                                      "off_mismatch_live", "machine"]),
     "async": (["--steps", "3"],
               ["samples_per_s_async", "samples_per_s_sync", "busy_trainer_async", "busy_rollout_async",
                "final_reward_async", "final_reward_sync", "final_eval_reward_async", "final_eval_reward_sync",

@@ -80,7 +80,7 @@ def test_validate_cli_exit_codes(tmp_path):
 
 def test_a_lora_rank_turns_lora_on_as_in_verl(caplog):
     """verl: a LoRA rank > 0 is what turns LoRA on. `lora.rank=8` alone used to train without
-    adapters, silently (issue 28)."""
+    adapters, silently."""
     with caplog.at_level("WARNING", logger="moe_rl.config"):
         cfg = load_config("configs/tiny.yaml", ["lora.rank=8"])
     assert cfg.lora.enabled is True and cfg.lora.rank == 8

@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_rl.model.attention import Scan, Steps, decode_sdpa
+from moe_rl.model.attention.layouts import cached_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,34 @@ class DecodeAttention:
         return decode_sdpa(q, ks, vs, self.mask, scale)
 
 
+class ExactStepAttention:
+    """The attention of an engine step under ``true_on_policy`` (the model's ops exact), eager
+    or static: every forwarded row writes its K/V at its position of its slot first (``rows``:
+    slots and positions, one per row), then one ``cached_sdpa`` call attends every sequence
+    of the step (a prefill, a re-prefill or a decode row alike: ``cu_seqlens`` over the rows,
+    ``slots`` and first positions ``pos0`` per sequence), whose keys are reduced in the order
+    a full prefill and the trainer's forward reduce them."""
+
+    def __init__(self, states: list, row_slots, row_pos, cu_seqlens, slots, pos0):
+        self.states = states
+        self.row_slots, self.row_pos = row_slots, row_pos
+        self.cu_seqlens, self.slots, self.pos0 = cu_seqlens.to(torch.int32), slots, pos0.to(torch.int32)
+
+    @classmethod
+    def decode(cls, states: list, slots: torch.Tensor, pos: torch.Tensor) -> "ExactStepAttention":
+        """A decode batch: row i is the one token of sequence i."""
+        cu = torch.arange(slots.shape[0] + 1, device=slots.device)
+        return cls(states, slots, pos, cu, slots, pos)
+
+    def state(self, layer: int):
+        return self.states[layer]
+
+    def __call__(self, layer, q, k, v, *, scale=None):
+        cache = self.states[layer]
+        cache.write_rows(self.row_slots, self.row_pos, k, v)
+        return cached_sdpa(q, cache, self.cu_seqlens, self.slots, self.pos0, scale)
+
+
 class CudaGraphs:
     """``torch.cuda.CUDAGraph`` capture: every graph in one memory pool (the caller captures
     the largest shape first, so the smaller ones reuse its memory), each warmed up eagerly on
@@ -186,8 +215,9 @@ class StaticDecoder:
         ``routing[:bs]`` (the body a graph captures: device work only, no host reads)."""
         ids, pos, slots = self.inputs[0, :bs], self.inputs[1, :bs], self.inputs[2, :bs]
         record: list[torch.Tensor] = []
-        hidden = self.model.forward_tokens(ids, pos, DecodeAttention(self.states, slots, pos, ctx),
-                                           record=record)
+        attend = (ExactStepAttention.decode(self.states, slots, pos) if self.model.ops.exact
+                  else DecodeAttention(self.states, slots, pos, ctx))
+        hidden = self.model.forward_tokens(ids, pos, attend, record=record)
         self.logits[:bs].copy_(self.model.lm_head(hidden))
         if record:
             self.routing[:bs].copy_(torch.stack(record, 1))

@@ -15,6 +15,12 @@ a CUDA graph captured at ``start`` and replayed (SGLang's decode graphs). Either
 runs on the device after the forward, and a step reads the device once: its sampled tokens,
 their log-probs and the routing record, in one copy.
 
+Under ``true_on_policy`` (the model's ops exact, ``moe_rl.model.ops``) a step writes every
+forwarded row's K/V into its slot and attends all of its sequences in one exact call
+(``decode.ExactStepAttention``), takes log-probs with the exact log-softmax and samples with
+``sampling.sample_seeded``: a request's tokens, log-probs and routing are then the same bits
+whatever else is in its steps and whenever it joined, and equal the trainer's forward.
+
 Requests come from any thread (the aiohttp loop) through ``submit``; results go back through
 ``asyncio`` futures. Torch releases the GIL during the forward, so the event loop stays
 responsive while the engine computes.
@@ -42,10 +48,11 @@ import torch.nn.functional as F
 
 from . import protocol as P
 from moe_rl.model.attention import Scan, Sequences, Steps, state_specs
+from moe_rl.model.ops import tempered
 
-from .decode import CudaGraphs, DecodeAttention, StaticDecoder
+from .decode import CudaGraphs, DecodeAttention, ExactStepAttention, StaticDecoder
 from .protocol import GenerateRequest, RequestError
-from .sampling import apply_penalties, sample_tokens
+from .sampling import apply_penalties, sample_seeded, sample_tokens
 
 __all__ = ["Engine", "apply_penalties"]
 
@@ -57,6 +64,7 @@ class _Req:
     req: GenerateRequest
     rid: str
     generator: torch.Generator
+    seed: int  # the generator's seed: the exact sampler's key (sample_seeded)
     deliver: Callable[[dict], None]  # final response (called from any thread)
     on_update: Callable[[dict], None] | None = None  # streaming snapshots
     output_ids: list[int] = field(default_factory=list)
@@ -187,6 +195,7 @@ class Engine:
         self.num_layers = self.arch.num_hidden_layers
         self.top_k = self.arch.num_experts_per_tok
         self.moe_layers = list(model.moe_layers)
+        self.exact = model.ops.exact  # true_on_policy: the exact kernels, the seeded sampler
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         on_gpu = self.device.type == "cuda"
@@ -278,7 +287,7 @@ class Engine:
         seed = req.sampling_params.sampling_seed
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little"))
-        r = _Req(req=req, rid=rid, generator=gen, deliver=deliver, on_update=on_update)
+        r = _Req(req=req, rid=rid, generator=gen, seed=gen.initial_seed(), deliver=deliver, on_update=on_update)
         with self.cond:
             if self.error is not None:
                 raise RuntimeError(f"engine is not running: {self.error}")
@@ -469,13 +478,22 @@ class Engine:
                 in_rows.extend(range(o + s0, o + len(prompt) - 1))
                 in_targets.extend(prompt[s0 + 1 :])
         # every index of the step in one host-to-device copy
+        exact = []  # exact attention: each row's slot; each sequence's row bounds, slot, first position
+        if self.exact:
+            exact = ([s[0] for s in segments for _ in range(s[2])] + [s[3] for s in segments] + [off]
+                     + [s[0] for s in segments] + [s[1] for s in segments])
         host = torch.tensor(ids + pos + last + [s[3] for s in dec] + [s[0] for s in dec] + [s[1] for s in dec]
-                            + in_rows + in_targets, dtype=torch.long)
+                            + in_rows + in_targets + exact, dtype=torch.long)
+        S = len(segments)
         idx = host.to(self.device, non_blocking=True).split(
-            [off, off, len(last), len(dec), len(dec), len(dec), len(in_rows), len(in_targets)])
+            [off, off, len(last), len(dec), len(dec), len(dec), len(in_rows), len(in_targets)]
+            + ([off, S + 1, S, S] if self.exact else []))
         input_ids, positions, last_rows = idx[0], idx[1], idx[2]
-        lmax = max(s[1] for s in dec) + 1 if dec else 0
-        attend = _StepAttention(self.states, segments, idx[3], idx[4], idx[5], lmax)
+        if self.exact:
+            attend = ExactStepAttention(self.states, idx[8], positions, idx[9], idx[10], idx[11])
+        else:
+            lmax = max(s[1] for s in dec) + 1 if dec else 0
+            attend = _StepAttention(self.states, segments, idx[3], idx[4], idx[5], lmax)
         record: list[torch.Tensor] = []
         with self.model_lock:
             hidden = self.model.forward_tokens(input_ids, positions, attend, record=record)
@@ -511,16 +529,22 @@ class Engine:
             sub = logits.index_select(0, rows)
             apply_penalties(sub, [batch[i][0].params for i in pen], [batch[i][0].output_ids for i in pen])
             logits.index_copy_(0, rows, sub)
+        ops = self.model.ops
         temps = torch.tensor([r.params.logprob_temperature for r, _, _ in batch], dtype=torch.float32)
-        logp = torch.log_softmax(logits / temps.to(self.device, non_blocking=True)[:, None], dim=-1)
-        tokens_dev = self._sample_batch([r for r, _, _ in batch], logits, logp)
+        logp = ops.log_softmax(tempered(logits, temps))
+        reqs = [r for r, _, _ in batch]
+        if self.exact:
+            tokens_dev = sample_seeded([r.params for r in reqs], [r.seed for r in reqs],
+                                       [len(r.req.input_ids) + len(r.output_ids) for r in reqs], logits, logp)
+        else:
+            tokens_dev = self._sample_batch(reqs, logits, logp)
         lps_dev = logp.gather(1, tokens_dev[:, None]).squeeze(1)
         # the step's one device-to-host copy: tokens, log-probs and the routing record (token
         # and expert ids are exact in float64)
         B, n_in = len(batch), 0 if fwd.in_targets is None else fwd.in_targets.numel()
         parts = [tokens_dev.double(), lps_dev.double()]
         if n_in:  # input log-probs at temperature 1, as SGLang's logits processor
-            in_logp = torch.log_softmax(fwd.in_logits, dim=-1)
+            in_logp = ops.log_softmax(fwd.in_logits)
             parts.append(in_logp.gather(1, fwd.in_targets[:, None]).squeeze(1).double())
         if n_top:  # top-k of the sampling distribution (output) and of the input rows
             out_top = logp.topk(n_top, dim=-1)

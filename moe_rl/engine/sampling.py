@@ -5,10 +5,17 @@ greedy rows take the argmax, every other row is sampled by inverse CDF with one 
 from its request's own seeded (CPU) generator, after SGLang's top-k / top-p / min-p truncation
 where asked. The inputs built on the host go over with non-blocking copies, so nothing here
 waits for the device.
+
+``sample_seeded`` is the sampler of ``true_on_policy``: a row's token is a function of its
+log-probs, its request's seed and the token's position only (``moe_rl.kernels.exact.
+seeded_sample``: Gumbel-max with counter-based noise), so a request draws the same tokens
+alone or batched, and after a retraction; truncation is a ``-inf`` mask on the log-probs first.
 """
 from __future__ import annotations
 
 import torch
+
+from moe_rl.kernels.exact import seeded_sample
 
 from . import protocol as P
 
@@ -97,3 +104,28 @@ def sample_tokens(params: list[P.SamplingParams], generators: list[torch.Generat
         return picked
     tokens = logits.argmax(dim=-1) if greedy else torch.zeros(R, dtype=torch.long, device=dev)
     return tokens.index_copy_(0, rows, picked)
+
+
+def sample_seeded(params: list[P.SamplingParams], seeds: list[int], positions: list[int],
+                  logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """One token per row, as a long tensor on the logits' device: greedy rows the argmax of
+    their logits, the others ``seeded_sample`` of ``logp`` (the log-softmax at the row's
+    temperature) with the entries that top-k / top-p / min-p (``truncate``) drop set to
+    ``-inf``, keyed by the row's request seed and the position of the token it samples."""
+    R, V = logits.shape
+    dev = logits.device
+    cut = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+    if cut:
+        ps = [params[i] for i in cut]
+        rows = _to(dev, cut, torch.long)
+        kept = truncate(logp.index_select(0, rows).exp(),
+                        _to(dev, [p.top_k if p.top_k > 0 else V for p in ps], torch.long),
+                        _to(dev, [p.top_p for p in ps], torch.float32), _to(dev, [p.min_p for p in ps], torch.float32))
+        logp = logp.index_copy(0, rows, logp.index_select(0, rows).masked_fill(kept == 0, float("-inf")))
+    seed_t = _to(dev, [s & 0x7FFFFFFFFFFFFFFF for s in seeds], torch.long)
+    tokens = seeded_sample(logp.contiguous(), seed_t, _to(dev, positions, torch.long))
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        g = _to(dev, greedy, torch.long)
+        tokens = tokens.index_copy(0, g, logits.index_select(0, g).argmax(dim=-1))
+    return tokens

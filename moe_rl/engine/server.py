@@ -31,6 +31,7 @@ from aiohttp import web
 from moe_rl import faults
 from moe_rl.gc_control import freeze_gc, paused_gc
 from moe_rl.model.arch import FAMILIES
+from moe_rl.model.ops import model_ops
 
 from . import lora, openai_api
 from . import protocol as P
@@ -67,6 +68,7 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
     (``moe-rl bench engine`` measures each setting)."""
     e = cfg.engine
     model = model if model is not None else build_model(cfg)
+    model.use_ops(model_ops(cfg))  # true_on_policy: the exact kernels (moe_rl.model.ops)
     if device is not None:
         model = model.to(device)
     max_running = e.max_running_requests

@@ -19,6 +19,7 @@ import numpy as np
 from moe_rl.engine.engine import Engine
 from moe_rl.engine.protocol import GenerateRequest, SamplingParams
 from moe_rl.model.hf_io import load_hf
+from moe_rl.model.ops import model_ops
 from moe_rl.rollout.evaluation import EVAL_DATA_SEED, eval_metrics, eval_prompts, eval_requests, eval_task, score
 
 __all__ = ["EVAL_DATA_SEED", "evaluate_policy", "evaluate_run", "final_checkpoint_hf", "eval_settings"]
@@ -69,6 +70,6 @@ def evaluate_run(run_dir: Path, cfg) -> dict | None:
     hf = final_checkpoint_hf(run_dir)
     if hf is None:
         return None
-    out = evaluate_policy(load_hf(hf), cfg)
+    out = evaluate_policy(load_hf(hf).use_ops(model_ops(cfg)), cfg)
     out["checkpoint"] = str(hf)
     return out

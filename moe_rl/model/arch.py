@@ -147,30 +147,49 @@ class MoEArch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_type: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe_text"] = "qwen3_moe"  # see FAMILIES
-    vocab_size: int = 64
-    hidden_size: int = 64
-    intermediate_size: int = 128  # dense MLP width (dense layers)
-    moe_intermediate_size: int = 32
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    norm_topk_prob: bool = True
-    mlp_only_layers: list[int] = []  # Qwen3-MoE: dense layers by index
-    decoder_sparse_step: int = 1  # Qwen3-MoE: every n-th layer sparse
-    first_k_dense_replace: int = 0  # GLM: the first k layers dense
-    n_shared_experts: int = 0  # GLM: shared experts beside the routed ones (one MLP of n x width)
-    n_group: int = 1  # GLM: expert groups of the group-limited top-k
-    topk_group: int = 1  # GLM: groups a token may route to
-    routed_scaling_factor: float = 1.0  # GLM: routed-expert weights are multiplied by this
-    partial_rotary_factor: float | None = None  # share of head_dim that is rotated (None: family default)
-    use_qk_norm: bool | None = None  # RMSNorm of q and k per head (None: family default)
-    attention_bias: bool = False  # bias on q/k/v projections (GLM-4.5)
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    model_type: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next",
+                        "qwen3_5_moe_text"] = Field("qwen3_moe", description=(
+        "the model family, as HF's config.json names it: qwen3_moe (Qwen3-MoE), glm4_moe (GLM-4.5, GLM-4.5-Air, "
+        "GLM-4.6), deepseek_v3 (DeepSeek-V3, Kimi-K2, Moonlight), glm4_moe_lite (GLM-4.7-Flash), qwen3_next "
+        "(Qwen3-Next), qwen3_5_moe_text (Qwen3.5-MoE's text model); it fixes the router "
+        "and which fields below apply (docs/models.md). With model.path set, its config.json decides"))
+    vocab_size: int = Field(64, description="vocabulary size: rows of the embedding and of the LM head")
+    hidden_size: int = Field(64, description="width of the residual stream")
+    intermediate_size: int = Field(128, description="hidden width of the MLP of a dense layer (a layer without "
+                                   "experts: mlp_only_layers, first_k_dense_replace)")
+    moe_intermediate_size: int = Field(32, description="hidden width of each routed expert's MLP (and of each "
+                                       "shared expert)")
+    num_hidden_layers: int = Field(2, description="decoder layers")
+    num_attention_heads: int = Field(4, description="query heads per layer")
+    num_key_value_heads: int = Field(2, description="key/value heads per layer (grouped-query attention); must "
+                                     "divide num_attention_heads. Latent-attention models: set to num_attention_heads")
+    head_dim: int = Field(16, description="width of each attention head; latent-attention models: set to "
+                          "qk_rope_head_dim")
+    num_experts: int = Field(8, description="routed experts per MoE layer (HF: num_experts in Qwen3-MoE, "
+                             "n_routed_experts in GLM and DeepSeek); a multiple of train.ep_size")
+    num_experts_per_tok: int = Field(2, description="experts each token is routed to (top-k), in [1, num_experts]")
+    norm_topk_prob: bool = Field(True, description="renormalise the chosen experts' weights to sum to 1")
+    mlp_only_layers: list[int] = Field([], description="Qwen3-MoE: indices of the layers with a dense MLP instead "
+                                       "of experts")
+    decoder_sparse_step: int = Field(1, description="Qwen3-MoE: every n-th layer has experts, the others a dense "
+                                     "MLP; 1 = every layer")
+    first_k_dense_replace: int = Field(0, description="GLM, DeepSeek: the first k layers have a dense MLP instead "
+                                       "of experts")
+    n_shared_experts: int = Field(0, description="GLM, DeepSeek: shared experts every token goes through beside "
+                                  "the routed ones (one MLP of n x moe_intermediate_size); 0 in Qwen3-MoE")
+    n_group: int = Field(1, description="sigmoid routers (GLM, DeepSeek): expert groups of the group-limited top-k; "
+                         "num_experts must be a multiple of it")
+    topk_group: int = Field(1, description="sigmoid routers: groups a token may route to (the best topk_group of "
+                            "n_group, each scored by the sum of its two best experts)")
+    routed_scaling_factor: float = Field(1.0, description="sigmoid routers: the routed experts' weights are "
+                                         "multiplied by this")
+    partial_rotary_factor: float | None = Field(None, description="share of head_dim that RoPE rotates, in (0, 1]; "
+                                                "null = the family's (1.0; 0.5 in GLM-4.5)")
+    use_qk_norm: bool | None = Field(None, description="RMSNorm of queries and keys per head; null = the "
+                                     "family's (on in Qwen3-MoE, off in GLM-4.5 unless its config.json sets it)")
+    attention_bias: bool = Field(False, description="bias on the q/k/v projections (GLM-4.5 has it)")
+    rms_norm_eps: float = Field(1e-6, description="epsilon of every RMSNorm")
+    rope_theta: float = Field(1_000_000.0, description="RoPE base frequency")
     rope_scaling: dict | None = Field(None, description=(
         "HF's rope_scaling / rope_parameters beyond the base: rope_type (default, yarn) and, for yarn, factor, "
         "original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim; null: default RoPE"))
@@ -184,8 +203,9 @@ class MoEArch(BaseModel):
     v_head_dim: int | None = Field(None, description="MLA: value dims per head")
     rope_interleave: bool | None = Field(None, description=(
         "RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's) instead of halves; null: the family's"))
-    max_position_embeddings: int = 512
-    tie_word_embeddings: bool = False
+    max_position_embeddings: int = Field(512, description="the model's context length: an embedded engine serves "
+                                         "at most min(engine.max_context, this) tokens per sequence")
+    tie_word_embeddings: bool = Field(False, description="the LM head shares the embedding's weight")
     # --- Qwen3-Next / Qwen3.5-MoE (hybrid Gated DeltaNet), HF's names ---------------------------
     layer_types: list[str] | None = Field(None, description="Qwen3-Next/Qwen3.5: each layer's token mixer, "
                                           "'linear_attention' (Gated DeltaNet) or 'full_attention'; null: every 4th "

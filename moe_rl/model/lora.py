@@ -41,10 +41,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.nn import functional as F
 
 from .attention import MIXERS
-from .grouped import grouped_mm, in_groups
+from .grouped import in_groups
+from .ops import TORCH
 from .hf_io import atomic_dir, iter_local_hf_tensors, parse_expert_name
 from .transformer import MoEForCausalLM
 
@@ -481,8 +481,9 @@ def _pkey(key: str) -> str:
 
 
 def _linear_hook(A: torch.Tensor, B: torch.Tensor, scaling: float):
-    def hook(module, args, out):
-        return out + scaling * F.linear(F.linear(args[0], A), B)
+    def hook(module, args, out):  # the module's own ops (moe_rl.model.ops): exact ones under true_on_policy
+        linear = module.ops.linear
+        return out + scaling * linear(linear(args[0], A), B)
     return hook
 
 
@@ -495,27 +496,28 @@ class ExpertLora:
         self.gate_up: tuple[torch.Tensor, torch.Tensor] | None = None  # A [E or 1, r, H], B [E, 2I, r]
         self.down: tuple[torch.Tensor, torch.Tensor] | None = None  # A [E, r, I], B [E or 1, H, r]
 
-    def _rows(self, ab, x, offs):
+    def _rows(self, ab, x, offs, ops=TORCH):
         A, B = ab  # a factor with leading dim 1 is shared by the experts: one plain matmul over all rows
-        h = F.linear(x, A[0]) if A.shape[0] == 1 else grouped_mm(x, A, offs)
+        h = ops.linear(x, A[0]) if A.shape[0] == 1 else ops.grouped_mm(x, A, offs)
         if A.shape[0] == 1 or B.shape[0] == 1:
             # a plain matmul spans the padded buffer's tail (rows in no group), where a grouped GEMM
             # leaves its output and its input gradient undefined: the rank-r rows are zeroed there,
             # so with permute's zero input rows and unpermute's zero gradient rows nothing from the
             # tail reaches A's or B's gradient
             h = torch.where(in_groups(h.shape[0], offs), h, 0.0)
-        return self.scaling * (F.linear(h, B[0]) if B.shape[0] == 1 else grouped_mm(h, B, offs))
+        return self.scaling * (ops.linear(h, B[0]) if B.shape[0] == 1 else ops.grouped_mm(h, B, offs))
 
     def add_gate_up(self, gate: torch.Tensor, up: torch.Tensor, x: torch.Tensor,
-                    offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate, up) plus the adapter's rows: B's first I rows adapt gate, its last I up."""
+                    offs: torch.Tensor, ops=TORCH) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate, up) plus the adapter's rows: B's first I rows adapt gate, its last I up.
+        ``ops``: the experts' (moe_rl.model.ops)."""
         if self.gate_up is None:
             return gate, up
-        d_gate, d_up = self._rows(self.gate_up, x, offs).chunk(2, dim=-1)
+        d_gate, d_up = self._rows(self.gate_up, x, offs, ops).chunk(2, dim=-1)
         return gate + d_gate, up + d_up
 
-    def add_down(self, out: torch.Tensor, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return out if self.down is None else out + self._rows(self.down, h, offs)
+    def add_down(self, out: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, ops=TORCH) -> torch.Tensor:
+        return out if self.down is None else out + self._rows(self.down, h, offs, ops)
 
 
 def _require_full(model: MoEForCausalLM) -> None:

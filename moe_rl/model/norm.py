@@ -5,10 +5,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops import TORCH
+
 
 class RMSNorm(nn.Module):
     """``zero_centered``: Gemma's form (Qwen3-Next, Qwen3.5), the scale is 1 + weight (weight
     initialised at 0) and multiplies in fp32 before the cast back."""
+
+    ops = TORCH  # its model's ops (moe_rl.model.ops): HF's order, fp32 inside
 
     def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
@@ -19,5 +23,4 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.zero_centered:
             return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (self.weight.float() + 1)).to(x.dtype)
-        # HF's order: normalise in fp32, cast back, then scale (one fused op for the first part)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)

@@ -10,6 +10,11 @@ layout (causal over [B, T], packed by ``cu_seqlens``, or the engine's per-slot d
 so one model serves training and generation. Each MoE block can record its top-k expert ids or
 replay given ones (R3), and can shard its experts over an expert-parallel group.
 
+The arithmetic (projections, norms, routers, experts, combine, attention) is the model's ops
+object's (``moe_rl.model.ops``, set by ``use_ops``): torch's ops in HF's order, or the exact
+batch-invariant kernels of ``true_on_policy``, with which the engine and the trainer compute a
+token's log-prob to the same bits.
+
 Parameter names equal HF's for every dense tensor; experts are stored stacked per layer
 (``mlp.experts.{gate,up,down}_proj`` [local_experts, ...]) and ``hf_io`` maps them to HF's
 per-expert names.
@@ -18,13 +23,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .arch import MoEArch
 from .attention import Attention, PackedCausal, PaddedCausal, mixer_class, packed_positions
-from .grouped import dispatch, group_align, grouped_mm, permute, unpermute
+from .attention.layouts import ExactPacked
+from .grouped import dispatch, group_align, permute, unpermute
 from .norm import RMSNorm
+from .ops import TORCH, Linear
 
 
 # graphs compile_blocks lets DecoderLayer.forward have (dynamo's recompile limit, default 8):
@@ -39,14 +45,16 @@ class RoutingError(ValueError):
 
 
 class DenseMLP(nn.Module):
+    ops = TORCH  # its model's ops (moe_rl.model.ops)
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -74,6 +82,7 @@ class Experts(nn.Module):
     of rank r per projection over the same expert-sorted rows; W itself is not changed)."""
 
     lora = None
+    ops = TORCH  # its model's ops (moe_rl.model.ops)
 
     def __init__(self, num_local: int, hidden: int, inter: int):
         super().__init__()
@@ -87,16 +96,17 @@ class Experts(nn.Module):
         Gate and up are two grouped GEMMs over the same rows, not one over the two weights
         concatenated: a concatenation would copy every expert's gate and up weights on each
         forward (and inside every captured decode graph), for the same FLOPs."""
-        gate = grouped_mm(x, self.gate_proj, offs)
-        up = grouped_mm(x, self.up_proj, offs)
+        ops = self.ops
+        gate = ops.grouped_mm(x, self.gate_proj, offs)
+        up = ops.grouped_mm(x, self.up_proj, offs)
         if self.lora is not None:
-            gate, up = self.lora.add_gate_up(gate, up, x, offs)
-        h = F.silu(gate) * up
-        out = grouped_mm(h, self.down_proj, offs)
-        return out if self.lora is None else self.lora.add_down(out, h, offs)
+            gate, up = self.lora.add_gate_up(gate, up, x, offs, ops)
+        h = ops.silu_mul(gate, up)
+        out = ops.grouped_mm(h, self.down_proj, offs)
+        return out if self.lora is None else self.lora.add_down(out, h, offs, ops)
 
 
-class SoftmaxGate(nn.Linear):
+class SoftmaxGate(Linear):
     """Qwen3-MoE / Mixtral router: softmax over all experts (fp32), top-k, optionally
     renormalised. HF name: ``mlp.gate.weight``."""
 
@@ -107,17 +117,17 @@ class SoftmaxGate(nn.Linear):
     def route(self, x: torch.Tensor, ids: torch.Tensor | None):
         """(expert ids [N, k], weights [N, k] fp32); ``ids`` given (replay): the weights are the
         probabilities at those ids, renormalised as the router would."""
-        probs = F.softmax(self(x), dim=-1, dtype=torch.float)
+        probs = self.ops.softmax(self(x))
         if ids is None:
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
         else:
             weights = probs.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / self.ops.row_sum(weights)
         return ids, weights
 
 
-class SigmoidGate(nn.Linear):
+class SigmoidGate(Linear):
     """GLM-4.5 / DeepSeek-V3 router: sigmoid scores; experts chosen by score + the expert-score
     correction bias (DeepSeek-V3's auxiliary-loss-free balancing) within the ``topk_group``
     best of ``n_group`` groups (a group scores the sum of its two best); weights are the
@@ -139,15 +149,15 @@ class SigmoidGate(nn.Linear):
         self.load: torch.Tensor | None = None  # tokens per expert since the last bias update
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return self.ops.linear(x.float(), self.weight.float())
 
     def route(self, x: torch.Tensor, ids: torch.Tensor | None):
-        scores = self(x).sigmoid()
+        scores = self.ops.sigmoid(self(x))
         if ids is None:
             ids = self.select(scores)
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (self.ops.row_sum(weights) + 1e-20)
         weights = weights * self.scaling
         if self.load is not None and torch.is_grad_enabled():
             self.load.index_add_(0, ids.reshape(-1), torch.ones_like(ids, dtype=self.load.dtype).reshape(-1))
@@ -185,10 +195,13 @@ class SparseMoE(nn.Module):
 
     The (token, slot) rows are sorted by expert once per layer, run through grouped GEMMs
     (gate, up, down), and brought back with one gather and a weighted sum over
-    the k slots (a batched [1, k] x [k, H] product, deterministic unlike an atomic scatter-add).
+    the k slots (``ops.combine``: a batched [1, k] x [k, H] product, or the exact combine in
+    slot order; deterministic unlike an atomic scatter-add).
     Shared experts (GLM) are one dense MLP of ``n_shared_experts x moe_intermediate_size``
     over every token, added to the routed output (HF: ``mlp.shared_experts``).
     """
+
+    ops = TORCH  # its model's ops (moe_rl.model.ops)
 
     def __init__(self, arch: MoEArch, layer: int, ep_group=None):
         super().__init__()
@@ -211,7 +224,8 @@ class SparseMoE(nn.Module):
             self.shared_expert = None
 
     def route(self, x: torch.Tensor, replay: torch.Tensor | None):
-        """Returns (top-k expert ids [N, k], gate weights [N, k] in x's dtype).
+        """Returns (top-k expert ids [N, k], gate weights [N, k] in fp32; ``ops.combine`` takes
+        them to the dtype it sums in).
 
         Under replay the ids are given; the weights are this router's weights at those ids,
         computed from its current scores as it computes them for its own choice (softmax
@@ -220,8 +234,7 @@ class SparseMoE(nn.Module):
         ``replay`` as ``_check_replay`` returns it (the model checks each record once per
         forward, outside the decoder blocks, which may be compiled).
         """
-        ids, weights = self.gate.route(x, replay)
-        return ids, weights.to(x.dtype)
+        return self.gate.route(x, replay)
 
     def _check_replay(self, ids: torch.Tensor, n_tokens: int, device) -> torch.Tensor:
         """Validates a replay record. A host-side record (the usual case: it comes from the
@@ -250,13 +263,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None):
         ids, weights = self.route(x, replay)
-        N, k = ids.shape
+        k = ids.shape[1]
         if self.ep_size == 1:
             d = dispatch(ids.reshape(-1), self.num_local, group_align(x))
             expert_out = unpermute(self.experts(permute(x, d, k), d.offs), d)
         else:
             expert_out = self._ep_compute(x, ids)
-        out = torch.bmm(weights.unsqueeze(1), expert_out.view(N, k, x.shape[1])).squeeze(1)
+        out = self.ops.combine(expert_out, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.shared_expert is not None:
@@ -335,13 +348,15 @@ class MoEForCausalLM(nn.Module):
     the row-major flattening of ``input_ids``. ``record`` is a list that receives the same.
     """
 
+    ops = TORCH  # the arithmetic of every layer (moe_rl.model.ops); ``use_ops`` switches it
+
     def __init__(self, arch: MoEArch, ep_group=None):
         super().__init__()
         self.arch = arch
         self.rope = arch.rope()
         self.ep_group = ep_group
         self.model = Backbone(arch, ep_group)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.moe_layers = [i for i, layer in enumerate(self.model.layers) if layer.is_moe]
@@ -364,6 +379,21 @@ class MoEForCausalLM(nn.Module):
                     p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
             for layer in self.model.layers:
                 layer.mixer.init_special(g)
+        return self
+
+    def use_ops(self, ops) -> "MoEForCausalLM":
+        """Every layer computes with ``ops`` from now on (``moe_rl.model.ops``: ``TORCH``, or
+        ``EXACT`` under ``true_on_policy``). A layer whose attention kind has no exact path
+        (``Mixer.exact_path``) is refused for ``EXACT``."""
+        if ops.exact:
+            kinds = self.arch.layer_kinds()
+            missing = sorted({kinds[i] for i, l in enumerate(self.model.layers) if not l.mixer.exact_path})
+            if missing:
+                raise ValueError(f"true_on_policy: model_type={self.arch.model_type!r} has attention kinds without an "
+                                 f"exact (batch-invariant) path: {missing}; set true_on_policy=false")
+        for module in self.modules():
+            if hasattr(type(module), "ops"):
+                module.ops = ops
         return self
 
     # --- the expert-score correction bias (sigmoid routers) --------------------------------
@@ -403,6 +433,9 @@ class MoEForCausalLM(nn.Module):
         ``fullgraph=True`` (a graph break is an error) and dynamic shapes, so packed batches of
         any length share one graph; ``options`` go to ``torch.compile``. Blocks with
         expert parallelism are refused: their all-to-all splits are host integers."""
+        if self.ops.exact:
+            raise ValueError("compile_blocks: the exact kernels (true_on_policy) are not registered as custom ops "
+                             "torch.compile can trace; run the blocks eagerly")
         if any(getattr(l.mlp, "ep_size", 1) > 1 for l in self.model.layers):
             raise ValueError("compile_blocks: expert parallelism (ep_size > 1) reads the all-to-all split sizes "
                              "on the host, which a compiled block cannot; compile with ep_size=1 only")
@@ -460,12 +493,14 @@ class MoEForCausalLM(nn.Module):
         B, T = input_ids.shape
         if cu_seqlens is None:
             positions = torch.arange(T, device=input_ids.device).repeat(B)
-            attend: Attention = PaddedCausal(B, T)
+            attend: Attention = (ExactPacked.padded(B, T, input_ids.device) if self.ops.exact
+                                 else PaddedCausal(B, T))
         else:
             if B != 1:
                 raise ValueError("packed input (cu_seqlens) must have batch size 1")
             positions = packed_positions(cu_seqlens, T)
-            attend = PackedCausal(cu_seqlens, T, max_seqlen)
+            attend = (ExactPacked(cu_seqlens, max_seqlen) if self.ops.exact
+                      else PackedCausal(cu_seqlens, T, max_seqlen))
         h = self.forward_tokens(input_ids.reshape(-1), positions, attend, replay, record)
         return h.view(B, T, -1)
 

@@ -71,7 +71,7 @@ class _Adapter:
         return callable(getattr(self.client, method, None))
 
     async def begin_weight_update(self):
-        """SGLang >= 0.5.23 refuses /update_weights_from_distributed outside this session."""
+        """SGLang >= 0.5.23 refuses /update_weights_from_distributed outside a begin/end weight-update pair."""
         if self.has("begin_weight_update"):
             return await self._call("begin_weight_update")
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import ConfigError
-from moe_rl.kernels import fused_logprobs, fused_token_loss
 from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors, load_hf_weights
 from moe_rl.model.attention import longest_sequence
+from moe_rl.model.ops import TORCH, model_ops
 
 log = logging.getLogger(__name__)
 
@@ -96,21 +96,22 @@ class DataParallelStep:
     ``token_loss``) and the optimizer step (gradients summed over the data-parallel groups by
     ``_reduce_grads``, clipped by their global norm, AdamW step). Subclasses set ``model``,
     ``device``, ``optimizer``, ``dense_params``, ``expert_params``, ``cfg``, ``ep_size``,
-    ``_ep_group()``, ``hidden_states(mb, record)`` ([T, H]) and ``lm_head_weight``."""
+    ``_ep_group()``, ``hidden_states(mb, record)`` ([T, H]) and ``lm_head_weight``; ``ops``
+    (``moe_rl.model.ops``) says how the LM head takes its log-probs: the fused kernels
+    (``TORCH``), or the exact linear and log-softmax of ``true_on_policy`` (``EXACT``)."""
+
+    ops = TORCH
 
     def logprobs(self, mb, temperature, with_entropy=False, record=None):
-        out = fused_logprobs(
-            self.hidden_states(mb, record), self.lm_head_weight, mb.labels.to(self.device, non_blocking=True),
-            temperature=temperature, return_entropy=with_entropy,
-        )
-        return out if with_entropy else (out, None)
+        return self.ops.lm_logprobs(self.hidden_states(mb, record), self.lm_head_weight,
+                                    mb.labels.to(self.device, non_blocking=True), temperature, with_entropy)
 
     def token_loss(self, mb, rows, temperature, token_loss, with_entropy=False, record=None):
         dev = self.device
         hidden = self.hidden_states(mb, record)
         rows = rows.to(dev, non_blocking=True)
-        return fused_token_loss(hidden[rows], self.lm_head_weight, mb.labels.to(dev, non_blocking=True)[rows],
-                                token_loss, temperature=temperature, return_entropy=with_entropy)
+        return self.ops.lm_token_loss(hidden[rows], self.lm_head_weight, mb.labels.to(dev, non_blocking=True)[rows],
+                                      token_loss, temperature, with_entropy)
 
     def _setup_optimizer(self) -> None:
         """Splits expert from dense parameters (they reduce over different groups); AdamW.
@@ -175,6 +176,8 @@ class NativeBackend(DataParallelStep):
             self.model.init_weights(cfg.model.init_seed, std=cfg.model.init_std)
         self.device = torch.device(cfg.train.device)
         self.model.to(device=self.device, dtype=DTYPES[cfg.model.dtype])
+        self.ops = model_ops(cfg)  # true_on_policy: the engine's exact kernels (moe_rl.model.ops)
+        self.model.use_ops(self.ops)
         self.lora = None
         if cfg.lora.enabled:
             from moe_rl.model.lora import build_lora
@@ -273,7 +276,9 @@ def use_compile(cfg, logger=None) -> bool:
     refuses what cannot be compiled, ``false`` never."""
     mode, t = cfg.train.compile, cfg.train
     why = None
-    if t.ep_size > 1:
+    if cfg.true_on_policy:
+        why = "true_on_policy (the exact kernels are not custom ops torch.compile can trace)"
+    elif t.ep_size > 1:
         why = "train.ep_size > 1 (the all-to-all's split sizes are host integers)"
     elif mode == "auto" and t.device != "cuda":
         why = "train.compile=auto is off on the CPU (the compile costs more than a CPU run saves: docs/benchmarks.md)"

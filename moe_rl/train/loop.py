@@ -12,6 +12,10 @@ Per step:
 With one optimizer update per batch (``train.minibatches: 1``) the proximal policy (the trainer
 before its update) is the very forward that is being differentiated, so its log-probs are that
 forward's, detached; with several, they are a no-grad forward taken before the first update.
+Under ``true_on_policy`` with the embedded engine, a minibatch whose every trained token was
+sampled by the weights the batch starts from needs no such forward: the engine's log-probs are
+those bits already (docs/true_on_policy.md), so they are the proximal ones, the behaviour
+weight (TIS, IcePop) is exactly 1, and the mismatch metrics are measured on the forwards taken.
 
 Devices: a micro-batch (``Micro``) is packed on the host and brought to the backend's device
 in one asynchronous copy per pass over it; the loss, the metrics and the routing match read
@@ -214,6 +218,8 @@ class Trainer:
         self.arch = self.backend.arch
         self.ref = build_backend(cfg, groups) if cfg.algo.kl_coef > 0 else None  # frozen initial policy
         self.fused_loss = use_fused_loss(cfg, log if self.lead else None)
+        # the engine's log-probs are the trainer's bits at staleness 0 (a proximal forward is skipped)
+        self.exact_rollouts = cfg.true_on_policy and cfg.engine.kind == "embedded"
         self.task = task_from_config(cfg)
         self.record_routing = cfg.replay.enabled or cfg.engine.kind == "embedded"
         self.replay_dir = Path(cfg.replay.dir or self.run_dir / "routing")
@@ -334,17 +340,20 @@ class Trainer:
             self.reader.refresh()
         parts = [batch[len(batch) * j // n_mini : len(batch) * (j + 1) // n_mini] for j in range(n_mini)]
         prepared = [self._prepare(part) for part in parts]
-        # coupled PPO (ratio_anchor=behaviour) never reads the proximal log-probs: no extra forward
+        # coupled PPO (ratio_anchor=behaviour) never reads the proximal log-probs: no extra forward;
+        # nor does an exactly on-policy minibatch (true_on_policy): its behaviour log-probs are they
         coupled = cfg.algo.ratio_anchor == "behaviour"
-        proximal = [None] * n_mini if coupled else [None] + [self._proximal(p) for p in prepared[1:]]
-        # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n, stale match, stale total: on the
-        # backend's device, read once at the end of the step
+        skip = [not coupled and j > 0 and p["exact_on_policy"] for j, p in enumerate(prepared)]
+        proximal = [None] * n_mini if coupled else [None] + [self._behaviour(p) if s else self._proximal(p)
+                                                             for p, s in zip(prepared[1:], skip[1:])]
+        # loss, k3*n, n, match, total, entropy*n, clip*n, ice*n, stale match, stale total, tokens the
+        # mismatch is measured on: on the backend's device, read once at the end of the step
         dev = self.backend.device
-        sums = torch.zeros(10, dtype=torch.float64, device=dev)
+        sums = torch.zeros(11, dtype=torch.float64, device=dev)
         max_ratio = torch.zeros(1, dtype=torch.float64, device=dev)
         steps = []
-        for prep, prox in zip(prepared, proximal):
-            self._accumulate(prep, prox, sums, max_ratio)
+        for prep, prox, s in zip(prepared, proximal, skip):
+            self._accumulate(prep, prox, sums, max_ratio, measured=not s)
             steps.append(self.backend.optimizer_step())
         T = self.n_trainers
         if T > 1:
@@ -354,11 +363,11 @@ class Trainer:
         keys = list(steps[0])
         stats = [torch.as_tensor(s[k], dtype=torch.float64, device=dev).reshape(1) for s in steps for k in keys]
         values = torch.cat([sums, max_ratio, *stats]).tolist()
-        tot, max_ratio, stats = values[:10], values[10], values[11:]
+        tot, max_ratio, stats = values[:11], values[11], values[12:]
         n = max(tot[2], 1.0)
         out = {
             "loss": tot[0] / n_mini,  # each minibatch's loss is normalised on its own
-            "mismatch_k3": tot[1] / n,
+            "mismatch_k3": tot[1] / max(tot[10], 1.0),
             "mismatch_max_ratio": max_ratio,
             "clip_frac": tot[6] / n,
             "icepop_frac": tot[7] / n,
@@ -370,6 +379,8 @@ class Trainer:
             out["routing_match"] = tot[3] / tot[4]
         if tot[9] > 0:  # stale samples: the older router's experts vs the trainer's own
             out["routing_match_stale"] = tot[8] / tot[9]
+        if cfg.true_on_policy:
+            out["proximal_forwards_skipped"] = sum(skip)
         return out
 
     def _prepare(self, part: list[dict]) -> dict:
@@ -398,8 +409,11 @@ class Trainer:
                 mc.own = []
                 with torch.no_grad():
                     self.backend.logprobs(mc.mb, cfg.rollout.temperature, record=mc.own)
+        # every trained token sampled by these very weights, by the exact engine: its log-probs are ours
+        exact_on_policy = self.exact_rollouts and all(v == self.version for s in part
+                                                      for v, m in zip(s["versions"], _loss_mask(s)) if m)
         return dict(micro=micro, algo=algo, n_tok=sum(sum(_loss_mask(s)) for s in part),
-                    n_seq=sum(1 for s in part if s["response_ids"]))
+                    n_seq=sum(1 for s in part if s["response_ids"]), exact_on_policy=exact_on_policy)
 
     def _on_device(self, mc: Micro) -> Micro:
         """``mc`` on the backend's device (one asynchronous copy of each tensor), with the
@@ -409,6 +423,11 @@ class Trainer:
         if self.cfg.replay.enabled and d.routing is not None and d.chunk:
             d.mb.replay = replay_rows(d.engine_routing, d.own, d.fresh, d.stale)
         return d
+
+    def _behaviour(self, prep: dict) -> list[torch.Tensor | None]:
+        """The engine's log-probs of a minibatch's response tokens as its proximal ones (an exactly
+        on-policy minibatch under true_on_policy: the same bits a proximal forward would give)."""
+        return [_to_device(mc.behav, self.backend.device) if mc.chunk else None for mc in prep["micro"]]
 
     @torch.no_grad()
     def _proximal(self, prep: dict) -> list[torch.Tensor | None]:
@@ -420,10 +439,12 @@ class Trainer:
             out.append(logp_all[d.resp_pos] if d.chunk else None)
         return out
 
-    def _accumulate(self, prep: dict, proximal: list | None, sums: torch.Tensor, max_ratio: torch.Tensor) -> None:
+    def _accumulate(self, prep: dict, proximal: list | None, sums: torch.Tensor, max_ratio: torch.Tensor,
+                    measured: bool = True) -> None:
         """Forward and backward of one minibatch's micro-batches (gradients accumulate), adding
         its metrics to ``sums`` (on the device: no host read here). ``proximal`` None: the
-        proximal policy is this very forward."""
+        proximal policy is this very forward. ``measured`` False: the proximal log-probs are the
+        behaviour ones (no forward took them), which the mismatch metrics leave out."""
         cfg = self.cfg
         temp = cfg.rollout.temperature
         need_entropy = cfg.algo.entropy_coef > 0
@@ -449,9 +470,11 @@ class Trainer:
             mm = mismatch_metrics(prox, d.behav, d.mask)  # the weights that sampled vs those the batch started from
             n = mm["num_tokens"]
             sums[0] += loss.detach()
-            sums[1] += mm["mismatch_k3"] * n
             sums[2] += n
-            max_ratio.clamp_(min=mm["mismatch_max_ratio"])
+            if measured:
+                sums[1] += mm["mismatch_k3"] * n
+                sums[10] += n
+                max_ratio.clamp_(min=mm["mismatch_max_ratio"])
             if used is not None:
                 # replayed rows (fresh samples) vs rows the trainer routed itself (stale ones)
                 replayed = d.has_rec & ~d.stale if cfg.replay.enabled else d.has_rec
@@ -668,7 +691,11 @@ def use_fused_loss(cfg, logger=None) -> bool:
         raise ConfigError(f"train.fused_loss=true: {why}; set train.fused_loss to auto or false")
     fused = mode is not False and why is None
     if logger is not None:
-        if fused:
+        if fused and cfg.true_on_policy:
+            logger.info("policy loss per token on the LM head's exact log-probs (train.fused_loss=%s; true_on_policy: "
+                        "the fused LM-head kernel sums in another order, so the exact linear and log-softmax take "
+                        "its place and the backward runs through them)", str(mode).lower())
+        elif fused:
             logger.info("policy loss fused into the LM head (train.fused_loss=%s, algo.policy_loss=%s, "
                         "algo.loss_agg=%s): d_hidden and d_weight come out of its forward", str(mode).lower(),
                         cfg.algo.policy_loss, cfg.algo.loss_agg)

@@ -101,7 +101,7 @@ def test_a_step_reads_the_device_once():
 def test_host_reads_are_found_on_a_gpu():
     """The check before capture sees CUDA reads; an engine whose step has one (float64 experts:
     padded_grouped_mm) runs without graphs when engine.cuda_graph is unset, one without (float32:
-    the Triton grouped GEMM since issue 30) with them."""
+    the Triton grouped GEMM) with them."""
     from moe_rl.engine.decode import host_reads
 
     x = torch.ones(4, device="cuda")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("moe_rl.sync.receiver", reason="moe_rl.sync.receiver (issue 6) is not there yet")
+pytest.importorskip("moe_rl.sync.receiver", reason="moe_rl.sync.receiver is not importable")
 
 from moe_rl.engine import EngineClient, EngineHTTPError, output_logprobs, token_weight_versions  # noqa: E402
 from moe_rl.model import iter_local_hf_tensors  # noqa: E402
@@ -124,7 +124,7 @@ def test_sender_death_keeps_previous_weights():
 
 
 def test_weight_sender_drives_the_server_over_http():
-    """moe_rl.sync's WeightSender (issue 6) pushes a whole model in several buckets through
+    """moe_rl.sync's WeightSender pushes a whole model in several buckets through
     EngineClient handles; an in-flight request is aborted by the sender's pause (SGLang's default)."""
     from moe_rl.sync.sender import WeightSender
 

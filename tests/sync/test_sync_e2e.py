@@ -110,7 +110,8 @@ def _glm_trainer_model(seed):
     model = MoEForCausalLM(H.arch(**GLM)).init_weights(seed)
     with torch.no_grad():
         for i in model.moe_layers:
-            model.model.layers[i].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+            model.model.layers[i].mlp.gate.e_score_correction_bias.normal_(
+                0, 0.1, generator=torch.Generator().manual_seed(seed + i))
     return model
 
 
@@ -128,7 +129,7 @@ def test_glm_sync_carries_the_correction_bias_through_bound_buffers():
         assert ctl.call("hashes")["result"] == H.model_hashes(model)
         model.track_expert_load()
         # fixed tokens: an unseeded batch can give every expert the same load, and no update
-        model(torch.randint(0, 48, (2, 5), generator=torch.Generator().manual_seed(3))).sum().backward()
+        model(torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(3))).sum().backward()
         load = model.model.layers[1].mlp.gate.load
         assert not torch.all(load == load.mean()), load
         before = model.model.layers[1].mlp.gate.e_score_correction_bias.clone()

@@ -2,7 +2,7 @@
 the weight sync's pack/stage/commit, with every model on ``fakedev`` (tests/fake_device.py, which
 says why that second device and not meta, a default-device guard or a tagging dispatch mode).
 An op that mixes a fakedev tensor with a CPU tensor raises there as it would on a GPU, so these
-tests catch what broke the main job on its first GPU run (issue 28):
+tests catch what broke the main job on its first GPU run:
 
 * train/loop.py built behav, adv, seq_ids and mask on the host while logp was on the device
   (policy_loss: ``log_w = prox - behav``);
@@ -20,7 +20,7 @@ also runs on the CPU and the two must agree, so the fake device cannot pass by c
 something else.
 
 The scenarios run in one fresh process (``fresh_process``): installing fakedev is process-global.
-The host syncs of the step are recorded (``recording``) and held at issue 30's target: one per
+The host syncs of the step are recorded (``recording``) and held at the target: one per
 step, the loop's read of the step's metrics at its end (``Trainer.train_step``); nothing inside a
 micro-batch's forward and backward reads the device (was 80 with the fused loss, 83 on the
 general path, at 1190b7b: the padded grouped GEMM, policy_loss and mismatch_metrics, PackedCausal,
@@ -301,7 +301,7 @@ def _static_engine_on_both():
 
 
 def _static_engine():
-    """The engine's static decode step (issue 30) on fakedev gives the dynamic step's tokens,
+    """The engine's static decode step on fakedev gives the dynamic step's tokens,
     log-probs and routing on the CPU. The host syncs of the run: one read per step (d2h), no
     blocking copy, no data-dependent shape, no scalar read (the fp32 experts' grouped GEMM is
     the sync-free op, as on a GPU), so the check before capture finds nothing and an unset
@@ -398,7 +398,7 @@ def test_engine_on_a_second_device(fakedev):
 
 def test_static_decode_on_a_second_device(fakedev):
     """The static decode step on fakedev: the CPU's outputs, one read per step and no blocking
-    copy; graphs stay off where the step reads the host (issue 30)."""
+    copy; graphs stay off where the step reads the host."""
     fakedev(_static_engine_on_both)
 
 

@@ -1,4 +1,4 @@
-"""Host syncs of one training step on a real GPU (issue 30 item 2): CUDA's sync debug mode warns on
+"""Host syncs of one training step on a real GPU: CUDA's sync debug mode warns on
 every operation that makes the host wait for the device; one step of the real
 ``Trainer.train_step`` must make exactly one, the read of its metrics at its end. The CPU form
 of this check runs on ``fakedev`` (tests/train/test_device_discipline.py); this one also sees

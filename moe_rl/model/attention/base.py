@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops import TORCH
 from .layouts import Attention
 
 
@@ -21,10 +22,16 @@ class Mixer(nn.Module):
     * ``forward(x, cos, sin, attend)``: x [N, H] -> [N, H]; ``cos``/``sin`` are the forward's
       rope tables (``Rope.cos_sin``), ``attend`` its layout (``layouts.Attention``). It must
       compile with ``fullgraph=True`` (no host reads, no branch on tensor values).
+    * ``exact_path``: whether its arithmetic is all its model's ops' (``self.ops``, its
+      projections ``moe_rl.model.ops.Linear``, its norms ``RMSNorm``) and its attention the
+      layout's, so that ``true_on_policy`` gives a token the same bits in the engine and the
+      trainer; a kind without one is refused under that key.
     """
 
     hf_name = "self_attn"
     lora_targets: tuple[str, ...] = ()
+    exact_path = False
+    ops = TORCH  # its model's ops (moe_rl.model.ops)
 
     def __init__(self, arch: MoEArch, layer: int):
         super().__init__()
@@ -46,7 +53,7 @@ class Mixer(nn.Module):
         kernel), after ``MoEForCausalLM.init_weights``' draw; nothing by default."""
 
 
-def linear_weight(linear: nn.Linear) -> torch.Tensor:
+def linear_weight(linear) -> torch.Tensor:
     """The weight ``linear`` applies, with the delta s * B @ A of a LoRA adapter served in the
     forward (``moe_rl.model.lora`` hooks the module's output and leaves ``lora_delta`` on it),
     for a kind that uses a projection's weight other than by calling the module."""
@@ -54,4 +61,4 @@ def linear_weight(linear: nn.Linear) -> torch.Tensor:
     if delta is None:
         return linear.weight
     A, B, scaling = delta
-    return torch.addmm(linear.weight, B, A, alpha=scaling)
+    return linear.ops.lora_weight(linear.weight, A, B, scaling)

@@ -16,7 +16,12 @@ Every layout answers two questions for a layer:
   carries a state along each sequence instead of attending (a recurrent kind).
 
 The attention arithmetic itself is in two functions here, ``sdpa`` (whole sequences) and
-``decode_sdpa`` (one query row per sequence over cached keys), the one place to change it.
+``decode_sdpa`` (one query row per sequence over cached keys), the one place to change it;
+under ``true_on_policy`` (the model's ops exact) in two more, ``packed_sdpa`` (a training
+batch: ``ExactPacked``) and ``cached_sdpa`` (an engine step over its KV cache, the step's
+keys written first: ``moe_rl.engine.decode.ExactStepAttention``), both the batch-invariant
+kernel of ``moe_rl.kernels.exact``, which reduces a query's keys in one order in a prefill, a
+decode step and the trainer's forward.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from moe_rl.kernels import exact
 
 
 class Attention(Protocol):
@@ -92,6 +99,19 @@ def decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     o = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), k, v, attn_mask=mask[:, None, None, :],
                                        scale=scale)
     return o.reshape(B, Hq, v.shape[-1])
+
+
+def packed_sdpa(q, k, v, cu_seqlens, max_seqlen=None, scale=None):
+    """Exact causal attention inside each packed sequence: q [total, Hq, Dk], k [total, Hkv, Dk],
+    v [total, Hkv, Dv], sequence s at rows cu_seqlens[s]:cu_seqlens[s+1] -> [total, Hq, Dv]."""
+    return exact.packed_attention(q, k, v, cu_seqlens, scale=scale, max_seqlen=max_seqlen)
+
+
+def cached_sdpa(q, cache, cu_seqlens_q, slots, pos0, scale=None):
+    """Exact attention of an engine step over its KV cache (``state.KVCache``, the step's keys
+    already written): sequence s's queries q[cu_seqlens_q[s]:cu_seqlens_q[s+1]] sit in cache slot
+    ``slots[s]`` from position ``pos0[s]`` on -> [N, Hq, Dv]."""
+    return exact.cached_attention(q, cache.k, cache.v, cu_seqlens_q, slots, pos0, scale=scale)
 
 
 class _Training:
@@ -168,6 +188,23 @@ class PackedCausal(_Training):
         cu = self.cu_seqlens
         cu = torch.cat([cu[:-1], cu.new_full((1,), self.total)]) if cu.shape[0] > 1 else cu.new_tensor([0, self.total])
         return Scan(Sequences(None, cu))
+
+
+class ExactPacked(_Training):
+    """The training layout of ``true_on_policy``: every sequence of a packed batch (or every row
+    of a [B, T] batch) through ``packed_sdpa``. ``max_seqlen`` spares the backward a host read."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int | None = None):
+        self.cu_seqlens = cu_seqlens.to(torch.int32)
+        self.max_seqlen = max_seqlen
+
+    @classmethod
+    def padded(cls, batch: int, seqlen: int, device) -> "ExactPacked":
+        """A [B, T] batch: B sequences of T tokens (right padding is harmless under causality)."""
+        return cls(torch.arange(batch + 1, device=device) * seqlen, seqlen)
+
+    def __call__(self, layer, q, k, v, *, scale=None):
+        return packed_sdpa(q, k, v, self.cu_seqlens, self.max_seqlen, scale)
 
 
 def longest_sequence(cu_seqlens: torch.Tensor, total: int) -> int:

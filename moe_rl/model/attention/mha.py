@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..norm import RMSNorm
+from ..ops import Linear
 from .base import Mixer
 from .rope import apply_rope
 from .state import KVSpec
@@ -12,16 +13,17 @@ from .state import KVSpec
 
 class MHAttention(Mixer):
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    exact_path = True
 
     def __init__(self, arch: MoEArch, layer: int):
         super().__init__(arch, layer)
         self.nq, self.nkv, self.hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         H = arch.hidden_size
         bias = arch.attention_bias
-        self.q_proj = nn.Linear(H, self.nq * self.hd, bias=bias)
-        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.nq * self.hd, H, bias=False)
+        self.q_proj = Linear(H, self.nq * self.hd, bias=bias)
+        self.k_proj = Linear(H, self.nkv * self.hd, bias=bias)
+        self.v_proj = Linear(H, self.nkv * self.hd, bias=bias)
+        self.o_proj = Linear(self.nq * self.hd, H, bias=False)
         if arch.use_qk_norm:
             self.q_norm = RMSNorm(self.hd, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, arch.rms_norm_eps)

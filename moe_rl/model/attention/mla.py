@@ -15,13 +15,19 @@ per token and layer, ``KVSpec(1, kv_lora + rope, kv_lora, v_in_k=True)``), and a
 space, so q = [q_nope W_kc ; q_rope] attends over the latents as one shared key/value head
 (values: c), and the result goes back through W_vc (SGLang's MLA decode). That reorders the
 sums against the trainer's expanded forward (tests/engine: log-probs within 1e-6 in fp32).
+
+Under ``true_on_policy`` (the model's ops exact) training attends in the absorbed order too,
+over the latents of the packed batch, with the per-head products as grouped GEMMs of the heads
+(``ops.head_linear``): the engine's order of every sum, so its log-probs equal the trainer's
+bit for bit. The function is the same; its cost in training is attention over
+kv_lora_rank + qk_rope_head_dim wide keys instead of qk_head_dim wide ones.
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..norm import RMSNorm
+from ..ops import Linear
 from .base import Mixer, linear_weight
 from .rope import apply_rope, yarn_mscale
 from .state import KVSpec
@@ -32,6 +38,7 @@ LATENT_NORM_EPS = 1e-6
 
 class MLAttention(Mixer):
     lora_targets = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    exact_path = True
 
     def __init__(self, arch, layer: int):
         super().__init__(arch, layer)
@@ -42,15 +49,15 @@ class MLAttention(Mixer):
         bias = arch.attention_bias
         qk = self.nope + self.rope_dim
         if arch.q_lora_rank is None:
-            self.q_proj = nn.Linear(H, nh * qk, bias=False)
+            self.q_proj = Linear(H, nh * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(H, arch.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(H, arch.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(arch.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(arch.q_lora_rank, nh * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora + self.rope_dim, bias=bias)
+            self.q_b_proj = Linear(arch.q_lora_rank, nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(H, self.kv_lora + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora, nh * (self.nope + self.vd), bias=False)
-        self.o_proj = nn.Linear(nh * self.vd, H, bias=bias)
+        self.kv_b_proj = Linear(self.kv_lora, nh * (self.nope + self.vd), bias=False)
+        self.o_proj = Linear(nh * self.vd, H, bias=bias)
         self.scale = softmax_scale(arch)
 
     @classmethod
@@ -93,7 +100,7 @@ class MLAttention(Mixer):
         c = self.kv_a_layernorm(c)
         q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
         k_rope = apply_rope(k_rope.view(N, 1, self.rope_dim), cos, sin, self.interleaved)
-        if attend.state(self.layer) is None:
+        if attend.state(self.layer) is None and not self.ops.exact:
             o = self._expanded(q_nope, q_rope, c, k_rope, attend)
         else:
             o = self._absorbed(q_nope, q_rope, c, k_rope, attend)
@@ -112,10 +119,10 @@ class MLAttention(Mixer):
         W_vc [v, kv_lora] are applied to the query and to the output instead of to every key."""
         w = linear_weight(self.kv_b_proj).view(self.nh, self.nope + self.vd, self.kv_lora)
         w_kc, w_vc = w[:, : self.nope], w[:, self.nope :]
-        q = torch.cat((torch.einsum("nhd,hdc->nhc", q_nope, w_kc), q_rope), dim=-1)  # [N, nh, kv_lora + rope]
+        q = torch.cat((self.ops.head_linear(q_nope, w_kc.transpose(1, 2)), q_rope), dim=-1)  # [N, nh, kv_lora + rope]
         latent = torch.cat((c, k_rope[:, 0]), dim=-1).unsqueeze(1)  # [N, 1, kv_lora + rope]
         o = attend(self.layer, q, latent, latent[..., : self.kv_lora], scale=self.scale)  # [N, nh, kv_lora]
-        return torch.einsum("nhc,hvc->nhv", o, w_vc)
+        return self.ops.head_linear(o, w_vc)
 
 
 def softmax_scale(arch) -> float:
