@@ -219,7 +219,7 @@ class SparseMoE(nn.Module):
                                if arch.n_shared_experts else None)
         if arch.shared_expert_intermediate_size:  # Qwen3-Next / Qwen3.5: one shared expert, sigmoid-gated
             self.shared_expert = DenseMLP(arch.hidden_size, arch.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(arch.hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
 

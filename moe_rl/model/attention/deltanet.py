@@ -31,6 +31,7 @@ from torch import nn
 from moe_rl.kernels.gated_delta import chunk_gated_delta_rule, compute_dtype, l2norm, recurrent_step
 
 from ..norm import RMSNorm
+from ..ops import Linear
 from .base import Mixer
 from .state import RecurrentSpec
 
@@ -102,13 +103,13 @@ class DeltaNet(Mixer):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.norm = GatedRMSNorm(self.dv, arch.rms_norm_eps)
-        self.out_proj = nn.Linear(self.hv * self.dv, H, bias=False)
+        self.out_proj = Linear(self.hv * self.dv, H, bias=False)
 
     def _projections(self, H: int) -> None:
-        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(H, self.hv * self.dv, bias=False)
-        self.in_proj_b = nn.Linear(H, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(H, self.hv, bias=False)
+        self.in_proj_qkv = Linear(H, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(H, self.hv * self.dv, bias=False)
+        self.in_proj_b = Linear(H, self.hv, bias=False)
+        self.in_proj_a = Linear(H, self.hv, bias=False)
 
     def project(self, x: torch.Tensor):
         """x [N, H] -> (conv input [N, conv_dim] = [q; k; v], z [N, Hv, Dv], b [N, Hv], a [N, Hv])."""
@@ -203,8 +204,8 @@ class DeltaNetQKVZ(DeltaNet):
 
     def _projections(self, H: int) -> None:
         r = self.hv // self.hk
-        self.in_proj_qkvz = nn.Linear(H, self.hk * (2 * self.dk + 2 * r * self.dv), bias=False)
-        self.in_proj_ba = nn.Linear(H, self.hk * 2 * r, bias=False)
+        self.in_proj_qkvz = Linear(H, self.hk * (2 * self.dk + 2 * r * self.dv), bias=False)
+        self.in_proj_ba = Linear(H, self.hk * 2 * r, bias=False)
 
     def project(self, x: torch.Tensor):
         N = x.shape[0]

@@ -5,9 +5,9 @@ in Gemma's (1 + w) form; partial NeoX rope; the attention output times sigmoid(g
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..norm import RMSNorm
+from ..ops import Linear
 from .base import Mixer
 from .rope import apply_rope
 from .state import KVSpec
@@ -20,10 +20,10 @@ class GatedAttention(Mixer):
         super().__init__(arch, layer)
         self.nq, self.nkv, self.hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         H = arch.hidden_size
-        self.q_proj = nn.Linear(H, 2 * self.nq * self.hd, bias=False)
-        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nq * self.hd, H, bias=False)
+        self.q_proj = Linear(H, 2 * self.nq * self.hd, bias=False)
+        self.k_proj = Linear(H, self.nkv * self.hd, bias=False)
+        self.v_proj = Linear(H, self.nkv * self.hd, bias=False)
+        self.o_proj = Linear(self.nq * self.hd, H, bias=False)
         self.q_norm = RMSNorm(self.hd, arch.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.hd, arch.rms_norm_eps, zero_centered=True)
 
