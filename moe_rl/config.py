@@ -427,10 +427,15 @@ class LoraConfig(Strict):
                           "experts.down_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
                           "shared_experts.down_proj",
                           # multi-head latent attention (deepseek_v3, glm4_moe_lite)
-                          "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]] = Field(
+                          "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                          # Gated DeltaNet's projections (Qwen3-Next: in_proj_qkvz/ba; Qwen3.5: in_proj_qkv/z/b/a)
+                          "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                          "out_proj"]] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"],
         description="weights to adapt; attention targets are the projections of the model's attention (MLA models: "
-                    "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)")
+                    "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; Gated DeltaNet layers: "
+                    "in_proj_qkvz, in_proj_ba (Qwen3-Next) or in_proj_qkv, in_proj_z, in_proj_b, in_proj_a "
+                    "(Qwen3.5), out_proj)")
     layers: list[int] | None = Field(None, description="indices of the decoder layers to adapt; null = all")
     seed: int = Field(0, description="seed of the adapters' init (A random, B zero)")
     sync: Literal["adapter", "merged"] = Field("merged", description="what a weight sync sends: the adapter "

@@ -27,7 +27,9 @@ from typing import Any
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 # SGLang's parser of each model family (what --tool-call-parser names for its checkpoints)
-TOOL_FORMATS = {"qwen3_moe": "hermes", "glm4_moe": "glm45"}
+# (Qwen3-Next's instruct and thinking releases write Qwen3's hermes form; a family not here is
+# served, with requests that carry tools refused)
+TOOL_FORMATS = {"qwen3_moe": "hermes", "glm4_moe": "glm45", "qwen3_next": "hermes"}
 
 
 # --- messages and the template --------------------------------------------------------------

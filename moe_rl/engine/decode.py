@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_rl.model.attention import KVCache, decode_sdpa, visible
+from moe_rl.model.attention import KVCache, Scan, Steps, decode_sdpa, visible
 from moe_rl.model.attention.layouts import cached_sdpa
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,10 @@ class DecodeAttention:
 
     def state(self, layer: int):
         return self.states[layer]
+
+    def scan(self, device) -> Scan:
+        """Every row a one-token step of its slot's recurrent state (a recurrent kind)."""
+        return Scan(None, Steps(None, self.slots))
 
     def __call__(self, layer, q, k, v, *, scale=None, sinks=None, window=None):
         cache = self.states[layer]

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from . import protocol as P
-from moe_rl.model.attention import sdpa, state_specs, visible
+from moe_rl.model.attention import Scan, Sequences, Steps, sdpa, state_specs, visible
 from moe_rl.model.ops import tempered
 
 from .decode import CudaGraphs, DecodeAttention, ExactStepAttention, StaticDecoder
@@ -114,9 +114,29 @@ class _StepAttention:
         self.prefill = [s for s in segments if not (s[2] == 1 and s[1] > 0)]
         self.dec_rows = dec_rows
         self.decode = DecodeAttention(states, dec_slots, dec_pos, lmax) if lmax else None
+        self._scan: Scan | None = None
 
     def state(self, layer: int):
         return self.states[layer]
+
+    def scan(self, device) -> Scan:
+        """For recurrent kinds: the prefill segments as whole sequences (each from its slot's
+        state, or from zeros at position 0), the decode rows as one-token steps. Made at the
+        first recurrent layer, in one host-to-device copy."""
+        if self._scan is None:
+            seqs = None
+            if self.prefill:
+                rows = [r for _, _, n, off in self.prefill for r in range(off, off + n)]
+                cu = [0]
+                for _, _, n, _ in self.prefill:
+                    cu.append(cu[-1] + n)
+                meta = [(slot, int(start > 0)) for slot, start, _, _ in self.prefill]
+                host = torch.tensor(rows + cu + [m[0] for m in meta] + [m[1] for m in meta], dtype=torch.long)
+                r, c, sl, res = host.to(device, non_blocking=True).split([len(rows), len(cu), len(meta), len(meta)])
+                seqs = Sequences(r, c, sl, res.bool())
+            steps = Steps(self.dec_rows, self.decode.slots) if self.decode is not None else None
+            self._scan = Scan(seqs, steps)
+        return self._scan
 
     def __call__(self, layer, q, k, v, *, scale=None, sinks=None, window=None):
         cache = self.states[layer]

@@ -49,6 +49,21 @@ _HF_MLA_DEFAULTS = {
 _ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
+LAYER_TYPES = ("linear_attention", "full_attention")  # HF's layer_types of the hybrid families
+
+
+def hybrid(linear_kind: str) -> Callable[["MoEArch", int], str]:
+    """Qwen3-Next / Qwen3.5: HF's ``layer_types`` name each layer "linear_attention" (Gated
+    DeltaNet, ``linear_kind``: the family's projection layout) or "full_attention" (softmax
+    attention with an output gate)."""
+
+    def kind(arch: "MoEArch", layer: int) -> str:
+        return "gated_attention" if arch.layer_types[layer] == "full_attention" else linear_kind
+
+    kind.linear_kind = linear_kind
+    return kind
+
+
 @dataclass(frozen=True)
 class Family:
     """What one HF model family fixes.
@@ -70,6 +85,9 @@ class Family:
     the config.json key of the experts' width; ``own_keys``, config.json keys (``MoEArch``
     fields) only this family reads: other families ignore them in a config.json and refuse them
     set in a config.
+    ``zero_centered_norm``: the decoder's RMSNorms scale by (1 + weight) in fp32 (Gemma's form).
+    ``gated_shared_expert``: a MoE block may have one shared expert of
+    ``shared_expert_intermediate_size`` whose output is scaled by sigmoid(x . w_gate).
     """
 
     architecture: str
@@ -84,6 +102,13 @@ class Family:
     experts: str = "swiglu"
     expert_width_key: str = "moe_intermediate_size"
     own_keys: tuple[str, ...] = ()
+    zero_centered_norm: bool = False
+    gated_shared_expert: bool = False
+
+    @property
+    def hybrid(self) -> bool:
+        """Layers of two kinds by HF's ``layer_types`` (``hybrid``)."""
+        return hasattr(self.attention, "linear_kind")
 
 
 FAMILIES: dict[str, Family] = {
@@ -127,7 +152,33 @@ FAMILIES: dict[str, Family] = {
         own_keys=("sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit"),
     ),
 }
+# hybrid Gated DeltaNet families: every layer MoE (SGLang's models have no dense layers), one
+# gated shared expert, Gemma norms; Qwen3.5 (qwen3_5_moe_text, the text model of the multimodal
+# qwen3_5_moe) always renormalises the top-k and has no knob for it
+_HYBRID_FIXED = {"use_qk_norm": True, "attention_bias": False, "n_shared_experts": 0, "n_group": 1,
+                 "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "mlp_only_layers": [],
+                 "decoder_sparse_step": 1, **_NO_MLA}
+FAMILIES["qwen3_next"] = Family(
+    "Qwen3NextForCausalLM", "softmax", "num_experts",
+    defaults={"use_qk_norm": True, "partial_rotary_factor": 0.25, "rope_interleave": False}, fixed=_HYBRID_FIXED,
+    attention=hybrid("deltanet_qkvz"), zero_centered_norm=True, gated_shared_expert=True,
+)
+FAMILIES["qwen3_5_moe_text"] = Family(
+    "Qwen3_5MoeForCausalLM", "softmax", "num_experts",
+    defaults={"use_qk_norm": True, "partial_rotary_factor": 0.25, "rope_interleave": False}, fixed={**_HYBRID_FIXED, "norm_topk_prob": True},
+    attention=hybrid("deltanet"), zero_centered_norm=True, gated_shared_expert=True,
+)
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text"}  # a VLM's model_type -> its text model's (text_config)
+HYBRID_KEYS = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size")
 _BY_ARCHITECTURE = {f.architecture: t for t, f in FAMILIES.items()}
+
+
+def _other_families_keys(fam: Family) -> set[str]:
+    """``MoEArch`` fields that only other families read (``Family.own_keys``); a hybrid family
+    reads ``layer_types`` too (its own kinds)."""
+    keys = {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys)
+    return keys - {"layer_types"} if fam.hybrid else keys
 
 
 class MoEArch(BaseModel):
@@ -141,12 +192,12 @@ class MoEArch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_type: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gpt_oss"] = Field(
-        "qwen3_moe", description=(
-            "the model family, as HF's config.json names it: qwen3_moe (Qwen3-MoE), glm4_moe (GLM-4.5, GLM-4.5-Air, "
-            "GLM-4.6), deepseek_v3 (DeepSeek-V3, Kimi-K2, Moonlight), glm4_moe_lite (GLM-4.7-Flash), gpt_oss "
-            "(gpt-oss-20b/120b); it fixes the router and which fields below apply (docs/models.md). With "
-            "model.path set, its config.json decides"))
+    model_type: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "qwen3_next",
+                        "qwen3_5_moe_text"] = Field("qwen3_moe", description=(
+        "the model family, as HF's config.json names it: qwen3_moe (Qwen3-MoE), glm4_moe (GLM-4.5, GLM-4.5-Air, "
+        "GLM-4.6), deepseek_v3 (DeepSeek-V3, Kimi-K2, Moonlight), glm4_moe_lite (GLM-4.7-Flash), gpt_oss "
+        "(gpt-oss-20b/120b), qwen3_next (Qwen3-Next), qwen3_5_moe_text (Qwen3.5-MoE's text model); it fixes the "
+        "router and which fields below apply (docs/models.md). With model.path set, its config.json decides"))
     vocab_size: int = Field(64, description="vocabulary size: rows of the embedding and of the LM head")
     hidden_size: int = Field(64, description="width of the residual stream")
     intermediate_size: int = Field(128, description="hidden width of the MLP of a dense layer (a layer without "
@@ -204,18 +255,29 @@ class MoEArch(BaseModel):
     sliding_window: int | None = Field(
         None, description="gpt_oss: keys a sliding_attention layer attends to, the query's own included (HF's "
                           "count: key j is seen from query i when i - sliding_window < j <= i)")
-    layer_types: list[Literal["sliding_attention", "full_attention"]] | None = Field(
-        None, description="gpt_oss: each layer's attention, one entry per layer (null: HF's default, even layers "
-                          "sliding)")
     swiglu_alpha: float | None = Field(
         None, description="gpt_oss experts: out = (clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g) with "
                           "g = min(gate, limit) (null: 1.702)")
     swiglu_limit: float | None = Field(None, description="gpt_oss experts: the clamp 'limit' above (null: 7.0)")
+    # --- Qwen3-Next / Qwen3.5-MoE (hybrid Gated DeltaNet), HF's names ---------------------------
+    layer_types: list[Literal["sliding_attention", "linear_attention", "full_attention"]] | None = Field(
+        None, description="each layer's token mixer, one entry per layer. gpt_oss: 'sliding_attention' or "
+                          "'full_attention' (null: HF's default, even layers sliding); qwen3_next / qwen3_5_moe_text: "
+                          "'linear_attention' (Gated DeltaNet) or 'full_attention' (null: every 4th layer full, HF's "
+                          "full_attention_interval 4); other families have none")
+    linear_conv_kernel_dim: int = Field(4, ge=2, description="Gated DeltaNet: causal conv kernel width")
+    linear_key_head_dim: int = Field(16, ge=1, description="Gated DeltaNet: q/k head dim")
+    linear_value_head_dim: int = Field(16, ge=1, description="Gated DeltaNet: value head dim (state is key x value)")
+    linear_num_key_heads: int = Field(2, ge=1, description="Gated DeltaNet: q/k heads")
+    linear_num_value_heads: int = Field(4, ge=1, description="Gated DeltaNet: value heads, a multiple of "
+                                        "linear_num_key_heads")
+    shared_expert_intermediate_size: int = Field(0, ge=0, description="Qwen3-Next/Qwen3.5: width of the MoE block's "
+                                                 "shared expert, gated by sigmoid(x . shared_expert_gate); 0: none")
 
     @model_validator(mode="after")
     def _check(self) -> "MoEArch":
         fam = FAMILIES[self.model_type]
-        for k in {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys):
+        for k in self._other_families_keys():
             if getattr(self, k) is not None:
                 raise ValueError(f"{k} is a field of another family; model_type={self.model_type!r} has none")
         for k, v in fam.defaults.items():
@@ -261,13 +323,33 @@ class MoEArch(BaseModel):
             if self.layer_types is None:  # HF's default: even layers slide
                 self.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                     for i in range(self.num_hidden_layers)]
-            if len(self.layer_types) != self.num_hidden_layers:
-                raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers="
-                                 f"{self.num_hidden_layers}")
+            if len(self.layer_types) != self.num_hidden_layers or "linear_attention" in self.layer_types:
+                raise ValueError(f"layer_types must list {self.num_hidden_layers} entries (num_hidden_layers), each "
+                                 f"sliding_attention or full_attention; got {self.layer_types}")
             if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
                 raise ValueError(f"layer_types has sliding_attention layers: sliding_window must be >= 1, "
                                  f"got {self.sliding_window}")
+        self._check_hybrid(fam)
         return self
+
+    def _check_hybrid(self, fam: Family) -> None:
+        if self.shared_expert_intermediate_size and not fam.gated_shared_expert:
+            raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} is not supported "
+                             f"by model_type={self.model_type!r} (a gated shared expert is Qwen3-Next's / Qwen3.5's)")
+        if not fam.hybrid:
+            return
+        if self.layer_types is None:
+            self.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                for i in range(self.num_hidden_layers)]
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries (num_hidden_layers), each one of "
+                             f"{LAYER_TYPES}; got {self.layer_types}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                             f"linear_num_key_heads={self.linear_num_key_heads}")
+
+    def _other_families_keys(self) -> set[str]:
+        return _other_families_keys(FAMILIES[self.model_type])
 
     # --- what the model code reads -------------------------------------------------------
     @property
@@ -278,6 +360,11 @@ class MoEArch(BaseModel):
     def family(self) -> Family:
         """What the family fixes beyond the fields (``Family``: sinks, o_proj bias, norm, experts)."""
         return FAMILIES[self.model_type]
+
+    @property
+    def zero_centered_norm(self) -> bool:
+        """The decoder's RMSNorms scale by 1 + weight (Gemma's form)."""
+        return FAMILIES[self.model_type].zero_centered_norm
 
     @property
     def rotary_dim(self) -> int:
@@ -341,6 +428,11 @@ class MoEArch(BaseModel):
     def from_hf_dict(cls, d: dict) -> "MoEArch":
         d = dict(d)
         model_type = d.get("model_type")
+        if model_type in MULTIMODAL:  # a VLM checkpoint: its text model (the vision tower is not loaded)
+            text = dict(d.get("text_config") or {})
+            if d.get("tie_word_embeddings") is not None:
+                text["tie_word_embeddings"] = d["tie_word_embeddings"]
+            d, model_type = text, MULTIMODAL[model_type]
         if model_type is None and d.get("architectures"):
             model_type = _BY_ARCHITECTURE.get(d["architectures"][0])
         model_type = _ALIASES.get(model_type or "qwen3_moe", model_type or "qwen3_moe")
@@ -365,10 +457,16 @@ class MoEArch(BaseModel):
             experts = d.get("num_local_experts")  # transformers v5 spelling
         d["num_experts"] = experts
         d["moe_intermediate_size"] = d.get(fam.expert_width_key)
-        for k in {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys):
+        for k in _other_families_keys(fam):
             d.pop(k, None)  # e.g. Qwen3-MoE's sliding_window (off), which moe-rl does not model
         if model_type == "qwen3_moe":
             d.pop("use_qk_norm", None)  # Qwen3-MoE always normalises q and k; HF has no such key
+        if FAMILIES[model_type].hybrid:
+            d.pop("use_qk_norm", None)
+            if d.get("layer_types") is None:  # HF's default pattern: every full_attention_interval-th layer full
+                every = int(d.get("full_attention_interval") or 4)
+                d["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                    for i in range(int(d["num_hidden_layers"]))]
         if FAMILIES[model_type].attention is all_mla:
             _mla_from_hf(d, model_type)
         if d.get("head_dim") is None:
@@ -397,7 +495,12 @@ class MoEArch(BaseModel):
             for k in (*MLA_FIELDS, "rope_interleave"):
                 d.pop(k)
         rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
-        for k in {k for f in FAMILIES.values() for k in f.own_keys} - set(fam.own_keys):
+        others = self._other_families_keys()
+        if fam.hybrid:
+            for k in others:
+                d.pop(k)
+            return self._hybrid_hf_dict(d, rope)
+        for k in others | (set(HYBRID_KEYS) - set(fam.own_keys)):
             d.pop(k)
         if self.model_type == "qwen3_moe":  # HF's Qwen3MoeConfig has none of GLM's keys
             for k in ("use_qk_norm", "partial_rotary_factor", "n_shared_experts", "n_group", "topk_group",
@@ -435,6 +538,21 @@ class MoEArch(BaseModel):
         )
         return d
 
+    def _hybrid_hf_dict(self, d: dict, rope: dict) -> dict:
+        """Qwen3-Next's / Qwen3.5's config.json: no GLM keys, no q/k-norm switch, partial rotary
+        in rope_parameters; Qwen3.5's text config has no dense-layer or renormalisation keys."""
+        fam = FAMILIES[self.model_type]
+        for k in ("use_qk_norm", "partial_rotary_factor", "n_shared_experts", "n_group", "topk_group",
+                  "routed_scaling_factor", "first_k_dense_replace"):
+            d.pop(k)
+        if self.model_type == "qwen3_5_moe_text":
+            for k in ("intermediate_size", "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob"):
+                d.pop(k)
+        rope["partial_rotary_factor"] = self.partial_rotary_factor
+        d.update(architectures=[fam.architecture], num_experts=self.num_experts, hidden_act="silu",
+                 attention_dropout=0.0, rope_parameters=rope, use_cache=True, output_router_logits=False,
+                 router_aux_loss_coef=0.0)
+        return d
 
 def _mla_from_hf(d: dict, model_type: str) -> None:
     """config.json keys of the multi-head-latent-attention families, in place: HF's defaults for

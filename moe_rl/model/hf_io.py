@@ -38,6 +38,10 @@ _STACKED_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|dow
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 # gpt-oss's MXFP4 experts on disk: <stacked name>_blocks / _scales
 _MXFP4_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
+# a VLM checkpoint (Qwen3.5's qwen3_5_moe) keeps its text model under model.language_model. and
+# its vision tower under model.visual.; multi-token-prediction weights sit under mtp.
+TEXT_PREFIX = "model.language_model."
+SKIPPED_PREFIXES = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction layers"}
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # kept in fp32 whatever the model's dtype (HF's _keep_in_fp32_modules_strict; SGLang's parameter
 # is fp32): a rounded expert-score correction bias chooses other experts
@@ -80,6 +84,9 @@ def hf_param_specs(arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
             specs += [(f"{p}mlp.experts.{name}", shape) for name, shape in EXPERTS[arch.family.experts].hf_specs(arch)]
             if arch.n_shared_experts:
                 specs += mlp(p + "mlp.shared_experts.", arch.moe_intermediate_size * arch.n_shared_experts)
+            if arch.shared_expert_intermediate_size:  # Qwen3-Next / Qwen3.5: one gated shared expert
+                specs += mlp(p + "mlp.shared_expert.", arch.shared_expert_intermediate_size)
+                specs.append((p + "mlp.shared_expert_gate.weight", (1, H)))
         else:
             specs += mlp(p + "mlp.", arch.intermediate_size)
     specs.append(("model.norm.weight", (H,)))
@@ -240,17 +247,23 @@ def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
     scales = _fp8_scales(files)
     block = _fp8_block(path) if scales else None
     skipped: set[int] = set()
+    skipped_parts: dict[str, int] = {}
     with torch.no_grad():
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
-                for key in sf.keys():
+                for stored in sf.keys():
+                    why = next((w for p, w in SKIPPED_PREFIXES.items() if stored.startswith(p)), None)
+                    if why is not None:  # not modelled: the text model is what moe-rl trains
+                        skipped_parts[why] = skipped_parts.get(why, 0) + 1
+                        continue
+                    key = "model." + stored[len(TEXT_PREFIX):] if stored.startswith(TEXT_PREFIX) else stored
                     in_layer = _LAYER_RE.match(key)
                     if in_layer and int(in_layer.group(1)) >= model.arch.num_hidden_layers:
                         skipped.add(int(in_layer.group(1)))  # a multi-token-prediction layer: not modelled
                         continue
                     if key.endswith(FP8_SCALE_SUFFIX):
                         continue  # read with its weight
-                    if key not in specs and 0 in sf.get_slice(key).get_shape():
+                    if key not in specs and 0 in sf.get_slice(stored).get_shape():
                         continue  # HF's GLM with n_shared_experts=0 saves a zero-width shared MLP
                     quant = _MXFP4_RE.match(key)
                     if quant and quant.group(1) in specs:
@@ -270,7 +283,7 @@ def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
                     stacked = _STACKED_RE.match(key)
                     if stacked and key not in specs:  # transformers v5 layout: [E, 2I, H] / [E, H, I]
                         layer, kind = int(stacked.group(1)), stacked.group(2)
-                        full = sf.get_tensor(key)
+                        full = sf.get_tensor(stored)
                         for e in range(full.shape[0]):
                             parts = full[e].chunk(2, dim=0) if kind == "gate_up_proj" else (full[e],)
                             projs = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
@@ -282,9 +295,9 @@ def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
                     if parse_expert_name(key) and local_hf_tensor(model, key) is None:
                         missing.discard(key)  # another EP rank's expert
                         continue
-                    tensor = sf.get_tensor(key)
+                    tensor = sf.get_tensor(stored)
                     if tensor.dtype in FP8_DTYPES:
-                        tensor = _dequantize_fp8(key, tensor, scales, block, f)
+                        tensor = _dequantize_fp8(stored, tensor, scales, block, f)
                     _assign(model, key, tensor, missing, f)
     half = {n: parts for n, parts in mxfp4.items() if len(parts) == 1}
     if half:
@@ -296,6 +309,8 @@ def load_hf_weights(model: MoEForCausalLM, path: str | Path) -> MoEForCausalLM:
         log.warning("%s: skipped the multi-token-prediction layer %s (layers past num_hidden_layers=%d are not "
                     "modelled; moe-rl trains and serves without MTP)", path, ", ".join(map(str, sorted(skipped))),
                     model.arch.num_hidden_layers)
+    for why, n in skipped_parts.items():
+        log.warning("%s: skipped %d tensors of %s (not loaded: moe-rl trains the text model)", path, n, why)
     if missing:
         raise KeyError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     return model

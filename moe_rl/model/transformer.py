@@ -326,6 +326,11 @@ class SparseMoE(nn.Module):
         self.experts = EXPERTS[arch.family.experts].build(arch, self.num_local)
         self.shared_experts = (DenseMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts)
                                if arch.n_shared_experts else None)
+        if arch.shared_expert_intermediate_size:  # Qwen3-Next / Qwen3.5: one shared expert, sigmoid-gated
+            self.shared_expert = DenseMLP(arch.hidden_size, arch.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(arch.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
 
     def route(self, x: torch.Tensor, replay: torch.Tensor | None):
         """Returns (top-k expert ids [N, k], gate weights [N, k] in fp32; ``ops.combine`` takes
@@ -376,6 +381,8 @@ class SparseMoE(nn.Module):
         out = self.ops.combine(expert_out, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out, ids
 
     def _ep_compute(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -411,8 +418,10 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(arch, layer, ep_group)
         else:
             self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32,
+                                      zero_centered=arch.zero_centered_norm)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32,
+                                      zero_centered=arch.zero_centered_norm)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention,
                 replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -439,7 +448,8 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, ep_group) for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32,
+                            zero_centered=arch.zero_centered_norm)
 
 
 class MoEForCausalLM(nn.Module):
@@ -471,7 +481,7 @@ class MoEForCausalLM(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
-                    p.fill_(1.0)
+                    p.fill_(0.0 if getattr(self.get_submodule(name.rsplit(".", 1)[0]), "zero_centered", False) else 1.0)
                 elif ".experts." in name:
                     mlp = self._moe_of(name)
                     full = torch.empty((mlp.num_experts,) + tuple(p.shape[1:])).normal_(0, std, generator=g)
@@ -479,6 +489,8 @@ class MoEForCausalLM(nn.Module):
                     p.copy_(full[lo : lo + mlp.num_local])
                 else:
                     p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
+            for layer in self.model.layers:
+                layer.mixer.init_special(g)
         return self
 
     def use_ops(self, ops) -> "MoEForCausalLM":

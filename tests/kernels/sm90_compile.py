@@ -129,7 +129,8 @@ def _patch(module, names: list[str], results: list):
 LAUNCHES = {"moe_rl.kernels.fused_logprobs": ["_fwd_launch", "_dlogits_launch"],
             "moe_rl.kernels.fused_token_loss": ["_probs_launch", "_dz_kernel"],
             "moe_rl.kernels.grouped_gemm": ["_gmm_kernel", "_gmm_wgrad_kernel"],
-            "moe_rl.kernels.bucket_pack": ["_bucket_copy_kernel"]}
+            "moe_rl.kernels.bucket_pack": ["_bucket_copy_kernel"],
+            "moe_rl.kernels.gated_delta": ["_gdn_scan_fwd_kernel", "_gdn_scan_bwd_kernel"]}
 
 
 def run_all() -> list[dict]:
@@ -150,6 +151,7 @@ def drive_every_launch() -> None:
     ftl = importlib.import_module("moe_rl.kernels.fused_token_loss")
     gg = importlib.import_module("moe_rl.kernels.grouped_gemm")
     bp = importlib.import_module("moe_rl.kernels.bucket_pack")
+    gd = importlib.import_module("moe_rl.kernels.gated_delta")
     torch.manual_seed(0)
 
     # The LM head in bf16 (its 16-bit configs) and fp32 (its own: e.g. configs/gpu_1x.yaml's
@@ -189,6 +191,15 @@ def drive_every_launch() -> None:
     plan = bp.BucketCopy(tensors, [0, 320], torch.bfloat16)
     flat = torch.empty(320 + 64 * 32, dtype=torch.bfloat16)
     plan.pack(flat)
+
+    # Gated DeltaNet's chunk scan at Qwen3-Next's / Qwen3.5's head dims (Dk = Dv = 128), fp32:
+    # the forward, and the backward (which re-runs the forward storing each chunk's state)
+    NC, H, C, D = 4, 2, gd.CHUNK, 128
+    qg, kd, w = (torch.randn(NC, H, C, D) for _ in range(3))
+    u, aqk, decay = torch.randn(NC, H, C, D), torch.randn(NC, H, C, C), torch.rand(NC, H)
+    first, nch, s0 = torch.tensor([0, 1]), torch.tensor([1, 3]), torch.randn(2, H, D, D)
+    gd._scan_fwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0)
+    gd._scan_bwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0, torch.randn(NC, H, C, D), torch.randn(2, H, D, D))
 
 
 def _compile_exact_kernels(results: list) -> None:

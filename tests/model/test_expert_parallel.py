@@ -18,6 +18,10 @@ ARCHS = {
     "gpt_oss": MoEArch(model_type="gpt_oss", vocab_size=48, hidden_size=32, num_hidden_layers=2, num_experts=8,
                        num_experts_per_tok=3, sliding_window=3, attention_bias=True, moe_intermediate_size=16,
                        head_dim=8),
+    # Qwen3-Next: Gated DeltaNet and gated attention layers, every layer MoE with a gated shared expert
+    "qwen3_next": MoEArch(model_type="qwen3_next", vocab_size=48, hidden_size=32, num_hidden_layers=2, num_experts=8,
+                          num_experts_per_tok=3, shared_expert_intermediate_size=16, moe_intermediate_size=16,
+                          head_dim=8, layer_types=["linear_attention", "full_attention"]),
 }
 
 
@@ -96,8 +100,8 @@ def _grad_of(model, hf_name):
 
 
 # dsv3 carries GLM-4.5's router and shared experts (the MoE block EP shards) behind latent attention
-@pytest.mark.parametrize("use_replay,arch", [(False, "qwen3"), (True, "qwen3"), (True, "dsv3")],
-                         ids=["routed", "replayed", "dsv3-replayed"])
+@pytest.mark.parametrize("use_replay,arch", [(False, "qwen3"), (True, "qwen3"), (True, "dsv3"), (True, "qwen3_next")],
+                         ids=["routed", "replayed", "dsv3-replayed", "qwen3_next-replayed"])
 def test_ep2_equals_ep1(use_replay, arch):
     run_distributed(_ep_equals_reference, 2, use_replay, arch)
 

@@ -48,6 +48,10 @@ class Mixer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention) -> torch.Tensor:
         raise NotImplementedError
 
+    def init_special(self, generator: torch.Generator) -> None:
+        """Re-draws the parameters a plain normal draw does not fit (a decay rate, a conv
+        kernel), after ``MoEForCausalLM.init_weights``' draw; nothing by default."""
+
 
 def linear_weight(linear) -> torch.Tensor:
     """The weight ``linear`` applies, with the delta s * B @ A of a LoRA adapter served in the

@@ -14,7 +14,9 @@ Every layout answers two questions for a layer:
   attends to nothing (gpt-oss's attention sinks);
 * ``attend.state(layer)``: the layer's per-slot decode state in an engine step (a kind that
   caches something other than K/V, or keeps a recurrent state, works on it directly), None in
-  training.
+  training;
+* ``attend.scan(device)``: how the tokens group into sequences (``Scan``), for a kind that
+  carries a state along each sequence instead of attending (a recurrent kind).
 
 The attention arithmetic itself is in two functions here, ``sdpa`` (whole sequences) and
 ``decode_sdpa`` (one query row per sequence over cached keys), the one place to change it;
@@ -28,6 +30,7 @@ layout.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -44,6 +47,40 @@ class Attention(Protocol):
                  window: int | None = None) -> torch.Tensor: ...
 
     def state(self, layer: int): ...
+
+    def scan(self, device) -> "Scan": ...
+
+
+@dataclass
+class Sequences:
+    """Whole sequences of a forward, run chunk by chunk: the flat ``rows`` they occupy,
+    sequence after sequence (None: all rows of the forward, in order), ``cu_seqlens`` [S + 1]
+    their boundaries within those rows; in an engine step also each sequence's cache ``slots``
+    [S] and ``resume`` [S] (True: it continues the slot's state; False: it starts at position
+    0, and the slot's old state is not read)."""
+
+    rows: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    slots: torch.Tensor | None = None
+    resume: torch.Tensor | None = None
+
+
+@dataclass
+class Steps:
+    """Rows that each advance one cache slot's state by one token (decode): ``rows`` (None:
+    all rows of the forward) and their ``slots``."""
+
+    rows: torch.Tensor | None
+    slots: torch.Tensor
+
+
+@dataclass
+class Scan:
+    """A forward's tokens for a recurrent kind: whole ``sequences`` (training; an engine
+    step's prefills) and one-token ``steps`` (an engine step's decodes); either may be None."""
+
+    sequences: Sequences | None
+    steps: Steps | None = None
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -156,6 +193,10 @@ class PaddedCausal(_Training):
         out = sdpa(q, k, v, is_causal=True, scale=scale, sinks=sinks, window=window)
         return out.transpose(1, 2).reshape(B * T, out.shape[1], out.shape[3])
 
+    def scan(self, device) -> Scan:
+        T = self.seqlen
+        return Scan(Sequences(None, torch.arange(0, self.batch * T + 1, max(T, 1), device=device)[: self.batch + 1]))
+
 
 class PackedCausal(_Training):
     """Causal attention inside each packed sequence of a [1, total] batch (cu_seqlens).
@@ -205,6 +246,12 @@ class PackedCausal(_Training):
 
         out = sdpa(pad(q), pad(k), pad(v), is_causal=True, scale=scale, sinks=sinks, window=window)
         return out.transpose(1, 2).reshape(S * L, out.shape[1], out.shape[3]).index_select(0, self.slot)
+
+    def scan(self, device) -> Scan:
+        # tokens past cu_seqlens[-1] count to the last sequence (as in packed_positions)
+        cu = self.cu_seqlens
+        cu = torch.cat([cu[:-1], cu.new_full((1,), self.total)]) if cu.shape[0] > 1 else cu.new_tensor([0, self.total])
+        return Scan(Sequences(None, cu))
 
 
 class ExactPacked(_Training):

@@ -166,3 +166,53 @@ class RingKVCache:
         self.k[slot, :, at] = k[n - keep :].transpose(0, 1)
         self.v[slot, :, at] = v[n - keep :].transpose(0, 1)
         return ks, vs, kpos
+
+
+@dataclass(frozen=True)
+class RecurrentSpec:
+    """A recurrent kind's state (Gated DeltaNet): per slot, the last ``conv_kernel - 1`` inputs
+    of its causal depthwise convolution over ``conv_channels`` channels (model dtype) and a
+    recurrent state [heads, k_dim, v_dim] (at least fp32, whatever the model's dtype: it sums
+    over the whole sequence). Neither grows with the context."""
+
+    conv_channels: int
+    conv_kernel: int
+    heads: int
+    k_dim: int
+    v_dim: int
+
+    def bytes_per_slot(self, ctx: int, element_size: int) -> int:
+        conv = self.conv_channels * (self.conv_kernel - 1) * element_size
+        return conv + self.heads * self.k_dim * self.v_dim * max(element_size, 4)
+
+    def allocate(self, slots: int, ctx: int, dtype: torch.dtype, device) -> "RecurrentState":
+        conv = torch.zeros(slots, self.conv_channels, self.conv_kernel - 1, dtype=dtype, device=device)
+        ssm = torch.zeros(slots, self.heads, self.k_dim, self.v_dim, dtype=torch.promote_types(dtype, torch.float32),
+                          device=device)
+        return RecurrentState(self, conv, ssm)
+
+
+@dataclass
+class RecurrentState:
+    """conv [slots, channels, kernel - 1] (oldest input first), ssm [slots, heads, k_dim, v_dim].
+
+    A forward from position 0 starts from zeros (``start``'s ``resume`` False), never from what
+    the slot held; reads and writes are index_select / index_copy_ on these fixed tensors."""
+
+    spec: RecurrentSpec
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def start(self, slots: torch.Tensor, resume: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (conv, ssm) states the rows of ``slots`` continue from: the slot's where
+        ``resume`` (None: all), zeros elsewhere (a selection, so whatever the slot held, even a
+        NaN, is not read)."""
+        conv, ssm = self.conv.index_select(0, slots), self.ssm.index_select(0, slots)
+        if resume is None:
+            return conv, ssm
+        return (torch.where(resume[:, None, None], conv, torch.zeros_like(conv)),
+                torch.where(resume[:, None, None, None], ssm, torch.zeros_like(ssm)))
+
+    def store(self, slots: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        self.conv.index_copy_(0, slots, conv.to(self.conv.dtype))
+        self.ssm.index_copy_(0, slots, ssm.to(self.ssm.dtype))

@@ -1,4 +1,5 @@
-"""HuggingFace (Qwen3-MoE, GLM-4.5, gpt-oss) <-> Megatron-core GPTModel parameter conversion.
+"""HuggingFace (Qwen3-MoE, GLM-4.5, gpt-oss; Qwen3-Next and Qwen3.5-MoE at the end) <-> Megatron-core
+GPTModel parameter conversion.
 
 Pure torch: nothing here imports megatron, so the mapping is testable anywhere. One
 :class:`MegatronLayout` says how the Megatron model was built (which layer spec, which expert
@@ -58,6 +59,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from moe_rl.model import MoEArch, hf_param_specs, parse_expert_name, stacked_expert_rows
+from moe_rl.model.arch import FAMILIES
 from moe_rl.model.attention import mixer_class
 
 
@@ -80,7 +82,7 @@ class MegatronLayout:
 def check_arch(arch: MoEArch, layout: MegatronLayout) -> None:
     """Raises ValueError for a model/layout pair this converter cannot shard."""
     tp, ep = layout.tp_size, layout.ep_size
-    problems = []
+    problems = check_hybrid(arch, layout) if FAMILIES[arch.model_type].hybrid else []
     if arch.tie_word_embeddings:
         problems.append("tie_word_embeddings=True (Qwen3-MoE unties them; not supported)")
     if arch.num_experts % ep:
@@ -206,6 +208,8 @@ def megatron_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[st
     """Every parameter of this rank's GPTModel, and the routers' expert-bias buffers, with its
     local shape (a fixed order, not necessarily the module order)."""
     check_arch(arch, layout)
+    if FAMILIES[arch.model_type].hybrid:
+        return hybrid_param_specs(arch, layout)
     tp = layout.tp_size
     H, hd = arch.hidden_size, arch.head_dim
     nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
@@ -339,6 +343,8 @@ def hf_to_megatron(
     rank. Returned tensors are new (contiguous) tensors, never views of the inputs.
     """
     check_arch(arch, layout)
+    if FAMILIES[arch.model_type].hybrid:
+        return hybrid_hf_to_megatron(get, arch, layout)
     fetch = get.__getitem__ if isinstance(get, Mapping) else get
     out: dict[str, torch.Tensor] = {}
     put = lambda name, t: out.__setitem__(name, t.contiguous().clone())  # noqa: E731
@@ -416,6 +422,9 @@ def megatron_to_hf(
     keep them across an optimizer step must copy.
     """
     check_arch(arch, layout)
+    if FAMILIES[arch.model_type].hybrid:
+        yield from hybrid_megatron_to_hf(get, arch, layout)
+        return
     fetch = get.__getitem__ if isinstance(get, Mapping) else get
     tp = layout.tp_size
     if tp > 1 and gather is None:
@@ -488,3 +497,232 @@ def megatron_expert_owner(name: str, arch: MoEArch, ep_size: int) -> int | None:
     num_experts / ep_size experts per rank, as megatron-core's MoELayer assigns them."""
     parsed = parse_expert_name(name)
     return None if parsed is None else parsed[1] // (arch.num_experts // ep_size)
+
+
+# --- the hybrid Gated DeltaNet families (Qwen3-Next, Qwen3.5-MoE) -----------------------------
+# HF <-> Megatron-core for the hybrid Gated DeltaNet families (Qwen3-Next, Qwen3.5-MoE).
+#
+# Megatron-core builds them with its ``gated_delta_net`` attention variant
+# (``get_transformer_block_with_experimental_attention_variant_spec``, Transformer Engine layers
+# only), so the layout here is the TE spec's, at tensor-parallel size 1 (``check_hybrid``):
+#
+# =========================================  ======================================================
+# HF (layer i)                                Megatron (``decoder.layers.i.``)
+# =========================================  ======================================================
+# input_layernorm (DeltaNet layer)            ``self_attention.in_proj.layer_norm_weight``
+# linear_attn.in_proj_qkvz + in_proj_ba       ``self_attention.in_proj.weight``: contiguous sections
+# (Qwen3-Next, grouped per key head), or      ``[q, k, v, z, beta, alpha]`` (all heads of each)
+# in_proj_qkv/z/b/a (Qwen3.5)
+# linear_attn.conv1d.weight [C, 1, K]         ``self_attention.conv1d.weight`` (channels [q; k; v])
+# linear_attn.A_log, dt_bias                  ``self_attention.A_log``, ``self_attention.dt_bias``
+# linear_attn.norm.weight (plain ``w``)       ``self_attention.out_norm.weight`` = w - 1 (megatron's
+#                                             norms scale by 1 + w: layernorm_zero_centered_gamma)
+# linear_attn.out_proj                        ``self_attention.out_proj.weight``
+# input_layernorm (attention layer)           ``self_attention.linear_qkv.layer_norm_weight``
+# self_attn.q_proj (per head [q; gate]),      ``self_attention.linear_qkv.weight``, per query group
+# k_proj, v_proj                              ``[q heads; gate heads; k; v]``
+# self_attn.o_proj, q_norm, k_norm            ``linear_proj``, ``q_layernorm``, ``k_layernorm``
+# post_attention_layernorm                    ``pre_mlp_layernorm.weight``
+# mlp.gate, experts                           ``mlp.router.weight``, experts as in ``convert.py``
+# mlp.shared_expert.{gate,up,down}_proj       ``mlp.shared_experts.linear_fc1`` ([gate; up]), ``linear_fc2``
+# mlp.shared_expert_gate [1, H]               ``mlp.shared_experts.gate_weight``
+# =========================================  ======================================================
+#
+# The decoder's Gemma norms (1 + w) are megatron's zero-centred norms: their weights copy as they
+# are. Pure torch, as convert.py.
+
+
+def check_hybrid(arch: MoEArch, layout: MegatronLayout) -> list[str]:
+    """What this converter cannot do for a hybrid model (empty: fine)."""
+    problems = []
+    if not layout.te:
+        problems.append(f"model_type={arch.model_type!r} needs Transformer Engine (train.megatron_use_te=true): "
+                        "megatron-core builds its gated_delta_net layers only in the TE layer spec")
+    if layout.tp_size != 1:
+        problems.append(f"model_type={arch.model_type!r} is converted at tensor-parallel size 1 only "
+                        f"(tp_size={layout.tp_size})")
+    return problems
+
+
+def _split_sizes(arch: MoEArch) -> list[int]:
+    qk = arch.linear_num_key_heads * arch.linear_key_head_dim
+    v = arch.linear_num_value_heads * arch.linear_value_head_dim
+    return [qk, qk, v, v, arch.linear_num_value_heads, arch.linear_num_value_heads]
+
+
+def _hybrid_layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, str]:
+    """Megatron name of each non-expert tensor of layer i, keyed by HF suffix (the DeltaNet
+    input projection and the gated QKV under the keys ``linear_attn.in_proj`` / ``self_attn.qkv``)."""
+    p = f"decoder.layers.{i}."
+    a = p + "self_attention."
+    if arch.layer_types[i] == "linear_attention":
+        names = {"input_layernorm.weight": a + "in_proj.layer_norm_weight", "linear_attn.in_proj": a + "in_proj.weight",
+                 "linear_attn.conv1d.weight": a + "conv1d.weight", "linear_attn.A_log": a + "A_log",
+                 "linear_attn.dt_bias": a + "dt_bias", "linear_attn.norm.weight": a + "out_norm.weight",
+                 "linear_attn.out_proj.weight": a + "out_proj.weight"}
+    else:
+        names = {"input_layernorm.weight": a + "linear_qkv.layer_norm_weight", "self_attn.qkv": a + "linear_qkv.weight",
+                 "self_attn.o_proj.weight": a + "linear_proj.weight", "self_attn.q_norm.weight": a + "q_layernorm.weight",
+                 "self_attn.k_norm.weight": a + "k_layernorm.weight"}
+    names.update({"post_attention_layernorm.weight": p + "pre_mlp_layernorm.weight",
+                  "mlp.gate.weight": p + "mlp.router.weight"})
+    if arch.shared_expert_intermediate_size:
+        names.update({"mlp.shared_expert.fc1": p + "mlp.shared_experts.linear_fc1.weight",
+                      "mlp.shared_expert.down_proj.weight": p + "mlp.shared_experts.linear_fc2.weight",
+                      "mlp.shared_expert_gate.weight": p + "mlp.shared_experts.gate_weight"})
+    return names
+
+
+def hybrid_param_specs(arch: MoEArch, layout: MegatronLayout) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of this rank's GPTModel with its shape (a fixed order)."""
+    H, hd = arch.hidden_size, arch.head_dim
+    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    specs = [("embedding.word_embeddings.weight", (arch.vocab_size, H))]
+    conv = 2 * arch.linear_num_key_heads * arch.linear_key_head_dim + arch.linear_num_value_heads * arch.linear_value_head_dim
+    hv, dv = arch.linear_num_value_heads, arch.linear_value_head_dim
+    for i in range(arch.num_hidden_layers):
+        n = _hybrid_layer_names(arch, layout, i)
+        specs.append((n["input_layernorm.weight"], (H,)))
+        if "linear_attn.in_proj" in n:
+            specs += [(n["linear_attn.in_proj"], (sum(_split_sizes(arch)), H)),
+                      (n["linear_attn.conv1d.weight"], (conv, 1, arch.linear_conv_kernel_dim)),
+                      (n["linear_attn.A_log"], (hv,)), (n["linear_attn.dt_bias"], (hv,)),
+                      (n["linear_attn.norm.weight"], (dv,)), (n["linear_attn.out_proj.weight"], (H, hv * dv))]
+        else:
+            specs += [(n["self_attn.qkv"], ((2 * nq + 2 * nkv) * hd, H)), (n["self_attn.o_proj.weight"], (H, nq * hd)),
+                      (n["self_attn.q_norm.weight"], (hd,)), (n["self_attn.k_norm.weight"], (hd,))]
+        specs += [(n["post_attention_layernorm.weight"], (H,)), (n["mlp.gate.weight"], (arch.num_experts, H))]
+        I = arch.moe_intermediate_size
+        for j in range(arch.num_experts // layout.ep_size):
+            fc1, fc2 = expert_names(layout, i, j)
+            specs += [(fc1, (2 * I, H)), (fc2, (H, I))]
+        if arch.shared_expert_intermediate_size:
+            S = arch.shared_expert_intermediate_size
+            specs += [(n["mlp.shared_expert.fc1"], (2 * S, H)), (n["mlp.shared_expert.down_proj.weight"], (H, S)),
+                      (n["mlp.shared_expert_gate.weight"], (1, H))]
+    return specs + [("decoder.final_layernorm.weight", (H,)), ("output_layer.weight", (arch.vocab_size, H))]
+
+
+# --- tensor transforms ------------------------------------------------------------------------
+def fuse_in_proj(arch: MoEArch, get: Callable[[str], torch.Tensor], prefix: str) -> torch.Tensor:
+    """HF DeltaNet projections (``prefix`` = ``model.layers.i.linear_attn.``) -> Megatron's
+    in_proj [q; k; v; z; beta; alpha]."""
+    H = arch.hidden_size
+    if arch.model_type == "qwen3_5_moe_text":
+        return torch.cat([get(prefix + f"in_proj_{x}.weight") for x in ("qkv", "z", "b", "a")])
+    hk, dk, dv = arch.linear_num_key_heads, arch.linear_key_head_dim, arch.linear_value_head_dim
+    r = arch.linear_num_value_heads // hk
+    q, k, v, z = get(prefix + "in_proj_qkvz.weight").view(hk, 2 * dk + 2 * r * dv, H).split([dk, dk, r * dv, r * dv], 1)
+    b, a = get(prefix + "in_proj_ba.weight").view(hk, 2 * r, H).split([r, r], 1)
+    return torch.cat([t.reshape(-1, H) for t in (q, k, v, z, b, a)])
+
+
+def split_in_proj(arch: MoEArch, fused: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Inverse of ``fuse_in_proj``: HF names (relative to ``linear_attn.``) -> tensors."""
+    H = fused.shape[1]
+    q, k, v, z, b, a = fused.split(_split_sizes(arch))
+    if arch.model_type == "qwen3_5_moe_text":
+        return {"in_proj_qkv.weight": torch.cat([q, k, v]), "in_proj_z.weight": z, "in_proj_b.weight": b,
+                "in_proj_a.weight": a}
+    hk = arch.linear_num_key_heads
+    qkvz = torch.cat([t.reshape(hk, -1, H) for t in (q, k, v, z)], 1).reshape(-1, H)
+    ba = torch.cat([t.reshape(hk, -1, H) for t in (b, a)], 1).reshape(-1, H)
+    return {"in_proj_qkvz.weight": qkvz, "in_proj_ba.weight": ba}
+
+
+def fuse_gated_qkv(q_proj: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: MoEArch) -> torch.Tensor:
+    """HF q_proj (per head [q_h; gate_h]), k_proj, v_proj -> Megatron's linear_qkv with an
+    output gate: per query group [q heads; gate heads; k; v]."""
+    nq, nkv, hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    H = q_proj.shape[1]
+    qg = q_proj.view(nkv, nq // nkv, 2, hd, H)
+    return torch.cat([qg[:, :, 0].reshape(nkv, -1, H), qg[:, :, 1].reshape(nkv, -1, H), k.view(nkv, hd, H),
+                      v.view(nkv, hd, H)], 1).reshape(-1, H)
+
+
+def split_gated_qkv(fused: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``fuse_gated_qkv``: (q_proj, k_proj, v_proj)."""
+    nq, nkv, hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    per, H = nq // nkv, fused.shape[1]
+    q, gate, k, v = fused.view(nkv, (2 * per + 2) * hd, H).split([per * hd, per * hd, hd, hd], 1)
+    q_proj = torch.stack([q.reshape(nq, hd, H), gate.reshape(nq, hd, H)], 1).reshape(-1, H)
+    return q_proj, k.reshape(-1, H), v.reshape(-1, H)
+
+
+# --- both directions ----------------------------------------------------------------------------
+def hybrid_hf_to_megatron(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor], arch: MoEArch,
+                          layout: MegatronLayout) -> dict[str, torch.Tensor]:
+    fetch = get.__getitem__ if isinstance(get, Mapping) else get
+    out: dict[str, torch.Tensor] = {}
+    put = lambda name, t: out.__setitem__(name, t.contiguous().clone())  # noqa: E731
+    put("embedding.word_embeddings.weight", fetch("model.embed_tokens.weight"))
+    E_local = arch.num_experts // layout.ep_size
+    for i in range(arch.num_hidden_layers):
+        hp = f"model.layers.{i}."
+        for key, name in _hybrid_layer_names(arch, layout, i).items():
+            if key == "linear_attn.in_proj":
+                t = fuse_in_proj(arch, fetch, hp + "linear_attn.")
+            elif key == "self_attn.qkv":
+                t = fuse_gated_qkv(*(fetch(hp + f"self_attn.{x}_proj.weight") for x in "qkv"), arch)
+            elif key == "mlp.shared_expert.fc1":
+                t = torch.cat([fetch(hp + "mlp.shared_expert.gate_proj.weight"), fetch(hp + "mlp.shared_expert.up_proj.weight")])
+            elif key == "linear_attn.norm.weight":
+                t = fetch(hp + key) - 1  # plain w -> megatron's zero-centred (1 + w')
+            else:
+                t = fetch(hp + key)
+            put(name, t)
+        for j in range(E_local):
+            ep = hp + f"mlp.experts.{layout.ep_rank * E_local + j}."
+            fc1, fc2 = expert_names(layout, i, j)
+            out[fc1] = torch.cat([fetch(ep + "gate_proj.weight"), fetch(ep + "up_proj.weight")])
+            put(fc2, fetch(ep + "down_proj.weight"))
+    put("decoder.final_layernorm.weight", fetch("model.norm.weight"))
+    put("output_layer.weight", fetch("lm_head.weight"))
+    return out
+
+
+def hybrid_megatron_to_hf(get: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor], arch: MoEArch,
+                          layout: MegatronLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor this rank holds, in HF order (experts of this EP rank)."""
+    fetch = get.__getitem__ if isinstance(get, Mapping) else get
+    E_local = arch.num_experts // layout.ep_size
+    lo = layout.ep_rank * E_local
+    done: dict[int, dict[str, torch.Tensor]] = {}  # the current layer's tensors, derived once
+    for hf_name, _ in hf_param_specs(arch):
+        parsed = parse_expert_name(hf_name)
+        if parsed is not None:
+            layer, e, proj = parsed
+            if lo <= e < lo + E_local:
+                fc1, fc2 = expert_names(layout, layer, e - lo)
+                yield hf_name, (fetch(fc2) if proj == "down_proj" else fetch(fc1).chunk(2)[proj == "up_proj"])
+            continue
+        if hf_name == "model.embed_tokens.weight":
+            yield hf_name, fetch("embedding.word_embeddings.weight")
+        elif hf_name == "model.norm.weight":
+            yield hf_name, fetch("decoder.final_layernorm.weight")
+        elif hf_name == "lm_head.weight":
+            yield hf_name, fetch("output_layer.weight")
+        else:
+            i = int(hf_name.split(".")[2])
+            if i not in done:
+                done.clear()
+                done[i] = _layer_to_hf(fetch, arch, layout, i)
+            yield hf_name, done[i][hf_name.split(".", 3)[3]]
+
+
+def _layer_to_hf(fetch, arch: MoEArch, layout: MegatronLayout, i: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, name in _hybrid_layer_names(arch, layout, i).items():
+        t = fetch(name)
+        if key == "linear_attn.in_proj":
+            out.update({"linear_attn." + k: v for k, v in split_in_proj(arch, t).items()})
+        elif key == "self_attn.qkv":
+            out.update(zip(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                           split_gated_qkv(t, arch)))
+        elif key == "mlp.shared_expert.fc1":
+            out["mlp.shared_expert.gate_proj.weight"], out["mlp.shared_expert.up_proj.weight"] = t.chunk(2)
+        elif key == "linear_attn.norm.weight":
+            out[key] = t + 1
+        else:
+            out[key] = t
+    return out

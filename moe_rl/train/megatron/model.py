@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_rl.model import MoEArch, RoutingError
+from moe_rl.model.arch import FAMILIES
 
 from .convert import MegatronLayout, check_arch
 
@@ -161,7 +162,7 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    check_arch(arch, MegatronLayout(tp_size=tp_size, ep_size=ep_size))
+    check_arch(arch, MegatronLayout(te=opts.use_te, tp_size=tp_size, ep_size=ep_size))
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if opts.recompute else {}
     fields = dict(
         num_layers=arch.num_hidden_layers,
@@ -189,6 +190,7 @@ def transformer_config(arch: MoEArch, opts: MegatronOptions, *, dtype=torch.floa
         moe_layer_freq=[1 if arch.is_moe_layer(i) else 0 for i in range(arch.num_hidden_layers)],
         moe_router_topk=arch.num_experts_per_tok,
         **_router_fields(arch),
+        **_hybrid_fields(arch),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_fusion=opts.router_fusion,
@@ -284,6 +286,23 @@ def _router_fields(arch: MoEArch) -> dict:
                 moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_overlap=False, **groups)
 
 
+def _hybrid_fields(arch: MoEArch) -> dict:
+    """Qwen3-Next / Qwen3.5-MoE: megatron-core's gated_delta_net attention variant on the
+    linear_attention layers (``linear_attention_freq``: 1 = Gated DeltaNet, 0 = softmax
+    attention), the output-gated softmax attention, zero-centred (1 + w) norms, the sigmoid-gated
+    shared expert (``shared_experts.gate_weight``)."""
+    if not FAMILIES[arch.model_type].hybrid:
+        return {}
+    shared = arch.shared_expert_intermediate_size
+    return dict(experimental_attention_variant="gated_delta_net",
+                linear_attention_freq=[int(t == "linear_attention") for t in arch.layer_types],
+                linear_conv_kernel_dim=arch.linear_conv_kernel_dim, linear_key_head_dim=arch.linear_key_head_dim,
+                linear_value_head_dim=arch.linear_value_head_dim, linear_num_key_heads=arch.linear_num_key_heads,
+                linear_num_value_heads=arch.linear_num_value_heads, attention_output_gate=True,
+                layernorm_zero_centered_gamma=True, moe_shared_expert_intermediate_size=shared or None,
+                moe_shared_expert_gate=bool(shared), moe_shared_expert_overlap=False)
+
+
 _TE_NAMES_OF_MOE_UTILS = (
     "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
     "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
@@ -344,7 +363,10 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     _compat_megatron_without_te()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=opts.use_te, normalization="RMSNorm")
+    if FAMILIES[arch.model_type].hybrid:
+        spec = hybrid_block_spec(arch, config)
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=opts.use_te, normalization="RMSNorm")
     if opts.experts == "TorchGroupedMLP":
         use_torch_grouped_experts(spec)
     if not opts.use_te:
@@ -393,6 +415,21 @@ def _latent_norms_at_hf_eps(model) -> None:
             if not hasattr(m, "eps"):
                 raise RuntimeError(f"megatron MLA: cannot set the eps of {norm} ({type(m).__name__})")
             m.eps = LATENT_NORM_EPS
+
+
+def hybrid_block_spec(arch: MoEArch, config):
+    """Qwen3-Next / Qwen3.5-MoE: not built. megatron-core has the layers (its gated_delta_net
+    variant, ``get_transformer_block_with_experimental_attention_variant_spec``) and ``convert.py``
+    maps the weights onto them (checked on CPU against those layers), but the GPTModel of that block
+    needs, on a GPU, Transformer Engine (its TE layer spec only), flash-linear-attention (the chunked
+    rule and conv with the micro-batch's ``cu_seqlens``) and megatron-core >= 0.19 (earlier layers
+    have no packed sequences), and that build with the backend's packed forward, LoRA and R3 has
+    not been run. Refused rather than built untested."""
+    raise RuntimeError(
+        f"model_type={arch.model_type!r} is not available on train.backend=megatron: the hybrid GPTModel "
+        "(megatron-core's gated_delta_net block) needs Transformer Engine, flash-linear-attention and "
+        "megatron-core >= 0.19 on a GPU, and that path is not built or tested; use train.backend=native, "
+        "which trains this family on CPU and GPU (docs/megatron.md)")
 
 
 def _spec_module(spec):
