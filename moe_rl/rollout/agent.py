@@ -4,7 +4,7 @@ contract 10; docs/environments.md, "Agents").
 
 Who does what:
 
-* :class:`AgentRunner` (the rollout manager's side) turns a prompt's GRPO group into a
+* ``AgentRunner`` (``moe_rl/rollout/agent_runner.py``, the rollout manager's side) turns a prompt's GRPO group into a
   :class:`GroupJob` (one engine, an episode id and seed per sample, the run's sampling and
   token budgets), hands it to the players and turns what comes back into Samples, routing
   records included.
@@ -30,18 +30,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
-import uuid
 from dataclasses import dataclass, field
 
 from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.protocol import version_number
-from moe_rl.replay import record_from_responses
 from moe_rl.tasks.base import Prompt
 from moe_rl.tasks.plugins import PluginError, RewardError, check_signature, load_plugin, reward_value
-
-from .requests import sampling_seed
-from .sample import Group, Sample
 
 log = logging.getLogger(__name__)
 KEY = "env.openai_agent"
@@ -286,75 +280,3 @@ class AgentPlayer:
             return str(e), 0.0, {}
         except Exception as e:  # the agent raised (its own bug, or an API error it did not handle)
             return f"{self.who} raised {type(e).__name__}: {e}", 0.0, {}
-
-
-class AgentRunner:
-    """Runs a prompt's GRPO group as ``group_size`` agent episodes, for a RolloutManager."""
-
-    def __init__(self, cfg, task):
-        self.cfg, self.task = cfg, task
-        env = cfg.env
-        check_agent(env.openai_agent, dict(env.args))  # a bad plug-in fails here, in the trainer, at start
-        self.workers = env.agent_workers
-        self.settings = PlayerSettings(
-            env.openai_agent, dict(env.args), cfg.engine.api_key, cfg.engine.request_timeout_s, env.episode_timeout_s,
-            math.ceil(env.max_concurrent_episodes / max(1, self.workers)))
-        self.turn_tokens = env.max_new_tokens_per_turn or cfg.rollout.max_new_tokens
-        self.max_tokens = env.max_episode_tokens or cfg.engine.max_context
-        self.players = None  # AgentWorkers, or an AgentPlayer in this loop (env.agent_workers=0)
-        if self.workers:
-            from .agent_workers import AgentWorkers
-
-            self.players = AgentWorkers(self.workers, self.settings)  # start-up overlaps the engines'
-
-    async def close(self) -> None:
-        if self.players is not None:
-            await self.players.close()
-            self.players = None
-
-    async def run_group(self, mgr, index: int, version: int) -> None:
-        prompt = self.task.prompt(index)
-        n = self.cfg.rollout.group_size
-        await mgr._ready.wait()
-        if self.players is None:
-            self.players = AgentPlayer(self.settings)
-        rc = self.cfg.rollout
-        uids = [mgr._uid(index, j) for j in range(n)]
-        job = GroupJob(mgr.client.pick(), [f"{u}-{uuid.uuid4().hex[:8]}" for u in uids],
-                       [sampling_seed(self.cfg.data.seed, index, j, 0) for j in range(n)], prompt, {
-                           "sampling_params": {"temperature": rc.temperature, "top_p": rc.top_p, "top_k": rc.top_k},
-                           "return_routed_experts": mgr.replay_log is not None, "max_tokens": self.turn_tokens,
-                           "max_total_tokens": self.max_tokens, "ttl_s": self.settings.episode_timeout_s + 600})
-        mgr._mark(+n)
-        try:
-            results = await self.players.play_group(job)
-        finally:
-            mgr._mark(-n)
-        samples = []
-        for j, res in enumerate(results):
-            if res.failed is not None:
-                log.warning("episode %s failed: %s", uids[j], res.failed)
-                mgr.stats["env_failures"] += 1
-            samples += self._samples(mgr, uids[j], index, j, prompt, res)
-        group = Group(index, samples, version)
-        with mgr.lock:
-            mgr.inflight.pop(index, None)
-            mgr.buffer.put(group)
-            mgr.stats["groups_done"] += 1
-
-    def _samples(self, mgr, uid: str, index: int, j: int, prompt, res: EpisodeResult) -> list[Sample]:
-        if res.failed is not None:
-            return [Sample(uid, index, list(prompt.input_ids), [], [], [], finish_reason="failed", failed=res.failed)]
-        samples = []
-        for k, s in enumerate(res.sequences):
-            suid = mgr._uid(index, j, k)
-            sample = Sample(suid, index, s.prompt_ids, s.ids, s.logps, s.versions, reward=res.reward,
-                            finish_reason="agent", loss_mask=list(s.mask), turns=s.calls, metrics=dict(res.metrics))
-            if mgr.replay_log is not None and any(s.mask):
-                rec = record_from_responses(s.metas, mgr.spec, num_tokens=sample.num_tokens, starts=s.starts)
-                mgr.replay_log.append(suid, rec, sorted(set(sample.model_versions)))
-                sample.has_routing = True
-            if not any(s.mask):
-                sample.failed = "the sequence has no model tokens"
-            samples.append(sample)
-        return samples

@@ -38,7 +38,7 @@ from moe_rl.engine.protocol import output_logprobs, token_weight_versions, versi
 from moe_rl.replay import RoutingSpec, record_from_responses, routing_covers
 from moe_rl.tasks.plugins import reward_value
 
-from .agent import AgentRunner
+from .agent_runner import AgentRunner
 from .buffer import RolloutBuffer
 from .episode import EpisodeRunner
 from .evaluation import score

@@ -303,7 +303,7 @@ def test_family_fields_are_checked():
         MoEArch(sliding_window=4)
     with pytest.raises(ValueError, match="n_shared_experts=1 is not supported by model_type='gpt_oss'"):
         MoEArch(model_type="gpt_oss", n_shared_experts=1)
-    with pytest.raises(ValueError, match="layer_types has 2 entries for num_hidden_layers=3"):
+    with pytest.raises(ValueError, match=r"layer_types must list 3 entries \(num_hidden_layers\)"):
         MoEArch(model_type="gpt_oss", num_hidden_layers=3, layer_types=["full_attention"] * 2)
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
         MoEArch(model_type="gpt_oss", num_hidden_layers=2)
