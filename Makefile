@@ -1,7 +1,7 @@
 PYTHON ?= python3
 CONFIG ?= configs/tiny.yaml
-# pytest-xdist workers for `make test`: 2 fits the 2-core CI machines (the suite takes ~6 min there
-# instead of ~9.5 serially); PYTEST_WORKERS=0 runs it in one process
+# pytest-xdist workers for `make test`: 2 fits the 2-core CI machines (the suite takes ~12 min there
+# with the second megatron-core pass); PYTEST_WORKERS=0 runs it in one process
 PYTEST_WORKERS ?= 2
 
 .PHONY: install install-test run test docs
