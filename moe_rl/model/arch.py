@@ -277,7 +277,7 @@ class MoEArch(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "MoEArch":
         fam = FAMILIES[self.model_type]
-        for k in self._other_families_keys():
+        for k in _other_families_keys(fam):
             if getattr(self, k) is not None:
                 raise ValueError(f"{k} is a field of another family; model_type={self.model_type!r} has none")
         for k, v in fam.defaults.items():
@@ -348,9 +348,6 @@ class MoEArch(BaseModel):
             raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
                              f"linear_num_key_heads={self.linear_num_key_heads}")
 
-    def _other_families_keys(self) -> set[str]:
-        return _other_families_keys(FAMILIES[self.model_type])
-
     # --- what the model code reads -------------------------------------------------------
     @property
     def router(self) -> str:
@@ -360,11 +357,6 @@ class MoEArch(BaseModel):
     def family(self) -> Family:
         """What the family fixes beyond the fields (``Family``: sinks, o_proj bias, norm, experts)."""
         return FAMILIES[self.model_type]
-
-    @property
-    def zero_centered_norm(self) -> bool:
-        """The decoder's RMSNorms scale by 1 + weight (Gemma's form)."""
-        return FAMILIES[self.model_type].zero_centered_norm
 
     @property
     def rotary_dim(self) -> int:
@@ -495,7 +487,7 @@ class MoEArch(BaseModel):
             for k in (*MLA_FIELDS, "rope_interleave"):
                 d.pop(k)
         rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
-        others = self._other_families_keys()
+        others = _other_families_keys(fam)
         if fam.hybrid:
             for k in others:
                 d.pop(k)

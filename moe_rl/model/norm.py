@@ -25,9 +25,7 @@ class RMSNorm(nn.Module):
         self.scale_fp32 = scale_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.zero_centered:
-            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (self.weight.float() + 1)).to(x.dtype)
-        if self.scale_fp32:
-            normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-            return (self.weight.float() * normed).to(x.dtype)
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        if not (self.zero_centered or self.scale_fp32):
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        scale = self.weight.float() + 1 if self.zero_centered else self.weight.float()
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * scale).to(x.dtype)

@@ -407,6 +407,13 @@ class SparseMoE(nn.Module):
         return back.index_select(0, inverse)
 
 
+def decoder_norm(arch: MoEArch) -> RMSNorm:
+    """A decoder RMSNorm of width hidden_size in the family's form (gpt-oss: scaled in fp32;
+    Qwen3-Next / Qwen3.5: Gemma's 1 + weight)."""
+    fam = arch.family
+    return RMSNorm(arch.hidden_size, arch.rms_norm_eps, fam.norm_scale_fp32, zero_centered=fam.zero_centered_norm)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: MoEArch, layer: int, ep_group=None):
         super().__init__()
@@ -418,10 +425,8 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(arch, layer, ep_group)
         else:
             self.mlp = DenseMLP(arch.hidden_size, arch.intermediate_size)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32,
-                                      zero_centered=arch.zero_centered_norm)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32,
-                                      zero_centered=arch.zero_centered_norm)
+        self.input_layernorm = decoder_norm(arch)
+        self.post_attention_layernorm = decoder_norm(arch)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention,
                 replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -448,8 +453,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, ep_group) for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.family.norm_scale_fp32,
-                            zero_centered=arch.zero_centered_norm)
+        self.norm = decoder_norm(arch)
 
 
 class MoEForCausalLM(nn.Module):
