@@ -83,6 +83,40 @@ def native_grads_by_hf_name(native) -> dict:
                 p.data = data
 
 
+def random_correction_bias(meg, native, num_experts, seed=5):
+    """The same random expert-score correction bias in both models' sigmoid routers."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in meg.arch.moe_layers:
+            bias = torch.randn(num_experts, generator=g) * 0.1
+            native.model.model.layers[layer].mlp.gate.e_score_correction_bias.copy_(bias)
+            meg.model.decoder.layers[layer].mlp.router.expert_bias.copy_(bias)
+
+
+def assert_logprobs_and_grads_equal_native(meg, native, mb):
+    """Megatron's log-probs of ``mb`` equal the native model's, and so does every parameter's
+    gradient of one policy-gradient-shaped loss, mapped to HF names (each non-zero; the
+    correction bias is a buffer in both, with none)."""
+    from moe_rl.train.megatron.convert import megatron_to_hf
+
+    adv = torch.linspace(-1, 1, mb.num_tokens)
+    lp, _ = meg.logprobs(mb, 1.0)
+    lp_ref, _ = native.logprobs(mb, 1.0)
+    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
+    (adv * lp).sum().backward()
+    (adv * lp_ref).sum().backward()
+    tensors = meg._tensors()
+    got = dict(megatron_to_hf(lambda n: tensors[n].grad if tensors[n].requires_grad else torch.zeros_like(tensors[n]),
+                              meg.arch, meg.layout))
+    want = native_grads_by_hf_name(native)
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        if name.endswith("e_score_correction_bias"):
+            continue
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
 def random_routes(T, num_experts, top_k, layers, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.rand(T, num_experts, generator=g).argsort(1)[:, :top_k] for _ in range(layers)]

@@ -10,7 +10,8 @@ import torch
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 pytest.importorskip("megatron.core")
 
-from .common import build, make_mb, native_grads_by_hf_name, native_record, random_routes  # noqa: E402
+from .common import (  # noqa: E402
+    assert_logprobs_and_grads_equal_native, build, make_mb, native_record, random_correction_bias, random_routes)
 from .test_forward_cpu import cpu_megatron  # noqa: E402,F401  (the module-scoped 1-rank world with shims)
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
@@ -29,12 +30,7 @@ LENGTHS = (11, 20, 9)
 def build_dsv3(**over):
     arch = {**DSV3, **over}
     meg, native = build(arch, "cpu")
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for layer in meg.arch.moe_layers:
-            bias = torch.randn(arch["num_experts"], generator=g) * 0.1
-            native.model.model.layers[layer].mlp.gate.e_score_correction_bias.copy_(bias)
-            meg.model.decoder.layers[layer].mlp.router.expert_bias.copy_(bias)
+    random_correction_bias(meg, native, arch["num_experts"])
     return meg, native
 
 
@@ -61,8 +57,6 @@ def test_mla_logprobs_routing_and_gradients_equal_native(cpu_megatron, case):
     """megatron's own routing picks the native model's experts; under replayed routes the log-probs
     and every gradient (MLA projections and norms, router, shared experts, experts), mapped back to
     HF names, equal the native model's."""
-    from moe_rl.train.megatron.convert import megatron_to_hf
-
     if case == "q_proj" and MCORE_019:
         with pytest.raises(ValueError, match="without q_lora_rank"):
             build_dsv3(**CASES[case])
@@ -75,22 +69,7 @@ def test_mla_logprobs_routing_and_gradients_equal_native(cpu_megatron, case):
     for a, b in zip(rec_meg, native_record(native, mb)):
         assert torch.equal(a.sort(1).values, b.sort(1).values)
     mb.replay = random_routes(mb.num_tokens, DSV3["num_experts"], 2, 2, seed=4)
-    adv = torch.linspace(-1, 1, mb.num_tokens)
-    lp, _ = meg.logprobs(mb, 1.0)
-    lp_ref, _ = native.logprobs(mb, 1.0)
-    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
-    (adv * lp).sum().backward()
-    (adv * lp_ref).sum().backward()
-    tensors = meg._tensors()
-    got = dict(megatron_to_hf(lambda n: tensors[n].grad if tensors[n].requires_grad else torch.zeros_like(tensors[n]),
-                              meg.arch, meg.layout))
-    want = native_grads_by_hf_name(native)
-    assert got.keys() == want.keys()
-    for name, g in want.items():
-        if name.endswith("e_score_correction_bias"):
-            continue
-        assert g.abs().sum() > 0, name
-        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert_logprobs_and_grads_equal_native(meg, native, mb)
 
 
 def test_mla_round_trip_and_refusals():

@@ -7,7 +7,8 @@ import torch
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 pytest.importorskip("megatron.core")
 
-from .common import build, make_mb, native_grads_by_hf_name, native_hidden, native_record, pg_step, random_routes, replayed_batch  # noqa: E402
+from .common import (  # noqa: E402
+    assert_logprobs_and_grads_equal_native, build, make_mb, native_hidden, native_record, pg_step, random_correction_bias, random_routes, replayed_batch)
 from .test_forward_cpu import cpu_megatron  # noqa: E402,F401  (the module-scoped 1-rank world with shims)
 
 GLM_ARCH = dict(model_type="glm4_moe", vocab_size=96, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
@@ -20,12 +21,7 @@ LENGTHS = (11, 20, 9)
 def build_glm(**train):
     """(megatron, native) with identical weights, the correction bias random (the same in both)."""
     meg, native = build(GLM_ARCH, "cpu", **train)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for layer in meg.arch.moe_layers:
-            bias = torch.randn(GLM_ARCH["num_experts"], generator=g) * 0.1
-            native.model.model.layers[layer].mlp.gate.e_score_correction_bias.copy_(bias)
-            meg.model.decoder.layers[layer].mlp.router.expert_bias.copy_(bias)
+    random_correction_bias(meg, native, GLM_ARCH["num_experts"])
     return meg, native
 
 
@@ -83,27 +79,10 @@ def _mlp_input(native, mb, layer):
 def test_glm_every_gradient_equals_native_under_replay(cpu_megatron):
     """Replayed routes the routers would not pick: log-probs and every parameter's gradient
     (router, shared experts, q/k/v bias, experts), mapped to HF names, equal the native model's."""
-    from moe_rl.train.megatron.convert import megatron_to_hf
-
     meg, native = build_glm()
     mb = make_mb(GLM_ARCH["vocab_size"], LENGTHS)
     mb.replay = random_routes(mb.num_tokens, GLM_ARCH["num_experts"], 2, 2, seed=4)
-    adv = torch.linspace(-1, 1, mb.num_tokens)
-    lp, _ = meg.logprobs(mb, 1.0)
-    lp_ref, _ = native.logprobs(mb, 1.0)
-    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
-    (adv * lp).sum().backward()
-    (adv * lp_ref).sum().backward()
-    tensors = meg._tensors()
-    got = dict(megatron_to_hf(lambda n: tensors[n].grad if tensors[n].requires_grad else torch.zeros_like(tensors[n]),
-                              meg.arch, meg.layout))
-    want = native_grads_by_hf_name(native)
-    assert got.keys() == want.keys()
-    for name, g in want.items():
-        if name.endswith("e_score_correction_bias"):
-            continue  # a buffer in both: no gradient
-        assert g.abs().sum() > 0, name
-        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert_logprobs_and_grads_equal_native(meg, native, mb)
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.01])

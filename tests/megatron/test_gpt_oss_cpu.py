@@ -11,7 +11,8 @@ import torch
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 pytest.importorskip("megatron.core")
 
-from .common import build, make_mb, native_grads_by_hf_name, native_hidden, native_record, random_routes  # noqa: E402
+from .common import (  # noqa: E402
+    assert_logprobs_and_grads_equal_native, build, make_mb, native_hidden, native_record, random_routes)
 from .test_forward_cpu import cpu_megatron  # noqa: E402,F401  (the module-scoped 1-rank world with shims)
 
 W = 4
@@ -89,24 +90,10 @@ def test_gpt_oss_hidden_routing_and_logprobs_equal_native(cpu_megatron, grouped)
 def test_gpt_oss_every_gradient_equals_native_under_replay(cpu_megatron):
     """Log-probs and every parameter's gradient (sinks, o_proj/router/expert biases, the
     interleaved gate/up), mapped to HF names, equal the native model's."""
-    from moe_rl.train.megatron.convert import megatron_to_hf
-
     meg, native = build_gpt_oss()
     mb = make_mb(GPT_OSS["vocab_size"], LENGTHS)
     mb.replay = random_routes(mb.num_tokens, GPT_OSS["num_experts"], 2, 3, seed=4)
-    adv = torch.linspace(-1, 1, mb.num_tokens)
-    lp, _ = meg.logprobs(mb, 1.0)
-    lp_ref, _ = native.logprobs(mb, 1.0)
-    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
-    (adv * lp).sum().backward()
-    (adv * lp_ref).sum().backward()
-    tensors = meg._tensors()
-    got = dict(megatron_to_hf(lambda n: tensors[n].grad, meg.arch, meg.layout))
-    want = native_grads_by_hf_name(native)
-    assert got.keys() == want.keys()
-    for name, g in want.items():
-        assert g.abs().sum() > 0, name
-        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert_logprobs_and_grads_equal_native(meg, native, mb)
 
 
 def test_megatrons_own_attention_counts_the_window_and_sinks_as_hf(cpu_megatron, monkeypatch):
