@@ -26,7 +26,9 @@ opaque call, so a batch's chunk count never causes a recompile) with two impleme
 * ``impl="triton"`` (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``): one program per
   (sequence, head, block of ``BLOCK_V`` value columns) carries its block of the state through
   its sequence's chunks (the state's columns are independent), reading the chunk count on the
-  device; the backward first re-runs the scan to store the state entering each chunk (not kept
+  device. The block lives in the output buffer of the final state (the backward: of the
+  initial state's gradient) and is read and written ``BLOCK_K`` key rows at a time, a barrier
+  between a tile's last read and its update, so that no tile outgrows the registers; the backward first re-runs the scan to store the state entering each chunk (not kept
   from the forward: it is ``H x Dk x Dv`` per chunk), then walks the chunks backwards. Partial
   sums over the value blocks are added in torch.
 
@@ -207,13 +209,20 @@ def _scan_bwd_torch(qg, kd, w, u, aqk, decay, first, nch, s0, do, dfinal):
 
 
 # --- the chunk scan: Triton --------------------------------------------------------------------
-def _block_v(dv: int) -> int:
-    return min(triton.next_power_of_2(dv), 16 if TRITON_INTERPRET else 32)
+def _blocks(dk: int, dv: int) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_V): the key rows of the state each dot reads at a time and the value
+    columns of one program. On sm_90 the fp32 dots run on the FMA units, each thread holding
+    its rows of an operand over the whole reduction: a [Dk=128, 32] state block in one tile
+    spilled ~2 KB of stack per thread; 16-row key tiles keep every tile in registers (165
+    registers forward, 216 backward, no stack: tests/kernels/test_sm90_compile.py checks).
+    32 value columns (not 16, which also fits) halve the chunk tiles each program re-reads.
+    The interpreter uses 16 x 16 so that the tests' small heads run several tiles of each."""
+    return min(triton.next_power_of_2(dk), 16), min(triton.next_power_of_2(dv), 16 if TRITON_INTERPRET else 32)
 
 
 def _launch_options() -> dict:
-    """Not tuned. One stage: the chunk loop's [C, Dk] fp32 tiles multi-buffered would exceed
-    sm_90's 227 KiB of shared memory (tests/kernels/test_sm90_compile.py checks)."""
+    """8 warps, one stage: the state tiles are read back from memory that the same program has
+    just written (after a barrier), which a software-pipelined prefetch would read early."""
     return {"num_warps": 1} if TRITON_INTERPRET else {"num_warps": 8, "num_stages": 1}
 
 
@@ -225,45 +234,72 @@ def _precision(dtype: torch.dtype) -> str:
 
 if triton is not None:
 
+    @triton.jit
+    def _scan_program(first_ptr, nch_ptr, H, DV, BLOCK_V: tl.constexpr):
+        """Which scan this program runs: (its value block, its sequence x head row, the head, the
+        sequence's first chunk and chunk count, its value columns and their mask)."""
+        pid_v = tl.program_id(0)
+        sh = tl.program_id(1)
+        seq = sh // H
+        c0 = tl.load(first_ptr + seq)
+        n = tl.load(nch_ptr + seq)
+        rv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        return pid_v, sh, sh % H, c0, n, rv, rv < DV
+
+    @triton.jit
+    def _state_tile(k0, rv, vm, DK, DV, BLOCK_K: tl.constexpr):
+        """Offsets and mask of key rows [k0, k0 + BLOCK_K) x the program's value columns in a
+        [Dk, Dv] state; the key rows and their mask."""
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < DK
+        return rk[:, None] * DV + rv[None, :], km[:, None] & vm[None, :], rk, km
+
+    @triton.jit
+    def _copy_state(src_ptr, dst_ptr, base, rv, vm, DK, DV, BLOCK_K: tl.constexpr):
+        """The program's block of a state from src to dst (its working copy), then a barrier."""
+        for k0 in range(0, DK, BLOCK_K):
+            off, m, rk, km = _state_tile(k0, rv, vm, DK, DV, BLOCK_K)
+            tl.store(dst_ptr + base + off, tl.load(src_ptr + base + off, mask=m, other=0.0), mask=m)
+        tl.debug_barrier()
+
     @triton.jit(do_not_specialize=["store_states"])
     def _gdn_scan_fwd_kernel(qg_ptr, kd_ptr, w_ptr, u_ptr, aqk_ptr, decay_ptr, first_ptr, nch_ptr, s0_ptr,
                              o_ptr, final_ptr, states_ptr, H, DK, DV, store_states,
                              C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                              PRECISION: tl.constexpr):
         """One (value block, sequence x head): the state block [Dk, BLOCK_V] through the
-        sequence's chunks. Layouts (contiguous): qg/kd/w [NC, H, C, Dk], u/o [NC, H, C, Dv], aqk
-        [NC, H, C, C], decay [NC, H], s0/final [S, H, Dk, Dv], states [NC, H, Dk, Dv]."""
-        pid_v = tl.program_id(0)
-        sh = tl.program_id(1)
-        seq = sh // H
-        h = sh % H
-        c0 = tl.load(first_ptr + seq)
-        n = tl.load(nch_ptr + seq)
-        rk = tl.arange(0, BLOCK_K)
-        rv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        sequence's chunks, kept in ``final`` (its working copy, read and written BLOCK_K key rows
+        at a time so that no tile outgrows the registers). Layouts (contiguous): qg/kd/w [NC, H,
+        C, Dk], u/o [NC, H, C, Dv], aqk [NC, H, C, C], decay [NC, H], s0/final [S, H, Dk, Dv],
+        states [NC, H, Dk, Dv]."""
+        pid_v, sh, h, c0, n, rv, vm = _scan_program(first_ptr, nch_ptr, H, DV, BLOCK_V)
         rc = tl.arange(0, C)
-        km, vm = rk < DK, rv < DV
-        state_off = rk[:, None] * DV + rv[None, :]
-        state_mask = km[:, None] & vm[None, :]
-        s = tl.load(s0_ptr + sh.to(tl.int64) * DK * DV + state_off, mask=state_mask, other=0.0)
+        base = sh.to(tl.int64) * DK * DV
+        _copy_state(s0_ptr, final_ptr, base, rv, vm, DK, DV, BLOCK_K)
         for i in range(0, n):
             ch = (c0 + i).to(tl.int64) * H + h  # the (chunk, head) row
-            kk = ch * C * DK + rc[:, None] * DK + rk[None, :]
             vv = ch * C * DV + rc[:, None] * DV + rv[None, :]
-            cv = rc[:, None] < C
-            w = tl.load(w_ptr + kk, mask=cv & km[None, :], other=0.0)
-            u = tl.load(u_ptr + vv, mask=cv & vm[None, :], other=0.0)
-            if store_states:
-                tl.store(states_ptr + ch * DK * DV + state_off, s, mask=state_mask)
-            v_new = u - tl.dot(w, s, input_precision=PRECISION)
-            qg = tl.load(qg_ptr + kk, mask=cv & km[None, :], other=0.0)
+            v_new = tl.load(u_ptr + vv, mask=vm[None, :], other=0.0)
+            qs = tl.zeros_like(v_new)
+            for k0 in range(0, DK, BLOCK_K):  # v_new = u - w s, qs = qg s
+                off, m, rk, km = _state_tile(k0, rv, vm, DK, DV, BLOCK_K)
+                s = tl.load(final_ptr + base + off, mask=m, other=0.0)
+                if store_states:
+                    tl.store(states_ptr + ch * DK * DV + off, s, mask=m)
+                kk = ch * C * DK + rc[:, None] * DK + rk[None, :]
+                v_new -= tl.dot(tl.load(w_ptr + kk, mask=km[None, :], other=0.0), s, input_precision=PRECISION)
+                qs += tl.dot(tl.load(qg_ptr + kk, mask=km[None, :], other=0.0), s, input_precision=PRECISION)
             aqk = tl.load(aqk_ptr + ch * C * C + rc[:, None] * C + rc[None, :])
-            o = tl.dot(qg, s, input_precision=PRECISION) + tl.dot(aqk, v_new, input_precision=PRECISION)
-            tl.store(o_ptr + vv, o, mask=cv & vm[None, :])
-            kd = tl.load(kd_ptr + kk, mask=cv & km[None, :], other=0.0)
+            tl.store(o_ptr + vv, qs + tl.dot(aqk, v_new, input_precision=PRECISION), mask=vm[None, :])
             a = tl.load(decay_ptr + ch)
-            s = s * a + tl.dot(tl.trans(kd), v_new, input_precision=PRECISION)
-        tl.store(final_ptr + sh.to(tl.int64) * DK * DV + state_off, s, mask=state_mask)
+            for k0 in range(0, DK, BLOCK_K):  # s = a s + kd^T v_new
+                off, m, rk, km = _state_tile(k0, rv, vm, DK, DV, BLOCK_K)
+                kd = tl.load(kd_ptr + ch * C * DK + rc[:, None] * DK + rk[None, :], mask=km[None, :], other=0.0)
+                s = tl.load(final_ptr + base + off, mask=m, other=0.0) * a
+                s += tl.dot(tl.trans(kd), v_new, input_precision=PRECISION)
+                tl.debug_barrier()  # every thread has read these rows before they change
+                tl.store(final_ptr + base + off, s, mask=m)
+            tl.debug_barrier()  # the new state is in place before the next chunk reads it
 
     @triton.jit
     def _gdn_scan_bwd_kernel(qg_ptr, kd_ptr, w_ptr, u_ptr, aqk_ptr, decay_ptr, first_ptr, nch_ptr, states_ptr,
@@ -271,55 +307,58 @@ if triton is not None:
                              H, NCH, DK, DV,
                              C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                              PRECISION: tl.constexpr):
-        """The scan's gradients for one (value block, sequence x head), chunks walked backwards.
+        """The scan's gradients for one (value block, sequence x head), chunks walked backwards,
+        the state's gradient kept in ``ds0`` (its working copy, BLOCK_K key rows at a time).
         du, ds0 are written per block of value columns; dqg/dkd/dw/daqk/ddecay sum over all value
         columns, so each block writes its partial sum at [pid_v] of a [NV, ...] buffer."""
-        pid_v = tl.program_id(0)
-        sh = tl.program_id(1)
-        seq = sh // H
-        h = sh % H
-        c0 = tl.load(first_ptr + seq)
-        n = tl.load(nch_ptr + seq)
-        rk = tl.arange(0, BLOCK_K)
-        rv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        pid_v, sh, h, c0, n, rv, vm = _scan_program(first_ptr, nch_ptr, H, DV, BLOCK_V)
         rc = tl.arange(0, C)
-        km, vm = rk < DK, rv < DV
-        state_off = rk[:, None] * DV + rv[None, :]
-        state_mask = km[:, None] & vm[None, :]
+        base = sh.to(tl.int64) * DK * DV
         part = pid_v.to(tl.int64) * NCH * H  # this block's rows in the partial-sum buffers
-        ds = tl.load(dfinal_ptr + sh.to(tl.int64) * DK * DV + state_off, mask=state_mask, other=0.0)
+        _copy_state(dfinal_ptr, ds0_ptr, base, rv, vm, DK, DV, BLOCK_K)
         for j in range(0, n):
             ch = (c0 + n - 1 - j).to(tl.int64) * H + h
-            kk = ch * C * DK + rc[:, None] * DK + rk[None, :]
             vv = ch * C * DV + rc[:, None] * DV + rv[None, :]
-            cv = rc[:, None] < C
-            s = tl.load(states_ptr + ch * DK * DV + state_off, mask=state_mask, other=0.0)
-            w = tl.load(w_ptr + kk, mask=cv & km[None, :], other=0.0)
-            u = tl.load(u_ptr + vv, mask=cv & vm[None, :], other=0.0)
-            do = tl.load(do_ptr + vv, mask=cv & vm[None, :], other=0.0)
-            v_new = u - tl.dot(w, s, input_precision=PRECISION)
+            v_new = tl.load(u_ptr + vv, mask=vm[None, :], other=0.0)
+            do = tl.load(do_ptr + vv, mask=vm[None, :], other=0.0)
             aqk = tl.load(aqk_ptr + ch * C * C + rc[:, None] * C + rc[None, :])
-            kd = tl.load(kd_ptr + kk, mask=cv & km[None, :], other=0.0)
-            dv_new = tl.dot(tl.trans(aqk), do, input_precision=PRECISION) + tl.dot(kd, ds, input_precision=PRECISION)
-            tl.store(du_ptr + vv, dv_new, mask=cv & vm[None, :])
-            pk = (part + ch) * C * DK + rc[:, None] * DK + rk[None, :]
+            dv_new = tl.dot(tl.trans(aqk), do, input_precision=PRECISION)
+            sds = tl.zeros([BLOCK_K, BLOCK_V], dtype=v_new.dtype)
+            for k0 in range(0, DK, BLOCK_K):  # v_new = u - w s, dv_new = aqk^T do + kd ds, sum(s * ds)
+                off, m, rk, km = _state_tile(k0, rv, vm, DK, DV, BLOCK_K)
+                s = tl.load(states_ptr + ch * DK * DV + off, mask=m, other=0.0)
+                ds = tl.load(ds0_ptr + base + off, mask=m, other=0.0)
+                kk = ch * C * DK + rc[:, None] * DK + rk[None, :]
+                v_new -= tl.dot(tl.load(w_ptr + kk, mask=km[None, :], other=0.0), s, input_precision=PRECISION)
+                dv_new += tl.dot(tl.load(kd_ptr + kk, mask=km[None, :], other=0.0), ds, input_precision=PRECISION)
+                sds += s * ds
+            tl.store(du_ptr + vv, dv_new, mask=vm[None, :])
             tl.store(daqk_ptr + (part + ch) * C * C + rc[:, None] * C + rc[None, :],
                      tl.dot(do, tl.trans(v_new), input_precision=PRECISION))
-            tl.store(dqg_ptr + pk, tl.dot(do, tl.trans(s), input_precision=PRECISION), mask=cv & km[None, :])
-            tl.store(dkd_ptr + pk, tl.dot(v_new, tl.trans(ds), input_precision=PRECISION), mask=cv & km[None, :])
-            tl.store(dw_ptr + pk, -tl.dot(dv_new, tl.trans(s), input_precision=PRECISION), mask=cv & km[None, :])
-            tl.store(ddecay_ptr + part + ch, tl.sum(tl.sum(s * ds, axis=1), axis=0))
+            tl.store(ddecay_ptr + part + ch, tl.sum(tl.sum(sds, axis=1), axis=0))
             a = tl.load(decay_ptr + ch)
-            qg = tl.load(qg_ptr + kk, mask=cv & km[None, :], other=0.0)
-            ds = (ds * a + tl.dot(tl.trans(qg), do, input_precision=PRECISION)
-                  - tl.dot(tl.trans(w), dv_new, input_precision=PRECISION))
-        tl.store(ds0_ptr + sh.to(tl.int64) * DK * DV + state_off, ds, mask=state_mask)
+            for k0 in range(0, DK, BLOCK_K):  # the key rows' gradients, then ds = a ds + qg^T do - w^T dv_new
+                off, m, rk, km = _state_tile(k0, rv, vm, DK, DV, BLOCK_K)
+                s = tl.load(states_ptr + ch * DK * DV + off, mask=m, other=0.0)
+                ds = tl.load(ds0_ptr + base + off, mask=m, other=0.0)
+                kk = ch * C * DK + rc[:, None] * DK + rk[None, :]
+                pk = (part + ch) * C * DK + rc[:, None] * DK + rk[None, :]
+                tl.store(dqg_ptr + pk, tl.dot(do, tl.trans(s), input_precision=PRECISION), mask=km[None, :])
+                tl.store(dkd_ptr + pk, tl.dot(v_new, tl.trans(ds), input_precision=PRECISION), mask=km[None, :])
+                tl.store(dw_ptr + pk, -tl.dot(dv_new, tl.trans(s), input_precision=PRECISION), mask=km[None, :])
+                qg = tl.load(qg_ptr + kk, mask=km[None, :], other=0.0)
+                w = tl.load(w_ptr + kk, mask=km[None, :], other=0.0)
+                ds = (ds * a + tl.dot(tl.trans(qg), do, input_precision=PRECISION)
+                      - tl.dot(tl.trans(w), dv_new, input_precision=PRECISION))
+                tl.debug_barrier()  # every thread has read these rows before they change
+                tl.store(ds0_ptr + base + off, ds, mask=m)
+            tl.debug_barrier()  # the new gradient is in place before the next chunk reads it
 
 
 def _scan_grid(s0: Tensor, u: Tensor):
     S, H, Dk, Dv = s0.shape
-    bv = _block_v(Dv)
-    return (triton.cdiv(Dv, bv), S * H), triton.next_power_of_2(Dk), bv
+    bk, bv = _blocks(Dk, Dv)
+    return (triton.cdiv(Dv, bv), S * H), bk, bv
 
 
 def _scan_fwd_triton(qg, kd, w, u, aqk, decay, first, nch, s0, keep_states: bool = False):
