@@ -13,6 +13,23 @@ them (read from sglang 0.5.23's ``serving_chat.py`` and ``function_call/``); no 
   a value is JSON unless the tool's schema says string). The content is the text before the
   first ``<tool_call>`` (stripped); calls naming a tool the request did not declare are
   dropped; a call that does not parse leaves the whole text as content and no call.
+  Qwen3.5 and the Qwen3-Coder releases write an XML form (``qwen3_coder``)::
+
+      <tool_call>
+      <function=NAME>
+      <parameter=ARG>
+      VALUE
+      </parameter>
+      </function>
+      </tool_call>
+
+  each VALUE typed by the tool's JSON schema (string as written; integer, number, boolean,
+  null; object / array as JSON, else a Python literal; a value that does not convert, or an
+  argument the schema does not name, stays a string). As SGLang's ``qwen3_coder`` detector:
+  the content is the text before the first ``<tool_call>``, not stripped; calls are kept
+  whatever name they give; a ``<tool_call>`` with no ``<function=`` parses to no call and the
+  text before it. A family served in hermes form whose chat template writes ``<function=``
+  (Qwen3-Coder-30B-A3B on qwen3_moe, Qwen3-Coder-Next on qwen3_next) is parsed in this form.
 * **Continuing an episode's conversation** (:func:`continuation`): when a request's messages
   repeat an earlier request's messages plus the assistant message that was returned for it,
   the prompt is that earlier prompt's ids + the ids the model sampled + the ids of the text
@@ -27,9 +44,20 @@ from typing import Any
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 # SGLang's parser of each model family (what --tool-call-parser names for its checkpoints)
-# (Qwen3-Next's instruct and thinking releases write Qwen3's hermes form; a family not here is
-# served, with requests that carry tools refused)
-TOOL_FORMATS = {"qwen3_moe": "hermes", "glm4_moe": "glm45", "qwen3_next": "hermes"}
+# (Qwen3-Next's instruct and thinking releases write Qwen3's hermes form, Qwen3.5 the XML form;
+# a family not here is served, with requests that carry tools refused)
+TOOL_FORMATS = {"qwen3_moe": "hermes", "glm4_moe": "glm45", "qwen3_next": "hermes", "qwen3_5_moe_text": "qwen3_coder"}
+
+
+def tool_format(model_type: str, chat_template: Any) -> str | None:
+    """The tool-call format served for ``model_type`` with this chat template (a string, a
+    dict of named templates, or None): the family's, except that a hermes family whose
+    template writes ``<function=`` calls (the Qwen3-Coder releases) is parsed in that form."""
+    fmt = TOOL_FORMATS.get(model_type)
+    texts = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    if fmt == "hermes" and any(isinstance(t, str) and "<function=" in t for t in texts):
+        return "qwen3_coder"
+    return fmt
 
 
 # --- messages and the template --------------------------------------------------------------
@@ -141,11 +169,126 @@ def _hermes_calls(text: str) -> list[dict]:
     return calls
 
 
+def _schema_kind(schema: Any) -> str:
+    """The JSON type an argument's schema asks for ("string" when it does not say): its
+    ``type`` (the first non-null of a list), the one type of its ``anyOf`` / ``oneOf``
+    branches (an optional type: the non-null one; mixed: string), its ``enum`` values' type,
+    ``properties``: object, ``items``: array."""
+    if not isinstance(schema, dict):
+        return "string"
+    t = schema.get("type")
+    if isinstance(t, str):
+        return t
+    if isinstance(t, list) and t:
+        return next((x for x in t if x != "null"), "string")
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list) and branches:
+        kinds = {_schema_kind(b) for b in branches}
+        if len(kinds - {"null"}) == 1:
+            return next(iter(kinds - {"null"}))
+        return "string" if "string" in kinds or not kinds else _schema_kind(branches[0])
+    if isinstance(schema.get("enum"), list):
+        kinds = {type(v) for v in schema["enum"]}
+        names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+        return names.get(kinds.pop(), "string") if len(kinds) == 1 else "string"
+    if "properties" in schema:
+        return "object"
+    if "items" in schema:
+        return "array"
+    return "string"
+
+
+def _typed_value(raw: str, schema: Any) -> Any:
+    """An XML-form argument's text as the value its schema's type asks for (module docstring)."""
+    import ast
+
+    if raw.lower() == "null":
+        return None
+    if schema is None:  # an argument the tool's schema does not name
+        return raw
+    kind = _schema_kind(schema).lower()
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return raw
+    try:
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(raw)
+        if kind.startswith(("num", "float")):
+            x = float(raw)
+            return int(x) if x.is_integer() and "." not in raw and "e" not in raw.lower() else x
+    except ValueError:
+        return raw
+    if kind in ("boolean", "bool", "binary"):
+        return raw.lower() == "true"
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            pass
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return raw
+
+
+def _tool_properties(tools: list[dict], name: str) -> dict | None:
+    """The argument schemas of tool ``name`` (its parameters' ``properties``, or those of
+    their ``anyOf`` / ``oneOf`` / ``allOf`` branches), None for an undeclared tool."""
+    def props(schema):
+        if not isinstance(schema, dict):
+            return {}
+        if isinstance(schema.get("properties"), dict):
+            return schema["properties"]
+        merged: dict = {}
+        for key in ("anyOf", "oneOf", "allOf"):
+            for branch in schema.get(key) or []:
+                for k, v in props(branch).items():
+                    merged.setdefault(k, v)
+        return merged
+
+    for t in tools:
+        fn = t.get("function") or {}
+        if fn.get("name") == name:
+            return props(fn.get("parameters"))
+    return None
+
+
+def _xml_calls(text: str, tools: list[dict]) -> list[dict]:
+    """Qwen3.5 / Qwen3-Coder's ``<function=NAME><parameter=K>V</parameter>...</function>``
+    calls in ``text``'s ``<tool_call>`` blocks (an unclosed last function or parameter is read
+    to the end; a parameter also ends where the next one or the function's end begins)."""
+    import re
+
+    blocks = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+    if not blocks and "<function=" in text:  # the block never closed: the calls are read to the end
+        blocks = [text]
+    calls = []
+    for block in blocks:
+        for closed, open_ in re.findall(r"<function=(.*?)</function>|<function=(.*)$", block, re.DOTALL):
+            name, sep, body = (closed or open_).partition(">")
+            if not sep:
+                continue
+            props = _tool_properties(tools, name)
+            args: dict[str, Any] = {}
+            for param in re.findall(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", body,
+                                    re.DOTALL):
+                key, sep, value = param.partition(">")
+                if not sep:
+                    continue
+                value = value[1:] if value.startswith("\n") else value  # the lines around the value
+                value = value[:-1] if value.endswith("\n") else value
+                args[key] = _typed_value(value, None if props is None else props.get(key))
+            calls.append({"name": name, "arguments": args})
+    return calls
+
+
 def parse_tool_calls(text: str, fmt: str, tools: list[dict]) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a model's output text in format ``fmt`` (module docstring)."""
     idx = text.find(TOOL_CALL_START)
     if idx == -1:
         return text, []
+    if fmt == "qwen3_coder":  # SGLang keeps every call and the content unstripped
+        return text[:idx], [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+                            for c in _xml_calls(text, tools)]
     try:
         found = _hermes_calls(text) if fmt == "hermes" else _glm_calls(text, tools)
     except (json.JSONDecodeError, AttributeError, TypeError):

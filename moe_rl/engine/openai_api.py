@@ -6,7 +6,8 @@ Endpoints (field names and behaviour read from sglang 0.5.23's ``entrypoints/ope
 * ``GET /v1/models``: the one model served (its id: model.path, or ``default``).
 * ``POST /v1/chat/completions``: messages through the tokenizer's chat template (``chat``),
   ``tools`` rendered by the template and tool calls parsed in the model family's format
-  (Qwen3-MoE: hermes ``<tool_call>`` JSON; GLM-4.5: its ``<arg_key>/<arg_value>`` form);
+  (Qwen3-MoE, Qwen3-Next: hermes ``<tool_call>`` JSON; GLM-4.5: its ``<arg_key>/<arg_value>``
+  form; Qwen3.5 and the Qwen3-Coder releases: ``<function=...><parameter=...>`` XML);
   ``stream`` (server-sent events, ``stream_options.include_usage``), ``logprobs`` /
   ``top_logprobs``, ``n``, ``stop``, ``max_tokens`` / ``max_completion_tokens`` (default: the
   rest of the context), ``seed`` (choice i of n samples with seed + i), ``temperature``,
@@ -274,7 +275,8 @@ class OpenAIServer:
         self.tokenizer = self.text.tokenizer if self.text is not None else None
         self.model_name = self.engine.model_path or DEFAULT_MODEL_NAME
         # None: a family whose tool-call format is not parsed here (chat without tools still works)
-        self.tool_format = chat.TOOL_FORMATS.get(self.engine.arch.model_type)
+        self.tool_format = chat.tool_format(self.engine.arch.model_type,
+                                            getattr(self.tokenizer, "chat_template", None))
         self.defaults = _generation_defaults([self.engine.model_path, getattr(self.engine, "tokenizer_path", None)])
         self.stop_texts = ([self.tokenizer.decode([t], skip_special_tokens=False) for t in sorted(server.eos_token_ids)]
                            if self.tokenizer is not None else [])
@@ -705,7 +707,7 @@ class _ChatShape(_Shape):
         finish = _finish_reason(out)
         msg: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tools:  # as SGLang: the content is the text before the calls, also when no call parsed
-            content, calls = chat.parse_tool_calls(text, self.api.tool_format, self.tools)  # (a declared name)
+            content, calls = chat.parse_tool_calls(text, self.api.tool_format, self.tools)
             msg["content"] = content
             if calls:
                 msg = {"role": "assistant", "content": content, "tool_calls": [
