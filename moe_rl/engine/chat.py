@@ -169,33 +169,37 @@ def _hermes_calls(text: str) -> list[dict]:
     return calls
 
 
-def _schema_kind(schema: Any) -> str:
-    """The JSON type an argument's schema asks for ("string" when it does not say): its
-    ``type`` (the first non-null of a list), the one type of its ``anyOf`` / ``oneOf``
-    branches (an optional type: the non-null one; mixed: string), its ``enum`` values' type,
-    ``properties``: object, ``items``: array."""
+def _schema_kind(schema: Any) -> str | None:
+    """The JSON type an argument's schema asks for, None when it does not say: its ``type``
+    (the first non-null of a list), the type of its ``anyOf`` / ``oneOf`` branches (one type;
+    an optional type: the non-null one; mixed: string if among them, else the first), its
+    ``enum`` values' type (mixed: string), the first non-string type of its ``allOf``
+    branches, ``properties``: object, ``items``: array."""
     if not isinstance(schema, dict):
-        return "string"
+        return None
     t = schema.get("type")
     if isinstance(t, str):
         return t
     if isinstance(t, list) and t:
         return next((x for x in t if x != "null"), "string")
     branches = schema.get("anyOf") or schema.get("oneOf")
-    if isinstance(branches, list) and branches:
-        kinds = {_schema_kind(b) for b in branches}
-        if len(kinds - {"null"}) == 1:
-            return next(iter(kinds - {"null"}))
-        return "string" if "string" in kinds or not kinds else _schema_kind(branches[0])
+    kinds = [k for k in map(_schema_kind, branches if isinstance(branches, list) else []) if k]
+    if kinds:
+        rest = set(kinds) - {"null"}
+        if len(set(kinds)) == 1 or (len(set(kinds)) == 2 and len(rest) == 1):
+            return (rest or {"null"}).pop()
+        return "string" if "string" in kinds else kinds[0]
     if isinstance(schema.get("enum"), list):
-        kinds = {type(v) for v in schema["enum"]}
         names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
-        return names.get(kinds.pop(), "string") if len(kinds) == 1 else "string"
+        kinds = {names.get(type(v), "null") for v in schema["enum"]}
+        return kinds.pop() if len(kinds) == 1 else "string"
+    if isinstance(schema.get("allOf"), list):
+        return next((k for k in map(_schema_kind, schema["allOf"]) if k and k != "string"), "string")
     if "properties" in schema:
         return "object"
     if "items" in schema:
         return "array"
-    return "string"
+    return None
 
 
 def _typed_value(raw: str, schema: Any) -> Any:
@@ -206,7 +210,7 @@ def _typed_value(raw: str, schema: Any) -> Any:
         return None
     if schema is None:  # an argument the tool's schema does not name
         return raw
-    kind = _schema_kind(schema).lower()
+    kind = (_schema_kind(schema) or "string").lower()
     if kind in ("string", "str", "text", "varchar", "char", "enum"):
         return raw
     try:

@@ -24,7 +24,9 @@ QWEN35 = ["model.model_type=qwen3_5_moe_text", "model.shared_expert_intermediate
 TYPED = {"type": "function", "function": {"name": "typed", "parameters": {"type": "object", "properties": {
     "s": {"type": "string"}, "i": {"type": "integer"}, "x": {"type": "number"}, "b": {"type": "boolean"},
     "o": {"type": "object"}, "a": {"type": "array", "items": {"type": "integer"}},
-    "opt": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "e": {"enum": [1, 2]}, "u": {}}}}}
+    "opt": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "e": {"enum": [1, 2]}, "u": {},
+    "m": {"oneOf": [{"type": "integer"}, {}]}, "al": {"allOf": [{"type": "number"}]}, "en": {"enum": ["a", 1]},
+    "ty": {"type": ["null", "boolean"]}, "ob": {"properties": {"k": {}}}, "ar": {"items": {}}}}}}
 GET = {"type": "function", "function": {"name": "get", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}}}}}
 PUT = {"type": "function", "function": {"name": "put", "parameters": {"type": "object", "properties": {}}}}
@@ -64,7 +66,8 @@ def test_xml_calls_parse_as_sglangs_detector():
         "<tool_call>\n<function=get>\n<parameter=city>\nOslo\n<parameter=n>\n2\n</function>\n</tool_call>",
         "ok <tool_call>garbage</tool_call>",
         xml_call("typed", {"s": "two\nlines", "i": "-4", "x": "2.5", "b": "True", "o": '{"k": [1, 2]}',
-                           "a": "[3, 4]", "opt": "null", "e": "2", "u": "7", "extra": "8"}),
+                           "a": "[3, 4]", "opt": "null", "e": "2", "u": "7", "extra": "8", "m": "9", "al": "0.5",
+                           "en": "1", "ty": "false", "ob": '{"k": 2}', "ar": "[5]"}),
         xml_call("typed", {"i": "three", "x": "1e3", "b": "no", "o": "{'k': 1}", "a": "nope", "opt": "5"}),
         xml_call("typed", {"x": "4", "s": "null"}),
     ]
@@ -74,7 +77,7 @@ def test_xml_calls_parse_as_sglangs_detector():
     # the values typed as the schema says (not merely equal to SGLang's: these are the point)
     _, [(_, args)] = _ours(texts[7], tools)
     assert args == {"s": "two\nlines", "i": -4, "x": 2.5, "b": True, "o": {"k": [1, 2]}, "a": [3, 4], "opt": None,
-                    "e": 2, "u": "7", "extra": "8"}
+                    "e": 2, "u": "7", "extra": "8", "m": 9, "al": 0.5, "en": "1", "ty": False, "ob": {"k": 2}, "ar": [5]}
     assert _ours(texts[8], tools)[1][0][1] == {"i": "three", "x": 1000.0, "b": False, "o": {"k": 1}, "a": "nope",
                                                 "opt": 5}
 
