@@ -26,11 +26,11 @@ result is bf16 (fla keeps its inputs' dtype). The check checks itself once per r
 (``accuracy_check_can_fail``): the torch provider run on a known-bad input, the shape's
 sequences merged into one (the state leaking from one sequence into the next), must fail it.
 
-``--providers`` picks some (default all three). Timing: ``triton.testing.do_bench`` on CUDA (median, p20, p80 ms); on CPU the median of
-``--reps`` runs. ``--json`` prints ``{"device", "software", "rows": [...], "summary": {...}}``;
-the summary, for the largest shape: ``triton_vs_torch`` and ``triton_vs_fla`` per pass (ms
-ratio, < 1 = the Triton scan faster), ``accuracy_ok``, ``accuracy_check_can_fail``, ``fla``
-(its version, or why it is absent). Exit 1 when an accuracy check fails or cannot fail.
+``--providers`` picks some (default all three). Timing: ``triton.testing.do_bench`` on CUDA
+(median, p20, p80 ms); on CPU the median of ``--reps`` runs. ``--json`` prints ``{"device",
+"software", "rows": [...], "summary": {...}}``; the summary, for the largest shape:
+``triton_vs_torch`` and ``triton_vs_fla`` per pass (ms ratio, < 1 = the Triton scan faster),
+``ms``, ``accuracy_ok``, ``accuracy_check_can_fail``, ``fla`` (its version, or why it is absent). Exit 1 when an accuracy check fails or cannot fail.
 """
 from __future__ import annotations
 
