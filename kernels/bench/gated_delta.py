@@ -30,7 +30,8 @@ sequences merged into one (the state leaking from one sequence into the next), m
 (median, p20, p80 ms); on CPU the median of ``--reps`` runs. ``--json`` prints ``{"device",
 "software", "rows": [...], "summary": {...}}``; the summary, for the largest shape:
 ``triton_vs_torch`` and ``triton_vs_fla`` per pass (ms ratio, < 1 = the Triton scan faster),
-``ms``, ``accuracy_ok``, ``accuracy_check_can_fail``, ``fla`` (its version, or why it is absent). Exit 1 when an accuracy check fails or cannot fail.
+``ms``, ``accuracy_ok``, ``accuracy_check_can_fail``, ``fla`` (its version, or why it is
+absent). Exit 1 when an accuracy check fails or cannot fail.
 """
 from __future__ import annotations
 
