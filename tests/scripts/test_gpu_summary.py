@@ -252,3 +252,18 @@ def test_a_pytest_run_stopped_by_its_cap_still_gives_the_tests_that_ended(work, 
     _, s = summarize(work, tmp_path / "out")
     assert (s["pytest_gpu_passed"], s["pytest_gpu_failed"]) == (2, 0)
     assert s["stages"]["pytest_gpu"]["status"] == "time cap"
+
+
+def test_the_caps_of_all_leave_gpu_1x_its_minute():
+    """`all`'s stages before gpu_1x fit the round's budget with a minute left for gpu_1x, so the
+    main job runs even when every other stage runs to its cap."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_round.sh").read_text()
+    stages = re.search(r"^ALL_STAGES=\(([^)]*)\)", text, re.M).group(1).split()
+    caps = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  st (\w+)\s+(\d+)\s", text, re.M)}
+    budget = int(re.search(r"GPU_ROUND_BUDGET_S:-\$\(\((\d+) \* SCALE", text).group(1))
+    reserve, min_stage = (int(re.search(rf"^{k}=(\d+)", text, re.M).group(1)) for k in ("RESERVE", "MIN_STAGE"))
+    assert stages[-1] == "gpu_1x" and set(stages) <= set(caps)
+    before = sum(caps[s] for s in stages[:-1])
+    assert before + min_stage <= budget - reserve, (before, budget, reserve)
