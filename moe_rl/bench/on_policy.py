@@ -23,7 +23,9 @@ processes on a shared machine barely move), and the steps' largest ``mismatch_k3
 ``skip_saving`` (1 - on / on_forward step time). On a GPU (``--device cuda``: the model, the engine's
 KV cache and the trainer on the current GPU, bfloat16 unless ``--dtype`` says otherwise, the exact
 kernels' Triton versions) the ratios are by the wall clock (``summary["clock"]``), each step's time
-taken after the device has finished it.
+taken after the device has finished it. There ``train.compile`` (auto) compiles the default
+variant's decoder blocks in its warm-up round, not the exact variants' (the key turns it off):
+``train.compile=false`` compares eager with eager.
 
 The checks (``checks`` per variant, after the timed rounds, on the weights trained so far; every
 comparison bit for bit, ``torch.equal``), each reported pass/fail in ``summary["checks"]``:
