@@ -37,8 +37,8 @@
 # hashes. GPU_ROUND_COMMIT=... overrides; where .git exists, git is asked directly.
 #
 # A with/without variant of a stage is one more `st` line below (e.g. an engine row with
-# engine.cuda_graph=false): its name's prefix (train_, logprobs, engine, gpu_1x, pytest) tells the
-# summary how to read it, and it appears under "stages" in gpu_summary.json.
+# engine.cuda_graph=false): its name's prefix (train_, logprobs, engine, gpu_1x, pytest, on_policy,
+# gated_delta) tells the summary how to read it, and it appears under "stages" in gpu_summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -53,7 +53,7 @@ MIN_STAGE=60    # a stage the budget would cut to less is skipped
 T0=$SECONDS
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}   # the wheels (install); harmless where absent
 
-usage() { sed -n '2,40p' "$0"; echo "stages of all: ${ALL_STAGES[*]}; by name only: ${EXTRA_STAGES[*]}"; }
+usage() { sed -n '2,41p' "$0"; echo "stages of all: ${ALL_STAGES[*]}; by name only: ${EXTRA_STAGES[*]}"; }
 
 install() {
   if "$PY" -c "import moe_rl._C, pydantic, megatron.core" 2>/dev/null; then
