@@ -1,6 +1,7 @@
 """`moe-rl bench gated-delta`'s accuracy check (moe_rl.kernels.bench.gated_delta) against the float64
 recurrence: it passes the chunked rule and fails a provider that leaks the state from one packed
-sequence into the next, or that drops the gradient of beta."""
+sequence into the next, or that drops the gradient of beta; the run's own known-bad input (the
+gate dropped) fails it too."""
 import torch
 
 from moe_rl.kernels import gated_delta as gd
@@ -21,7 +22,7 @@ def test_the_chunked_rule_passes():
     assert max(acc["errors"].values()) < 1e-5
 
 
-def test_a_state_leak_between_sequences_fails():
+def test_a_state_leak_between_sequences_fails_and_so_does_a_dropped_gate():
     def leaky(q, k, v, g, b, cu, s0):  # every sequence continues the previous one's state
         o, final = _torch(q, k, v, g, b, cu.new_tensor([0, int(cu[-1])]), s0[:1])
         return o, final.expand(s0.shape)
