@@ -24,6 +24,7 @@ from .config import ConfigError, dump_config, load_config
 BENCHES = {
     "logprobs": "moe_rl.kernels.bench.logprobs",
     "exact": "moe_rl.kernels.bench.exact",
+    "gated-delta": "moe_rl.kernels.bench.gated_delta",
     "replay": "moe_rl.bench.replay",
     "engine": "moe_rl.bench.engine",
     "sync": "moe_rl.bench.sync",

@@ -16,10 +16,10 @@
 #
 # Each stage has its own time cap, and the round a total budget (GPU_ROUND_BUDGET_S, 480 s, from
 # the start of the script): a stage gets min(its cap, what the budget has left) and is skipped
-# when that is under a minute; a failing stage does not stop the others (in a CPU dry run caps
-# and budget are 3x). The caps before gpu_1x add up to 400 s (table in stages()), so gpu_1x, last,
-# trains for at least the 65 s left even when every other stage runs to its cap; its time cap
-# ending the run is its normal end (rc 124), its figures read from metrics.jsonl. The train
+# when the budget cut it to under a minute; a failing stage does not stop the others (in a CPU
+# dry run caps and budget are 3x). The caps before gpu_1x add up to 405 s (table in stages()), so
+# gpu_1x, last, trains for at least the 60 s left even when every other stage runs to its cap; its
+# time cap ending the run is its normal end (rc 124), its figures read from metrics.jsonl. The train
 # stages' compile (train.compile, on by default on CUDA) counts against their caps; the bench runs
 # its rows in the order asked (megatron's first, the compiled native row after) and rewrites its
 # JSON after each row, so a stage stopped by its cap keeps the rows it finished. pytest gets a
@@ -28,7 +28,8 @@
 # and engine figures, then the main job), so a tight budget shortens gpu_1x first. By name only:
 # train_fused (the fused-loss train rows), train_large_megatron (the large preset's megatron,
 # recompute and eager rows), gpu_1x_compiled (the main job as shipped, compiled), engine_variants
-# (each decode mode of the bf16 engine), pytest_suite, sync_gpu, fp32_error.
+# (each decode mode of the bf16 engine), gated_delta_fla (the Gated DeltaNet scan at 8k tokens,
+# against flash-linear-attention too: its first call autotunes), pytest_suite, sync_gpu, fp32_error.
 #
 # The commit: a device copy of the tree has no .git. `fetch` writes .whl/COMMIT (git describe of
 # HEAD, marked when the tree had local changes) and .whl/tree.sha256 (a hash of every tracked
@@ -36,8 +37,8 @@
 # hashes. GPU_ROUND_COMMIT=... overrides; where .git exists, git is asked directly.
 #
 # A with/without variant of a stage is one more `st` line below (e.g. an engine row with
-# engine.cuda_graph=false): its name's prefix (train_, logprobs, engine, gpu_1x, pytest) tells the
-# summary how to read it, and it appears under "stages" in gpu_summary.json.
+# engine.cuda_graph=false): its name's prefix (train_, logprobs, engine, gpu_1x, pytest, on_policy,
+# gated_delta) tells the summary how to read it, and it appears under "stages" in gpu_summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -48,11 +49,11 @@ SCALE=1; [ "$DEVICE" = cuda ] || SCALE=3    # a CPU dry run: each cap x3 (a shar
 SCALE=${GPU_ROUND_SCALE:-$SCALE}             # (more on a machine busier than that)
 BUDGET=${GPU_ROUND_BUDGET_S:-$((480 * SCALE))}
 RESERVE=15      # seconds kept for the summary and the archive
-MIN_STAGE=60    # a stage that would get less is skipped
+MIN_STAGE=60    # a stage the budget would cut to less is skipped
 T0=$SECONDS
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}   # the wheels (install); harmless where absent
 
-usage() { sed -n '2,40p' "$0"; echo "stages of all: ${ALL_STAGES[*]}; by name only: ${EXTRA_STAGES[*]}"; }
+usage() { sed -n '2,41p' "$0"; echo "stages of all: ${ALL_STAGES[*]}; by name only: ${EXTRA_STAGES[*]}"; }
 
 install() {
   if "$PY" -c "import moe_rl._C, pydantic, megatron.core" 2>/dev/null; then
@@ -66,7 +67,8 @@ install() {
 import json, platform, sys, torch
 out = {"python": platform.python_version(), "torch": torch.__version__,
        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"}
-for mod, name in (("megatron.core", "megatron_core"), ("triton", "triton"), ("liger_kernel", "liger_kernel")):
+for mod, name in (("megatron.core", "megatron_core"), ("triton", "triton"), ("liger_kernel", "liger_kernel"),
+                  ("fla", "fla_core")):
     try:
         m = __import__(mod, fromlist=["_"])
         out[name] = getattr(m, "__version__", None) or "imports"
@@ -83,12 +85,13 @@ EOF
 # st NAME CAP_S 'COMMAND': one stage. The command runs under bash -c with J (its JSON output file),
 # P (its profile folder) and W (the work folder) set; its stdout and stderr go to logs/NAME.log.
 st() {
-  local name=$1 cap=$(($2 * SCALE)) cmd=$3
+  local name=$1 own=$(($2 * SCALE)) cmd=$3
   local run=("${SELECTED[@]:-${ALL_STAGES[@]}}")   # named stages, or `all`'s
   [[ " ${run[*]} " == *" $name "* ]] || return 0
-  local left=$((BUDGET - (SECONDS - T0) - RESERVE))
+  local left=$((BUDGET - (SECONDS - T0) - RESERVE)) cap=$own
   [ "$cap" -gt "$left" ] && cap=$left
-  if [ "$cap" -lt "$MIN_STAGE" ]; then
+  # skipped when the budget cut it to under a minute; a stage whose own cap is shorter runs
+  if [ "$cap" -lt "$own" ] && [ "$cap" -lt "$MIN_STAGE" ]; then
     echo "[gpu_round] $name: skipped, the round's budget has ${left} s left"
     printf '{"stage": "%s", "rc": null, "seconds": 0, "cap_s": %d, "skipped": "round budget spent"}\n' "$name" "$cap" >> "$W/stages.jsonl"
     return 0
@@ -110,7 +113,7 @@ st() {
 
 stages() {
   # the GPU stages; GPU_ROUND_DEVICE=cpu runs their CPU form at tiny sizes (a dry run of the round)
-  local medium large train logprobs engine gpu_1x
+  local medium large train logprobs engine gpu_1x on_policy gdn gdn_fla
   # the medium preset: megatron's rows first (the compiled native row's compile must not cut them),
   # then the native step as configured (compiled on CUDA) and eager
   local MEDIUM_ROWS=megatron,megatron_recompute,native,native_eager
@@ -120,59 +123,79 @@ stages() {
     logprobs="--device cuda --shapes 8192,4096,151936"
     engine="--device cuda --config configs/gpu_1x.yaml"
     gpu_1x="configs/gpu_1x.yaml"
+    # true_on_policy: configs/tiny.yaml's model in bf16, both sides eager (a compiled default
+    # trainer would spend the cap compiling), KV cache and graphs for the 33 requests of a check
+    on_policy="--device cuda --rounds 2 train.compile=false engine.max_running_requests=64"
+    gdn="--device cuda --providers triton,torch --shapes 2,1024,16,128,128"
+    gdn_fla="--device cuda"
   else
     medium=tiny large=small
     train="--device cpu --steps 1 --warmup 0 --peak-tflops 1 --profile-dir \$P --out \$J"
     logprobs="--device cpu --shapes 256,256,8192 --reps 2 --no-compile"
     engine="--device cpu --concurrency 8 --max-new-tokens 16 --repeats 1 --ttft-samples 3"
     gpu_1x="configs/tiny.yaml train.steps=30"
+    on_policy="--device cpu --rounds 1"
+    gdn="--device cpu --reps 1 --providers triton,torch"    # triton: a row saying it needs CUDA
+    gdn_fla="--device cpu --reps 1"
   fi
   # pytest: SIGINT to pytest alone (xdist's controller) 20 s before the cap; it stops its workers
   # and writes the JUnit report of the tests that ended
   local pytest="timeout --foreground -s INT -k 10 \$((CAP - 20)) $PY -m pytest -q -p no:cacheprovider"
   # Caps, and what each stage is expected to take on one H100/H200 (the H200 round of 2026-11-26
   # plus estimates for what came since: compiles ~20-40 s per graph kind, graph capture; nothing
-  # measured yet). The stages before gpu_1x add up to 400 s of the 465 s budget (480 - RESERVE):
+  # measured yet). The stages before gpu_1x add up to 405 s of the 465 s budget (480 - RESERVE):
   #  stage          cap  expected
-  #  install         35  25       wheels, editable build
-  #  pytest_gpu     110  ~90      51 GPU tests on 6 workers, 2 of them `moe-rl train` runs
-  #  train_medium    95  ~80      4 rows; the native row's compile ~30 s
-  #  train_large     55  ~45      the compiled native row only (its MFU target); the rest by name
-  #  logprobs        60  45-60    the torch.compile row dominates
-  #  engine          25  ~20      the configured engine only (--variants none); graph capture
-  #  engine_bf16     20  ~15
-  #  gpu_1x        rest  >= 65    train.compile=false: its compile would take most of what is left
+  #  install         30  25       wheels, editable build
+  #  pytest_gpu     105  ~95      60 GPU tests on 6 workers, 2 of them `moe-rl train` runs; the
+  #                                exact kernels' and the Gated DeltaNet scan's Triton tests
+  #  train_medium    80  ~80      4 rows, each written when done; the native row's compile ~30 s
+  #  train_large     50  ~45      the compiled native row only (its MFU target); the rest by name
+  #  logprobs        55  45-60    the torch.compile row dominates
+  #  engine          20  ~20      the configured engine only (--variants none); graph capture
+  #  engine_bf16     15  ~15
+  #  on_policy       35  30-35    3 variants x 3 steps of the tiny model in bf16, graph capture of
+  #                                3 engines, the exact kernels' Triton compiles (pytest_gpu's
+  #                                exact-kernel tests leave most in Triton's cache)
+  #  gated_delta     15  ~15      2k tokens, Triton scan vs torch (fla, 8k tokens: gated_delta_fla)
+  #  gpu_1x        rest  >= 60    train.compile=false: its compile would take most of what is left
   #                                (gpu_1x_compiled, by name, measures the compiled step)
   #  name             cap_s  command
-  st install           35    'install'
-  st pytest_gpu       110    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
-  st train_medium      95    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
-  st train_large       55    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
-  st logprobs          60    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P > \$J"
-  st engine            25    "$PY -m moe_rl.cli bench engine --json $engine --variants none > \$J"
+  st install           30    'install'
+  st pytest_gpu       105    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
+  st train_medium      80    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
+  st train_large       50    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
+  st logprobs          55    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P > \$J"
+  st engine            20    "$PY -m moe_rl.cli bench engine --json $engine --variants none > \$J"
   # the engine in bf16 (its CUDA graphs, beside gpu_1x's fp32 engine)
-  st engine_bf16       20    "$PY -m moe_rl.cli bench engine --json $engine --variants none engine.dtype=bfloat16 > \$J"
+  st engine_bf16       15    "$PY -m moe_rl.cli bench engine --json $engine --variants none engine.dtype=bfloat16 > \$J"
+  # true_on_policy in bf16 with the exact kernels' Triton versions: its exactness checks and its
+  # cost (engine tokens/s and train step, key on vs off)
+  st on_policy         35    "$PY -m moe_rl.cli bench on-policy --json $on_policy > \$J"
+  # the Gated DeltaNet chunk scan: Triton vs torch, checked against the float64 recurrence
+  st gated_delta       15    "$PY -m moe_rl.cli bench gated-delta --json $gdn > \$J"
   st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false output_dir=\$W/gpu_1x logging.progress=false"
   # not in `all`; by name only
   st train_fused      120    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends native,native_fused"
   st train_large_megatron 150 "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends $MEDIUM_ROWS"
   st gpu_1x_compiled  300    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x_compiled logging.progress=false"
+  st gated_delta_fla  120    "$PY -m moe_rl.cli bench gated-delta --json $gdn_fla > \$J"
   st engine_variants   90    "$PY -m moe_rl.cli bench engine --json $engine --variants all engine.dtype=bfloat16 > \$J"
   st pytest_suite     540    "$pytest tests ${XDIST/6/8} --junitxml=\$J.xml"
   st sync_gpu         200    "$PY -m moe_rl.cli bench sync --gpu only --json > \$J"
   st fp32_error       120    "$PY scripts/fp32_logprob_error.py --device $DEVICE > \$J"
 }
-ALL_STAGES=(install pytest_gpu train_medium train_large logprobs engine engine_bf16 gpu_1x)
-EXTRA_STAGES=(train_fused train_large_megatron gpu_1x_compiled engine_variants pytest_suite sync_gpu fp32_error)
+ALL_STAGES=(install pytest_gpu train_medium train_large logprobs engine engine_bf16 on_policy gated_delta gpu_1x)
+EXTRA_STAGES=(train_fused train_large_megatron gpu_1x_compiled gated_delta_fla engine_variants pytest_suite sync_gpu
+              fp32_error)
 
 fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not change with a release
   # (megatron-core 0.19.2 is what the CPU suite checks; the rest as on the CPU machines and the
-  # H200 round of 2026-11-26)
+  # H200 round of 2026-11-26; fla-core, flash-linear-attention's kernels, for `bench gated-delta`)
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .whl \
     megatron-core==0.19.2 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
-    typing-inspection==0.4.2 liger-kernel==0.8.5 peft==0.21.2 \
+    typing-inspection==0.4.2 liger-kernel==0.8.5 peft==0.21.2 fla-core==0.6.0 einops==0.8.2 \
     || { echo "[gpu_round] fetch: pip download failed (message above); the GPU machine has no registry" >&2; return 1; }
   # the commit, for a device copy of the tree without .git
   local desc; desc=$(git describe --always --abbrev=12 HEAD)

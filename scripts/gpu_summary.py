@@ -7,7 +7,7 @@ code, seconds and cap; <stage>.json: the bench's JSON; <stage>.json.xml: pytest'
 gpu_1x/metrics.jsonl: the training run's rows). A stage that did not run, failed before writing
 its output, or wrote something unreadable gives null for its figures (with the reason under
 "missing") and keeps its exit code in "stages"; nothing is filled in otherwise. A stage's name
-prefix says how it is read (train_, logprobs, engine, gpu_1x, pytest), so a with/without variant
+prefix says how it is read (train_, logprobs, engine, gpu_1x, pytest, on_policy, gated_delta), so a with/without variant
 added to gpu_round.sh (e.g. engine_no_graph) gets its own entry under "stages" with no change here.
 """
 from __future__ import annotations
@@ -144,6 +144,31 @@ def read_engine(path: Path) -> dict:
             "variants": variants}
 
 
+def read_on_policy(path: Path) -> dict:
+    """`moe-rl bench on-policy`: its pass/fail checks and the key's cost (ratios by its clock)."""
+    r = _load_json(path)
+    s = r["summary"]
+    variants = r.get("variants") or {}
+    return {"passed": s.get("passed"), "checks": s.get("checks"), "clock": s.get("clock"), "device": s.get("device"),
+            "dtype": _get(s, "machine", "dtype"),
+            **{k: s.get(k) for k in ("engine_time_on_vs_off", "train_step_on_vs_off", "train_step_on_forward_vs_off",
+                                     "skip_saving")},
+            "engine_tokens_per_s": {v: row.get("engine_tokens_per_s") for v, row in variants.items()},
+            "train_step_s": {v: row.get("train_step_s") for v, row in variants.items()}}
+
+
+def read_gated_delta(path: Path) -> dict:
+    """`moe-rl bench gated-delta`: the Triton scan against torch (and fla), and the accuracy check."""
+    r = _load_json(path)
+    s = r["summary"]
+    out = {k: s.get(k) for k in ("shape", "dtype", "triton_vs_torch", "triton_vs_fla", "ms", "fla", "accuracy_ok",
+                                 "accuracy_check_can_fail")}
+    errors = {f"{row['provider']}_{row['pass']}": row["error"] for row in r.get("rows", []) if "error" in row}
+    if errors:
+        out["errors"] = errors
+    return out
+
+
 def read_train_run(run_dir: Path, first_last: int = 10) -> dict:
     """Rewards of the first and last ``first_last`` logged steps, steps done and seconds per step
     (wall time between the first and the last logged step / steps between them, so the start-up
@@ -190,6 +215,8 @@ READERS = [  # stage-name prefix -> (reader, the stage's output)
     ("engine", read_engine, lambda w, s: w / f"{s}.json"),
     ("gpu_1x", read_train_run, lambda w, s: w / s),
     ("pytest", read_pytest, lambda w, s: w / f"{s}.json.xml"),  # pytest_gpu, pytest_suite
+    ("on_policy", read_on_policy, lambda w, s: w / f"{s}.json"),
+    ("gated_delta", read_gated_delta, lambda w, s: w / f"{s}.json"),  # gated_delta, gated_delta_fla
     ("install", _load_json, lambda w, s: w / f"{s}.json"),
 ]
 
@@ -249,12 +276,15 @@ def summarize(work: Path, device: str = "cuda") -> dict:
     lp, en, eb = figures.get("logprobs") or {}, figures.get("engine") or {}, figures.get("engine_bf16") or {}
     run, pt = figures.get("gpu_1x") or {}, figures.get("pytest_gpu") or {}
     run_c = figures.get("gpu_1x_compiled") or {}  # by name: the main job as shipped (compiled)
+    op, gdn = figures.get("on_policy") or {}, figures.get("gated_delta") or {}
+    gdn_fla = figures.get("gated_delta_fla") or {}  # by name: 8k tokens, fla too
     ms = lp.get("ms", {})
     out = {
         **commit_info(),
         "device": env.get("device"),
         "round_device": device,
-        "software": {k: env.get(k) for k in ("python", "torch", "cuda", "triton", "megatron_core", "liger_kernel")},
+        "software": {k: env.get(k) for k in ("python", "torch", "cuda", "triton", "megatron_core", "liger_kernel",
+                                             "fla_core")},
         "train_medium_native_mfu": _get(tm, "native", "mfu"),
         "train_large_native_mfu": _get(tl, "native", "mfu"),
         # train.compile: the native row as configured (compiled on CUDA) vs eager, and the fused loss
@@ -285,6 +315,22 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "engine_bf16_tokens_per_s_1": eb.get("tokens_per_s_1"),
         "engine_bf16_tokens_per_s_concurrent": eb.get("tokens_per_s_concurrent"),
         "engine_bf16_cuda_graph": eb.get("cuda_graph"),
+        # true_on_policy (bf16, the exact kernels' Triton versions): pass/fail checks, then the cost
+        "on_policy_passed": op.get("passed"),
+        "on_policy_checks": op.get("checks"),
+        "on_policy_engine_time_on_vs_off": op.get("engine_time_on_vs_off"),
+        "on_policy_train_step_on_vs_off": op.get("train_step_on_vs_off"),
+        "on_policy_skip_saving": op.get("skip_saving"),
+        "on_policy_engine_tokens_per_s": op.get("engine_tokens_per_s"),
+        "on_policy_train_step_s": op.get("train_step_s"),
+        # the Gated DeltaNet chunk scan: ms ratios per pass (< 1: the Triton scan faster)
+        "gated_delta_triton_vs_torch": gdn.get("triton_vs_torch"),
+        "gated_delta_accuracy_ok": gdn.get("accuracy_ok"),
+        "gated_delta_accuracy_check_can_fail": gdn.get("accuracy_check_can_fail"),
+        "gated_delta_fla_triton_vs_torch": gdn_fla.get("triton_vs_torch"),
+        "gated_delta_fla_triton_vs_fla": gdn_fla.get("triton_vs_fla"),
+        "gated_delta_fla_accuracy_ok": gdn_fla.get("accuracy_ok"),
+        "gated_delta_fla": gdn_fla.get("fla"),
         "gpu_1x_steps_done": run.get("steps_done"),
         "gpu_1x_reward_first10": run.get("reward_first10"),
         "gpu_1x_reward_last10": run.get("reward_last10"),

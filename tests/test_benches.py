@@ -21,8 +21,10 @@ CASES = {
                 ["kl_replay", "kl_no_replay", "routing_match_replay", "routing_match_no_replay"]),
     "exact": (["--shapes", "tiny", "--rounds", "1"],
               ["tiny", "accuracy_ok", "invariant", "torch_variant_cases", "checks_can_fail"]),
+    "gated-delta": (["--reps", "1", "--shapes", "2,64,2,16,16"],
+                    ["triton_vs_torch", "triton_vs_fla", "accuracy_ok", "accuracy_check_can_fail", "fla", "ms"]),
     "on-policy": (["--rounds", "1"], ["engine_time_on_vs_off", "train_step_on_vs_off", "skip_saving", "exact",
-                                      "off_mismatch_live", "machine"]),
+                                      "off_mismatch_live", "machine", "checks", "passed", "clock", "device"]),
     "async": (["--steps", "3"],
               ["samples_per_s_async", "samples_per_s_sync", "busy_trainer_async", "busy_rollout_async",
                "final_reward_async", "final_reward_sync", "final_eval_reward_async", "final_eval_reward_sync",
@@ -43,6 +45,10 @@ def test_bench_prints_its_summary(name):
         assert set(variants) == {"dynamic", "static"}
         assert variants["static"]["decode_static_steps"] > 0 and variants["dynamic"]["decode_static_steps"] == 0
         assert {"tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms"} <= set(variants["static"])
+    if name == "on-policy":  # every exact check passed (exit 0); without the key the same comparisons differ
+        checks = out["summary"]["checks"]
+        assert checks["alone_equals_batched"] and checks["decode_equals_prefill"] and checks["checks_can_fail"]
+        assert not checks["off_alone_equals_batched"] and not checks["off_decode_equals_prefill"]
 
 
 def test_bench_sync_round_trip_check_can_fail():
@@ -76,3 +82,13 @@ def test_async_bench_multi_turn_variant_runs():
     out = json.loads(r.stdout)
     assert out["summary"]["workload"] == "multi-turn" and out["summary"]["speedup"] > 0
     assert all(run["steps"] == 2 and run["samples"] == 2 * 8 * 8 for run in out["runs"].values())
+
+
+def test_bench_on_policy_device_cuda_without_a_gpu_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "bench", "on-policy", "--device", "cuda", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--device cuda but no CUDA device is visible" in r.stderr, r.stderr[-2000:]

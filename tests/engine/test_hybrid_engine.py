@@ -80,6 +80,27 @@ def test_decode_step_is_captured_on_cpu(model):
         np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), atol=1e-6)
 
 
+@pytest.mark.gpu
+def test_hybrid_decode_graphs_on_a_gpu(model):
+    """On a GPU (bf16, sm_90+): prefill through the Triton chunk scan, recurrent decode, the decode
+    step captured as CUDA graphs; the replayed graphs give the eager static step's outputs, and
+    both follow the fp32 CPU model's full forwards within bf16 rounding."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the capturable (CUTLASS) grouped GEMM needs sm_90+")
+    gpu = MoEForCausalLM(ARCH).to("cuda", torch.bfloat16)
+    gpu.load_state_dict(model.state_dict())
+    eager = Engine(gpu, max_running_requests=6, max_context=256, static_decode=True, cuda_graph=False)
+    graphs = Engine(gpu, max_running_requests=6, max_context=256, cuda_graph=True)
+    want, got = generate_queued(eager, bodies(4)), generate_queued(graphs, bodies(4))
+    assert graphs.stats["decode_graph_steps"] == eager.stats["decode_static_steps"] > 10
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), rtol=0, atol=1e-5)
+    for body, out in zip(bodies(4), got):  # bf16 against the fp32 CPU model: close, not equal
+        ref_lp, _ = native(model, body["input_ids"], out["output_ids"])
+        np.testing.assert_allclose(output_logprobs(out["meta_info"]), ref_lp, atol=0.15, rtol=0)
+
+
 def _start(engine, body):
     done, out = threading.Event(), {}
     req = GenerateRequest.parse(body, vocab_size=V, max_context=engine.max_context)

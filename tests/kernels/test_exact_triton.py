@@ -10,8 +10,10 @@ import torch
 import moe_rl.kernels.exact as E
 from moe_rl.kernels.exact import _common as C
 
-pytestmark = pytest.mark.skipif(C.triton is None or not (C.TRITON_INTERPRET or torch.cuda.is_available()),
-                                reason="needs triton with TRITON_INTERPRET=1 or a GPU")
+pytestmark = [pytest.mark.skipif(C.triton is None or not (C.TRITON_INTERPRET or torch.cuda.is_available()),
+                                 reason="needs triton with TRITON_INTERPRET=1 or a GPU"),
+              # on a GPU they are GPU tests: `pytest -m gpu` (the GPU round) runs them; on CPU the interpreter does
+              *([pytest.mark.gpu] if torch.cuda.is_available() else [])]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 T = "triton"
 

@@ -11,8 +11,9 @@ import torch
 from moe_rl.kernels import gated_delta as gd
 
 INTERP_OR_CUDA = gd.triton is not None and (gd.TRITON_INTERPRET or torch.cuda.is_available())
-IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not INTERP_OR_CUDA, reason="needs triton with TRITON_INTERPRET=1 or a GPU"))]
+IMPLS = ["torch", pytest.param("triton", marks=[pytest.mark.skipif(
+    not INTERP_OR_CUDA, reason="needs triton with TRITON_INTERPRET=1 or a GPU"),
+    *([pytest.mark.gpu] if torch.cuda.is_available() else [])])]  # on a GPU: in `pytest -m gpu` (the GPU round)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # an empty sequence, one shorter than a chunk, one of exactly a chunk, one over two chunks
 LENS = [70, 0, 5, 64, 130]

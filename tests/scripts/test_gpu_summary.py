@@ -43,7 +43,8 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     rc, s = summarize(work, tmp_path / "out")
     assert rc == 0 and s["missing"] == {}
     assert set(s["stage_rc"]) == {"install", "train_medium", "train_large", "logprobs", "engine", "engine_bf16",
-                                  "pytest_gpu", "gpu_1x", "train_fused", "train_large_megatron"}
+                                  "pytest_gpu", "gpu_1x", "train_fused", "train_large_megatron", "on_policy",
+                                  "gated_delta", "gated_delta_fla"}
     assert set(s["stage_rc"].values()) == {0}
     assert s["commit"] and s["device"] == json.loads((work / "install.json").read_text())["device"]
 
@@ -89,6 +90,24 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     assert (s["engine_bf16_tokens_per_s_1"], s["engine_bf16_tokens_per_s_concurrent"], s["engine_bf16_cuda_graph"]) == \
         (bf16["summary"]["tokens_per_s_1"], bf16["summary"]["tokens_per_s_concurrent"], False)  # no graphs on a CPU
 
+    # true_on_policy: the bench's own checks and ratios; each variant's tokens/s and step time
+    op = json.loads((work / "on_policy.json").read_text())
+    assert s["on_policy_passed"] is True and s["on_policy_checks"] == op["summary"]["checks"]
+    assert s["on_policy_checks"]["alone_equals_batched"] and not s["on_policy_checks"]["off_alone_equals_batched"]
+    assert s["on_policy_engine_time_on_vs_off"] == op["summary"]["engine_time_on_vs_off"] > 0
+    assert s["on_policy_train_step_on_vs_off"] == pytest.approx(
+        op["variants"]["on"]["train_step_cpu_s"] / op["variants"]["off"]["train_step_cpu_s"], abs=1e-3)
+    assert s["on_policy_engine_tokens_per_s"] == {v: r["engine_tokens_per_s"] for v, r in op["variants"].items()}
+    # the Gated DeltaNet scan: no Triton (no CUDA, no interpreter) and no fla on this CPU: null ratios,
+    # the reasons kept; the accuracy check ran on the torch form
+    gd = json.loads((work / "gated_delta.json").read_text())
+    assert s["gated_delta_triton_vs_torch"] == {"fwd": None, "fwd_bwd": None}
+    assert s["gated_delta_accuracy_ok"] is True and s["gated_delta_accuracy_check_can_fail"] is True
+    assert "needs CUDA" in s["stages"]["gated_delta"]["figures"]["errors"]["triton_fwd"]
+    assert s["stages"]["gated_delta"]["figures"]["ms"] == gd["summary"]["ms"] and "torch_fwd" in gd["summary"]["ms"]
+    assert s["gated_delta_fla_triton_vs_fla"] == {"fwd": None, "fwd_bwd": None}
+    assert s["gated_delta_fla"].startswith("not available")
+
     m = [json.loads(line) for line in (work / "gpu_1x" / "metrics.jsonl").read_text().splitlines()]
     assert s["gpu_1x_steps_done"] == m[-1]["step"] == len(m)
     assert s["gpu_1x_reward_first10"] == pytest.approx(sum(r["reward_mean"] for r in m[:10]) / 10)
@@ -120,7 +139,7 @@ def test_failed_skipped_and_missing_stages_give_null_and_keep_their_exit_code(wo
     assert rc == 1
     assert s["stage_rc"] == {"install": 0, "train_medium": 0, "train_large": 124, "logprobs": 137, "engine": 2,
                              "engine_bf16": 0, "pytest_gpu": None, "gpu_1x": 124, "train_fused": 0,
-                             "train_large_megatron": 0}
+                             "train_large_megatron": 0, "on_policy": 0, "gated_delta": 0, "gated_delta_fla": 0}
     assert s["stages"]["pytest_gpu"]["status"] == "skipped" and s["stages"]["engine"]["status"] == "failed"
     # the large preset's other rows come from their own stage, which ran
     assert s["megatron_vs_native_large"] is not None and s["recompute_step_ratio_large"] is not None
@@ -199,6 +218,15 @@ def test_the_round_script_runs_a_stage_and_records_it(tmp_path):
     assert (tmp_path / "out" / "gpu_round.tar.gz").exists()
 
 
+def test_the_round_runs_a_stage_whose_own_cap_is_under_a_minute(tmp_path):
+    """Only a stage the budget cut to under a minute is skipped: gated_delta's 15 s cap (at GPU
+    scale) is its own, so it runs (to its end or to its cap on a busy CPU), not skipped."""
+    r, s = round_(tmp_path, "gated_delta", GPU_ROUND_SCALE="1")
+    stage = s["stages"]["gated_delta"]
+    assert stage["cap_s"] == 15 and stage["rc"] in (0, 124), r.stdout + r.stderr
+    assert stage["status"] in ("ok", "time cap")
+
+
 def test_the_round_skips_a_stage_its_budget_cannot_fit(tmp_path):
     r, s = round_(tmp_path, "engine", GPU_ROUND_BUDGET_S="30")
     assert r.returncode == 1
@@ -224,3 +252,18 @@ def test_a_pytest_run_stopped_by_its_cap_still_gives_the_tests_that_ended(work, 
     _, s = summarize(work, tmp_path / "out")
     assert (s["pytest_gpu_passed"], s["pytest_gpu_failed"]) == (2, 0)
     assert s["stages"]["pytest_gpu"]["status"] == "time cap"
+
+
+def test_the_caps_of_all_leave_gpu_1x_its_minute():
+    """`all`'s stages before gpu_1x fit the round's budget with a minute left for gpu_1x, so the
+    main job runs even when every other stage runs to its cap."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_round.sh").read_text()
+    stages = re.search(r"^ALL_STAGES=\(([^)]*)\)", text, re.M).group(1).split()
+    caps = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  st (\w+)\s+(\d+)\s", text, re.M)}
+    budget = int(re.search(r"GPU_ROUND_BUDGET_S:-\$\(\((\d+) \* SCALE", text).group(1))
+    reserve, min_stage = (int(re.search(rf"^{k}=(\d+)", text, re.M).group(1)) for k in ("RESERVE", "MIN_STAGE"))
+    assert stages[-1] == "gpu_1x" and set(stages) <= set(caps)
+    before = sum(caps[s] for s in stages[:-1])
+    assert before + min_stage <= budget - reserve, (before, budget, reserve)

@@ -416,3 +416,49 @@ def test_weight_sync_on_a_second_device(fakedev):
     """The weight sync merges LoRA adapters, packs, stages, checks and commits every bucket with
     the trainer's and the engine's models on fakedev."""
     fakedev(_sync_on_device)
+
+
+# --- moe-rl bench on-policy's harness ----------------------------------------------------------
+def _on_policy_bench_on_both():
+    """``moe_rl.bench.on_policy`` with ``train.device=fakedev`` (as ``--device cuda`` sets
+    ``train.device=cuda``): its engine, KV cache and trainer on the device, its exactness checks
+    (the model's forward of a sequence on the engine's device among them) and two steps
+    (rollout, train step, weight sync) run there and agree with the CPU's. The default variant
+    only: the exact kernels take CPU or CUDA tensors, not fakedev's."""
+    from pathlib import Path
+
+    from moe_rl.bench.on_policy import _Run, exactness
+    from moe_rl.config import load_config
+
+    cfg = load_config(None, [*TINY, "algo.ratio_anchor=proximal", "train.minibatches=2", "engine.max_context=64"])
+    out = {}
+    inference_mode, torch.inference_mode = torch.inference_mode, torch.no_grad  # see _engine_on_both
+    try:
+        for name, device in (("cpu", "cpu"), ("fakedev", fd.NAME)):
+            c = cfg.model_copy(deep=True)
+            object.__setattr__(c.train, "device", device)
+            with tempfile.TemporaryDirectory() as tmp:
+                run = _Run(c, Path(tmp), skip=True)
+                try:
+                    dev = torch.device(device) if device == "cpu" else fd.DEVICE
+                    assert run.engine.device == dev and run.engine.states[0].k.device == dev
+                    assert next(run.t.backend.model.parameters()).device == dev
+                    checks = exactness(run.engine, run.t)
+                    rows = [run.step(), run.step()]  # the second on the weights synced after the first
+                finally:
+                    run.engine.stop()
+            out[name] = (checks, rows)
+    finally:
+        torch.inference_mode = inference_mode
+    (c_cpu, r_cpu), (c_dev, r_dev) = out["cpu"], out["fakedev"]
+    assert c_dev["tokens"] == c_cpu["tokens"] > 0
+    assert c_dev["alone_batched_same_tokens"] and c_cpu["alone_batched_same_tokens"]
+    for c in (c_cpu, c_dev):  # torch's kernels: rounding apart, not more
+        assert c["alone_vs_batched_max_abs"] < 1e-4 and c["decode_vs_prefill_max_abs"] < 1e-4
+        assert c["decode_vs_forward_max_abs"] < 1e-4
+    for rows in (r_cpu, r_dev):  # the engine served the trainer's weights: a rounding mismatch only
+        assert all(0 <= r["mismatch_k3"] < 1e-6 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_on_policy_bench_on_a_second_device(fakedev):
+    fakedev(_on_policy_bench_on_both)
