@@ -205,6 +205,23 @@ def test_hybrid_rl_steps_equal_native(cpu_megatron):
         torch.testing.assert_close(sent[name], t, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
 
 
+@needs_packed_gdn
+def test_hybrid_bf16_logprobs_near_native(cpu_megatron):
+    """bf16 weights (fp32 inside the DeltaNet rule on both sides): log-probs within bf16
+    tolerance of the native model's, and a step runs on the fp32 main params."""
+    meg, native = build(dict(COMMON, model_type="qwen3_5_moe_text"), "cpu", "bfloat16", std=0.2)
+    mb = make_mb(COMMON["vocab_size"], LENGTHS)
+    mb.replay = native_record(native, mb)
+    lp, _ = meg.logprobs(mb, 1.0)
+    with torch.no_grad():
+        lp_ref, _ = native.logprobs(mb, 1.0)
+    torch.testing.assert_close(lp, lp_ref, atol=0.1, rtol=0.02)
+    (-lp.sum()).backward()
+    before = meg.model.decoder.layers[0].self_attention.in_proj.weight.detach().clone()
+    meg.optimizer_step()
+    assert not torch.equal(meg.model.decoder.layers[0].self_attention.in_proj.weight, before)
+
+
 def test_hybrid_refusals(cpu_megatron, monkeypatch):
     """What the backend does not build is refused by name: a megatron-core whose GatedDeltaNet
     has no packed sequences, the TE spec without flash-linear-attention, LoRA."""

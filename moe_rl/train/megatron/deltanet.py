@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+from unittest import mock
 
 import torch
 
-from moe_rl.kernels.gated_delta import chunk_gated_delta_rule, l2norm
+from moe_rl.kernels.gated_delta import chunk_gated_delta_rule, compute_dtype, l2norm
 from moe_rl.model.attention.deltanet import causal_conv
 from moe_rl.model.norm import RMSNorm
 
@@ -62,7 +63,7 @@ class ZeroCenteredRMSNorm(RMSNorm):
 
 # --- moe-rl's kernels behind flash-linear-attention's signatures -----------------------------
 def packed_causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
-                         cu_seqlens=None, **extra):
+                         cu_seqlens=None):
     """fla's ``causal_conv1d`` as GatedDeltaNet calls it (x [B, T, C], weight [C, K], SiLU) by
     ``moe_rl.model.attention.deltanet.causal_conv``: each packed sequence (each row without
     ``cu_seqlens``) convolved with its own zero left context."""
@@ -75,7 +76,7 @@ def packed_causal_conv1d(x, weight, bias=None, activation=None, initial_state=No
 
 
 def packed_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, **extra):
+                            use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     """fla's ``chunk_gated_delta_rule`` as GatedDeltaNet calls it (q, k [B, T, H, Dk] normalised,
     v [B, T, H, Dv], g, beta [B, T, H]; q scaled by ``scale``, default Dk^-1/2, as fla) by
     ``moe_rl.kernels.gated_delta.chunk_gated_delta_rule``: torch on CPU tensors, its Triton scan
@@ -86,9 +87,14 @@ def packed_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, ou
     B, T, H, Dk = q.shape
     scale = Dk ** -0.5 if scale is None else scale
     flat = lambda t: t.reshape((B * T,) + tuple(t.shape[2:]))  # noqa: E731
-    o, _ = chunk_gated_delta_rule(flat(q) * scale, flat(k), flat(v), flat(g), flat(beta),
+    o, _ = chunk_gated_delta_rule(flat(q).to(compute_dtype(q.dtype)) * scale, flat(k), flat(v), flat(g), flat(beta),
                                   _cu_seqlens(cu_seqlens, B, T, q.device))
     return o.to(v.dtype).view(B, T, H, -1), None
+
+
+def l2norm_fp32(x: torch.Tensor) -> torch.Tensor:
+    """fla's ``l2norm``: computed in fp32 (the native model's order), returned in x's dtype."""
+    return l2norm(x.to(compute_dtype(x.dtype))).to(x.dtype)
 
 
 def _cu_seqlens(cu_seqlens, B: int, T: int, device) -> torch.Tensor:
@@ -106,19 +112,15 @@ def _moe_rl_kernels():
     them as module globals, in its constructor and in its forward."""
     common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
     gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
-    patches = [(common, "HAVE_FLA", True), (common, "l2norm", l2norm), (gdn, "causal_conv1d", packed_causal_conv1d)]
+    patches = [(common, "HAVE_FLA", True), (common, "l2norm", l2norm_fp32), (gdn, "causal_conv1d", packed_causal_conv1d)]
     for mod, name, _ in patches:
         if not hasattr(mod, name):
             raise RuntimeError(f"megatron-core {megatron_version()}: {mod.__name__} has no {name!r} to bind "
                                "moe-rl's DeltaNet kernels to")
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
-    try:
+    with contextlib.ExitStack() as stack:
         for mod, name, value in patches:
-            setattr(mod, name, value)
+            stack.enter_context(mock.patch.object(mod, name, value))
         yield
-    finally:
-        for mod, name, value in reversed(saved):
-            setattr(mod, name, value)
 
 
 def torch_gated_delta_net_class():
