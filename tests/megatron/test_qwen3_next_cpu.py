@@ -33,11 +33,10 @@ from moe_rl.model import MoEArch, MoEForCausalLM, iter_local_hf_tensors  # noqa:
 from moe_rl.model.attention import PackedCausal, PaddedCausal  # noqa: E402
 from moe_rl.train.megatron.convert import (MegatronLayout, hf_to_megatron, megatron_param_specs,  # noqa: E402
                                            megatron_to_hf)
-from moe_rl.train.megatron.deltanet import MIN_MEGATRON, ZeroCenteredRMSNorm, megatron_version  # noqa: E402
+from moe_rl.train.megatron.deltanet import ZeroCenteredRMSNorm, has_packed_gated_delta_net, megatron_version  # noqa: E402
 
 from .common import (  # noqa: E402
     assert_logprobs_and_grads_equal_native, build, make_mb, native_hidden, native_record, pg_step, replayed_batch)
-
 from .test_forward_cpu import cpu_megatron  # noqa: E402,F401  (the module-scoped 1-rank world with shims)
 
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
@@ -47,7 +46,7 @@ COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, layer_types=["
               rope_theta=10000.0, max_position_embeddings=256)
 ARCHS = {f: MoEArch(model_type=f, **COMMON) for f in ("qwen3_next", "qwen3_5_moe_text")}
 TE = MegatronLayout(te=True, grouped_gemm=True)
-PACKED_GDN = tuple(int(x) for x in megatron_version().split(".")[:2]) >= MIN_MEGATRON
+PACKED_GDN = has_packed_gated_delta_net()
 LENGTHS = (70, 9, 30)  # the first longer than one DeltaNet chunk (64)
 needs_packed_gdn = pytest.mark.skipif(not PACKED_GDN, reason=f"megatron-core {megatron_version()}: GatedDeltaNet "
                                       "without packed sequences (refused, test_hybrid_refusals)")

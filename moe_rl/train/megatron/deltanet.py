@@ -38,13 +38,20 @@ def megatron_version() -> str:
     return getattr(megatron.core, "__version__", "unknown")
 
 
-def check_megatron_has_gated_delta_net(model_type: str) -> None:
-    """Refuses a megatron-core whose GatedDeltaNet cannot train packed micro-batches (0.16's
+def has_packed_gated_delta_net() -> bool:
+    """Whether the installed megatron-core's GatedDeltaNet trains packed micro-batches (0.16's
     raises NotImplementedError on ``packed_seq_params``)."""
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
 
+    try:
+        return Version(megatron_version()).release[:2] >= MIN_MEGATRON
+    except InvalidVersion:
+        return False
+
+
+def check_megatron_has_gated_delta_net(model_type: str) -> None:
     have = megatron_version()
-    if have == "unknown" or Version(have).release[:2] < MIN_MEGATRON:
+    if not has_packed_gated_delta_net():
         raise RuntimeError(
             f"model_type={model_type!r} on train.backend=megatron needs megatron-core >= "
             f"{'.'.join(map(str, MIN_MEGATRON))} (its GatedDeltaNet with packed sequences); megatron-core {have} "
