@@ -1,21 +1,26 @@
-"""megatron-core's own layers of the hybrid families on CPU against the native mixers, their
-weights through ``convert.py``: the Gated DeltaNet layer of its ``gated_delta_net`` attention
-variant (``ssm/gated_delta_net``, in the installed release's layout: one module in 0.16, a
-package in 0.19) and its self-attention with ``attention_output_gate``. Checks the conversion's
-re-layouts (Qwen3-Next's per-key-head ``in_proj_qkvz`` / ``in_proj_ba`` and Qwen3.5's split
-projections into ``in_proj`` = [q, k, v, z, beta, alpha]; the gated ``q_proj`` into
-``linear_qkv`` per query group [q heads; gate heads; k; v]; ``out_norm`` = w - 1) against
-megatron's arithmetic, and that the HF <-> Megatron round trip is the identity.
+"""megatron-core's layers of the hybrid families on CPU against the native model, their weights
+through ``convert.py``.
 
-On a GPU the hybrid GPTModel needs Transformer Engine (megatron-core builds these layers in its
-TE spec only) and flash-linear-attention (its chunked rule and conv with ``cu_seqlens``, for
-packed micro-batches: megatron-core >= 0.19; 0.16's layer has no packed sequences). On CPU
-neither is there, so here: megatron's torch path of the rule (``deterministic_mode``; one
-sequence), fla's ``l2norm`` replaced by the same formula in torch, megatron's local linear
-layers, and for TE's zero-centred RMSNorm a stand-in (``ZeroCenteredRMSNorm``: x_hat * (1 + w)).
+Layers: the Gated DeltaNet layer of its ``gated_delta_net`` attention variant
+(``ssm/gated_delta_net``, in the installed release's layout: one module in 0.16, a package in
+0.19) and its self-attention with ``attention_output_gate``, built alone. Checks the
+conversion's re-layouts (Qwen3-Next's per-key-head ``in_proj_qkvz`` / ``in_proj_ba`` and
+Qwen3.5's split projections into ``in_proj`` = [q, k, v, z, beta, alpha]; the gated ``q_proj``
+into ``linear_qkv`` per query group [q heads; gate heads; k; v]; ``out_norm`` = w - 1) against
+megatron's arithmetic (its torch path of the rule, ``deterministic_mode``: one sequence; fla's
+``l2norm`` replaced by the same formula in torch), and that the HF <-> Megatron round trip is the
+identity, under the TE spec's names and the local spec's.
+
+The backend's GPTModel (megatron-core >= 0.19; 0.16's GatedDeltaNet has no packed sequences and
+is refused by name): the local spec (``moe_rl/train/megatron/deltanet.py``: megatron's
+GatedDeltaNet with moe-rl's conv and chunked rule, megatron's gated SelfAttention, zero-centred
+norms) gives the native model's log-probs and every gradient on packed micro-batches under
+replayed routing, and trains as the native backend does. The TE spec (flash-linear-attention's
+kernels) runs on a GPU only.
 """
 import functools
 import importlib
+import importlib.util
 
 import pytest
 import torch
@@ -28,7 +33,10 @@ from moe_rl.model import MoEArch, MoEForCausalLM, iter_local_hf_tensors  # noqa:
 from moe_rl.model.attention import PackedCausal, PaddedCausal  # noqa: E402
 from moe_rl.train.megatron.convert import (MegatronLayout, hf_to_megatron, megatron_param_specs,  # noqa: E402
                                            megatron_to_hf)
+from moe_rl.train.megatron.deltanet import ZeroCenteredRMSNorm, has_packed_gated_delta_net, megatron_version  # noqa: E402
 
+from .common import (  # noqa: E402
+    assert_logprobs_and_grads_equal_native, build, make_mb, native_hidden, native_record, pg_step, replayed_batch)
 from .test_forward_cpu import cpu_megatron  # noqa: E402,F401  (the module-scoped 1-rank world with shims)
 
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
@@ -38,18 +46,10 @@ COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, layer_types=["
               rope_theta=10000.0, max_position_embeddings=256)
 ARCHS = {f: MoEArch(model_type=f, **COMMON) for f in ("qwen3_next", "qwen3_5_moe_text")}
 TE = MegatronLayout(te=True, grouped_gemm=True)
-
-
-class ZeroCenteredRMSNorm(torch.nn.Module):
-    """Stand-in for TE's RMSNorm with zero_centered_gamma (megatron's norms of this family)."""
-
-    def __init__(self, config, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
-
-    def forward(self, x):
-        return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1 + self.weight.float())
+PACKED_GDN = has_packed_gated_delta_net()
+LENGTHS = (70, 9, 30)  # the first longer than one DeltaNet chunk (64)
+needs_packed_gdn = pytest.mark.skipif(not PACKED_GDN, reason=f"megatron-core {megatron_version()}: GatedDeltaNet "
+                                      "without packed sequences (refused, test_hybrid_refusals)")
 
 
 def native(family, seed=0):
@@ -89,8 +89,12 @@ def test_round_trip_and_names(family):
     for name, t in hf.items():
         torch.testing.assert_close(back[name], t, atol=1e-7 if name.endswith("linear_attn.norm.weight") else 0, rtol=0,
                                    msg=lambda m: f"{name}: {m}")
-    with pytest.raises(ValueError, match="needs Transformer Engine"):
-        megatron_param_specs(arch, MegatronLayout())
+    # the local spec: the same tensors, the input norms under the layer's own input_layernorm
+    local = hf_to_megatron(hf, arch, MegatronLayout(grouped_gemm=True))
+    renamed = {n.replace("self_attention.in_proj.layer_norm_weight", "input_layernorm.weight")
+               .replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"): t for n, t in state.items()}
+    assert local.keys() == renamed.keys() and all(torch.equal(local[n], t) for n, t in renamed.items())
+    assert dict(megatron_to_hf(local, arch, MegatronLayout(grouped_gemm=True))).keys() == hf.keys()
 
 
 @pytest.mark.parametrize("family", list(ARCHS))
@@ -157,10 +161,87 @@ def test_megatron_gated_attention_equals_native(cpu_megatron):
     torch.testing.assert_close(got[:, 0], want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", list(ARCHS))
-def test_backend_refuses_the_hybrid_gpt_model(family):
-    """The hybrid GPTModel is not built: the backend says so and names the native backend."""
-    from moe_rl.train.megatron.model import MegatronOptions, build_gpt_model
 
-    with pytest.raises(RuntimeError, match=rf"model_type='{family}'.*train.backend=native"):
-        build_gpt_model(ARCHS[family], MegatronOptions(use_te=True, grouped_gemm=True), tconfig(ARCHS[family]))
+
+@needs_packed_gdn
+@pytest.mark.parametrize("family", list(ARCHS))
+def test_hybrid_gpt_model_logprobs_routing_and_grads_equal_native(cpu_megatron, family):
+    """The backend's GPTModel (local spec): its parameters are the converter's names and shapes;
+    on a packed micro-batch (three sequences, one over a chunk) megatron's own routing picks the
+    native model's experts (the R3 record); under replay, log-probs and every gradient, mapped to
+    HF names, equal the native model's."""
+    meg, native = build(dict(COMMON, model_type=family), "cpu", std=0.2)
+    built = {n: tuple(p.shape) for n, p in meg.model.named_parameters()}
+    assert built == dict(megatron_param_specs(meg.arch, meg.layout))
+    layer0 = meg.model.decoder.layers[0].self_attention
+    assert type(layer0).__mro__[1].__name__ == "GatedDeltaNet" and meg.tconfig.attention_output_gate
+    mb = make_mb(COMMON["vocab_size"], LENGTHS)
+    rec_meg = []
+    with torch.no_grad():
+        got = meg.hidden_states(mb, record=rec_meg)
+        ref = native_hidden(native, mb)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    rec_native = native_record(native, mb)
+    assert len(rec_meg) == len(rec_native) == COMMON["num_hidden_layers"]
+    for a, b in zip(rec_meg, rec_native):
+        assert torch.equal(a.sort(1).values, b.sort(1).values)
+    mb.replay = rec_native
+    assert_logprobs_and_grads_equal_native(meg, native, mb)
+
+
+@needs_packed_gdn
+def test_hybrid_rl_steps_equal_native(cpu_megatron):
+    """Optimizer steps (activation recompute on, replayed routing) leave both backends with the
+    same weights, and the loss goes down."""
+    meg, native = build(dict(COMMON, model_type="qwen3_next"), "cpu", std=0.2, megatron_recompute=True)
+    mbs, adv, n_tokens = replayed_batch(native, COMMON["vocab_size"], LENGTHS)
+    losses = [pg_step(meg, mbs, adv, n_tokens) for _ in range(3)]
+    native_losses = [pg_step(native, mbs, adv, n_tokens) for _ in range(3)]
+    assert losses[-1] < losses[0] - 1e-3, losses
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(native_losses), atol=1e-4, rtol=1e-4)
+    sent = dict(meg.hf_tensors())
+    for name, t in iter_local_hf_tensors(native.model):
+        torch.testing.assert_close(sent[name], t, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+@needs_packed_gdn
+def test_hybrid_bf16_logprobs_near_native(cpu_megatron):
+    """bf16 weights (fp32 inside the DeltaNet rule on both sides): log-probs within bf16
+    tolerance of the native model's, and a step runs on the fp32 main params."""
+    meg, native = build(dict(COMMON, model_type="qwen3_5_moe_text"), "cpu", "bfloat16", std=0.2)
+    mb = make_mb(COMMON["vocab_size"], LENGTHS)
+    mb.replay = native_record(native, mb)
+    lp, _ = meg.logprobs(mb, 1.0)
+    with torch.no_grad():
+        lp_ref, _ = native.logprobs(mb, 1.0)
+    torch.testing.assert_close(lp, lp_ref, atol=0.1, rtol=0.02)
+    (-lp.sum()).backward()
+    before = meg.model.decoder.layers[0].self_attention.in_proj.weight.detach().clone()
+    meg.optimizer_step()
+    assert not torch.equal(meg.model.decoder.layers[0].self_attention.in_proj.weight, before)
+
+
+def test_hybrid_refusals(cpu_megatron, monkeypatch):
+    """What the backend does not build is refused by name: a megatron-core whose GatedDeltaNet
+    has no packed sequences, the TE spec without flash-linear-attention, LoRA."""
+    import megatron.core
+
+    from moe_rl.config import LoraConfig
+    from moe_rl.model.lora import LoraError
+    from moe_rl.train.megatron.model import MegatronOptions, build_gpt_model, transformer_config
+
+    arch = ARCHS["qwen3_next"]
+    local, te = MegatronOptions(use_te=False, grouped_gemm=True), MegatronOptions(use_te=True, grouped_gemm=True)
+    if PACKED_GDN:
+        with monkeypatch.context() as mp:
+            mp.setattr(megatron.core, "__version__", "0.16.1")
+            with pytest.raises(RuntimeError, match=r"megatron-core >= 0\.19.*0\.16\.1 is installed"):
+                build_gpt_model(arch, local, transformer_config(arch, local))
+        if importlib.util.find_spec("fla") is None:
+            with pytest.raises(RuntimeError, match="flash-linear-attention"):
+                build_gpt_model(arch, te, transformer_config(arch, te))
+        with pytest.raises(LoraError, match="model_type='qwen3_next'.*train.backend=native"):
+            build(dict(COMMON, model_type="qwen3_next"), "cpu", lora=LoraConfig(enabled=True, rank=2, alpha=4.0))
+    else:
+        with pytest.raises(RuntimeError, match=rf"megatron-core {megatron.core.__version__} is installed"):
+            build(dict(COMMON, model_type="qwen3_next"), "cpu")

@@ -125,6 +125,10 @@ class MegatronBackend(DataParallelStep):
         self.tconfig = transformer_config(self.arch, self.opts, dtype=self.dtype, tp_size=self.tp_size,
                                           ep_size=self.ep_size, cpu_init=self.device.type != "cuda")
         self.model = build_gpt_model(self.arch, self.opts, self.tconfig)
+        if self.arch.family.hybrid:
+            log.info("megatron backend: Gated DeltaNet layers are megatron-core's GatedDeltaNet with %s",
+                     "flash-linear-attention's kernels" if self.opts.use_te else
+                     "moe-rl's conv and chunked rule (torch on CPU, its Triton scan on CUDA)")
         self.replay = (
             RouterReplayControl(len(self.arch.moe_layers), self.arch.num_experts_per_tok, self.arch.num_experts,
                                 self.opts.recompute)

@@ -502,14 +502,17 @@ def megatron_expert_owner(name: str, arch: MoEArch, ep_size: int) -> int | None:
 # --- the hybrid Gated DeltaNet families (Qwen3-Next, Qwen3.5-MoE) -----------------------------
 # HF <-> Megatron-core for the hybrid Gated DeltaNet families (Qwen3-Next, Qwen3.5-MoE).
 #
-# Megatron-core builds them with its ``gated_delta_net`` attention variant
-# (``get_transformer_block_with_experimental_attention_variant_spec``, Transformer Engine layers
-# only), so the layout here is the TE spec's, at tensor-parallel size 1 (``check_hybrid``):
+# Megatron-core builds them with its ``gated_delta_net`` attention variant: with Transformer
+# Engine ``get_transformer_block_with_experimental_attention_variant_spec`` (each input norm fused
+# into the linear after it, as below), without it the backend's local spec (``deltanet.py``), whose
+# input norm is the layer's own ``input_layernorm.weight``; at tensor-parallel size 1
+# (``check_hybrid``):
 #
 # =========================================  ======================================================
 # HF (layer i)                                Megatron (``decoder.layers.i.``)
 # =========================================  ======================================================
-# input_layernorm (DeltaNet layer)            ``self_attention.in_proj.layer_norm_weight``
+# input_layernorm (DeltaNet layer)            ``self_attention.in_proj.layer_norm_weight`` (local:
+#                                             ``input_layernorm.weight``, both layer kinds)
 # linear_attn.in_proj_qkvz + in_proj_ba       ``self_attention.in_proj.weight``: contiguous sections
 # (Qwen3-Next, grouped per key head), or      ``[q, k, v, z, beta, alpha]`` (all heads of each)
 # in_proj_qkv/z/b/a (Qwen3.5)
@@ -535,9 +538,6 @@ def megatron_expert_owner(name: str, arch: MoEArch, ep_size: int) -> int | None:
 def check_hybrid(arch: MoEArch, layout: MegatronLayout) -> list[str]:
     """What this converter cannot do for a hybrid model (empty: fine)."""
     problems = []
-    if not layout.te:
-        problems.append(f"model_type={arch.model_type!r} needs Transformer Engine (train.megatron_use_te=true): "
-                        "megatron-core builds its gated_delta_net layers only in the TE layer spec")
     if layout.tp_size != 1:
         problems.append(f"model_type={arch.model_type!r} is converted at tensor-parallel size 1 only "
                         f"(tp_size={layout.tp_size})")
@@ -564,6 +564,8 @@ def _hybrid_layer_names(arch: MoEArch, layout: MegatronLayout, i: int) -> dict[s
         names = {"input_layernorm.weight": a + "linear_qkv.layer_norm_weight", "self_attn.qkv": a + "linear_qkv.weight",
                  "self_attn.o_proj.weight": a + "linear_proj.weight", "self_attn.q_norm.weight": a + "q_layernorm.weight",
                  "self_attn.k_norm.weight": a + "k_layernorm.weight"}
+    if not layout.te:  # the local spec: the input norm is the layer's own module, as in _layer_names
+        names["input_layernorm.weight"] = p + "input_layernorm.weight"
     names.update({"post_attention_layernorm.weight": p + "pre_mlp_layernorm.weight",
                   "mlp.gate.weight": p + "mlp.router.weight"})
     if arch.shared_expert_intermediate_size:

@@ -70,6 +70,9 @@ class MegatronLora:
         if layout.tp_size > 1:
             raise LoraError("lora.enabled with train.backend=megatron: train.tp_size > 1 is not supported "
                             "(adapters on TP-sharded fused QKV / fc1 are not implemented)")
+        if arch.family.hybrid:
+            raise LoraError(f"lora.enabled with train.backend=megatron: model_type={arch.model_type!r} (adapters on "
+                            "megatron's GatedDeltaNet and gated attention are not mapped; use train.backend=native)")
         shared = sorted({s.target for s in adapters.sites if s.target.startswith("shared_experts.")})
         if shared:
             raise LoraError(f"lora.targets {shared} with train.backend=megatron: adapters on megatron's "

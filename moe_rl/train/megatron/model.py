@@ -363,13 +363,16 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     _compat_megatron_without_te()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    if FAMILIES[arch.model_type].hybrid:
-        spec = hybrid_block_spec(arch, config)
+    hybrid = FAMILIES[arch.model_type].hybrid
+    if hybrid:  # Qwen3-Next / Qwen3.5-MoE: megatron's Gated DeltaNet layers (deltanet.py)
+        from .deltanet import hybrid_block_spec
+
+        spec = hybrid_block_spec(arch, config, opts.use_te)
     else:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=opts.use_te, normalization="RMSNorm")
     if opts.experts == "TorchGroupedMLP":
         use_torch_grouped_experts(spec)
-    if not opts.use_te:
+    if not opts.use_te and not hybrid:  # the hybrid local spec names TorchSDPAttention itself
         use_torch_sdpa_attention(spec)
     if arch.is_mla and arch.q_lora_rank is None:
         if importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None:
@@ -415,21 +418,6 @@ def _latent_norms_at_hf_eps(model) -> None:
             if not hasattr(m, "eps"):
                 raise RuntimeError(f"megatron MLA: cannot set the eps of {norm} ({type(m).__name__})")
             m.eps = LATENT_NORM_EPS
-
-
-def hybrid_block_spec(arch: MoEArch, config):
-    """Qwen3-Next / Qwen3.5-MoE: not built. megatron-core has the layers (its gated_delta_net
-    variant, ``get_transformer_block_with_experimental_attention_variant_spec``) and ``convert.py``
-    maps the weights onto them (checked on CPU against those layers), but the GPTModel of that block
-    needs, on a GPU, Transformer Engine (its TE layer spec only), flash-linear-attention (the chunked
-    rule and conv with the micro-batch's ``cu_seqlens``) and megatron-core >= 0.19 (earlier layers
-    have no packed sequences), and that build with the backend's packed forward, LoRA and R3 has
-    not been run. Refused rather than built untested."""
-    raise RuntimeError(
-        f"model_type={arch.model_type!r} is not available on train.backend=megatron: the hybrid GPTModel "
-        "(megatron-core's gated_delta_net block) needs Transformer Engine, flash-linear-attention and "
-        "megatron-core >= 0.19 on a GPU, and that path is not built or tested; use train.backend=native, "
-        "which trains this family on CPU and GPU (docs/megatron.md)")
 
 
 def _spec_module(spec):
