@@ -57,6 +57,9 @@ class TrainBackend(Protocol):
     arch: MoEArch
     ep_size: int
     device: torch.device  # where the model lives; the loop brings each micro-batch here
+    # the EP collectives need every rank of an EP group to hold as many tokens in its micro-batch
+    # m as the others: the loop pads them (moe_rl.train.loop.shard_micro_batches)
+    equal_tokens_per_ep_rank: bool
 
 
     def logprobs(
@@ -101,6 +104,7 @@ class DataParallelStep:
     (``TORCH``), or the exact linear and log-softmax of ``true_on_policy`` (``EXACT``)."""
 
     ops = TORCH
+    equal_tokens_per_ep_rank = False  # the native EP exchange sends each rank's own token counts
 
     def logprobs(self, mb, temperature, with_entropy=False, record=None):
         return self.ops.lm_logprobs(self.hidden_states(mb, record), self.lm_head_weight,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -157,20 +157,57 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay_log) -> list[Micro]:
-    """Packs ``samples`` (this rank's shard) into exactly ``n_micro`` micro-batches, on the
-    host; a rank with fewer samples gets dummy ones."""
+DUMMY_TOKENS = 2  # the packed row of a dummy micro-batch (a rank with no samples left)
+
+
+def micro_batch_tokens(samples: list[dict], mbs: int, n_micro: int) -> list[int]:
+    """The packed length of each micro-batch ``make_micro_batches`` makes from ``samples`` (unpadded)."""
     out = []
     for m in range(n_micro):
         chunk = samples[m * mbs : (m + 1) * mbs]
-        if not chunk:
-            out.append(Micro(MicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.tensor([0, 2]),
-                                        torch.full((2,), -100, dtype=torch.long)), []))
-            continue
+        out.append(sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in chunk) if chunk else DUMMY_TOKENS)
+    return out
+
+
+def shard_micro_batches(part: list[dict], rank: int, n_trainers: int, mbs: int, arch, replay_log,
+                        equal_over: list[int] | None = None) -> list[Micro]:
+    """Trainer ``rank``'s shard of the minibatch ``part`` (every ``n_trainers``-th sample) packed
+    into micro-batches; every rank gets the same number (expert parallelism needs every rank in
+    every call). ``equal_over``: the trainer ranks whose micro-batch m must hold the same number
+    of tokens (megatron's allgather dispatcher gathers equal-sized blocks over its EP group);
+    each rank's micro-batch m is then padded to the longest of theirs, which every rank computes
+    from ``part`` alone, without communication."""
+    shard = part[rank::n_trainers]
+    n_micro = max(1, math.ceil(math.ceil(len(part) / n_trainers) / mbs))
+    pad_to = None
+    if equal_over is not None and len(equal_over) > 1:
+        pad_to = [max(t) for t in zip(*(micro_batch_tokens(part[r::n_trainers], mbs, n_micro) for r in equal_over))]
+    return make_micro_batches(shard, mbs, n_micro, arch, replay_log, pad_to)
+
+
+def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay_log,
+                       pad_to: list[int] | None = None) -> list[Micro]:
+    """Packs ``samples`` (this rank's shard) into exactly ``n_micro`` micro-batches, on the
+    host; a rank with fewer samples gets dummy ones. ``pad_to``: micro-batch m's packed row is
+    filled up to ``pad_to[m]`` tokens with one filler sequence of token 0 (its own
+    ``cu_seqlens`` segment, so no real sequence attends to it; no label, no response token,
+    no engine routing: the loss and the metrics never see it)."""
+    out = []
+    for m in range(n_micro):
+        chunk = samples[m * mbs : (m + 1) * mbs]
         seqs = [s["prompt_ids"] + s["response_ids"] for s in chunk]
         lengths = [len(x) for x in seqs]
-        cu = np.concatenate([[0], np.cumsum(lengths)])
-        ids = torch.tensor([t for x in seqs for t in x], dtype=torch.long)
+        total = sum(lengths) if chunk else DUMMY_TOKENS
+        pad = 0 if pad_to is None else pad_to[m] - total
+        if pad < 0:
+            raise ValueError(f"make_micro_batches: micro-batch {m} holds {total} tokens, more than pad_to={pad_to[m]}")
+        if not chunk:
+            T = total + pad
+            out.append(Micro(MicroBatch(torch.zeros(1, T, dtype=torch.long), torch.tensor([0, T]),
+                                        torch.full((T,), -100, dtype=torch.long)), []))
+            continue
+        cu = np.concatenate([[0], np.cumsum(lengths + ([pad] if pad else []))])
+        ids = torch.tensor([t for x in seqs for t in x] + [0] * pad, dtype=torch.long)
         labels = torch.full((int(cu[-1]),), -100, dtype=torch.long)
         resp_pos = []  # positions whose logits score each response token
         for s, start in zip(chunk, cu[:-1]):
@@ -190,7 +227,9 @@ def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay
                     has_rec[start : start + n - 1] = True
                 else:
                     records.append(np.broadcast_to(filler_ids(n - 1, k, E)[:, None, :], (n - 1, L, k)).copy())
-            routing = align_replay(records, packed_layout(lengths), num_experts=E, stacked=True)
+            # the padding's rows (past the last sample) get align_replay's filler ids
+            layout = replace(packed_layout(lengths), total=int(cu[-1]))
+            routing = align_replay(records, layout, num_experts=E, stacked=True)
         out.append(Micro(
             MicroBatch(ids[None], torch.tensor(cu, dtype=torch.long), labels), chunk, torch.cat(resp_pos),
             behav=torch.tensor([x for s in chunk for x in s["behaviour_logprobs"]], dtype=torch.float32),
@@ -389,9 +428,9 @@ class Trainer:
         weights."""
         cfg = self.cfg
         mbs, T = cfg.train.micro_batch_size, self.n_trainers
-        shard = part[self.rank :: T] if T > 1 else part
-        n_micro = max(1, math.ceil(math.ceil(len(part) / T) / mbs))
-        micro = make_micro_batches(shard, mbs, n_micro, self.arch, self.reader)
+        equal_over = self.groups.layout.ep_groups[self.rank // self.backend.ep_size] \
+            if self.backend.equal_tokens_per_ep_rank else None
+        micro = shard_micro_batches(part, self.rank, T, mbs, self.arch, self.reader, equal_over)
         # which samples' engine routing is replayed: decided on the whole minibatch, so every
         # rank makes the same number of forward calls (expert parallelism)
         fresh = [cfg.replay.stale == "engine" or all(v == self.version for v, m in zip(s["versions"], _loss_mask(s)) if m)

@@ -1,7 +1,9 @@
 """megatron-core's GPTModel built on CPU (use_cpu_initialization, gloo): its parameter names and
 shapes equal what the converter produces, at EP=1 and EP=2, and the MegatronBackend's weight
 path (HF -> GPTModel -> hf_tensors) is bit-exact. megatron-core's forward needs CUDA (the router
-moves its weight to the GPU), so forward checks live in test_megatron_gpu.py.
+moves its weight to the GPU), so forward checks live in test_megatron_gpu.py and, under the CUDA
+shims of cpu_shims/, in test_forward_cpu.py; the EP=2 test here runs one with shims too (its two
+ranks' micro-batches of unequal lengths, padded by the loop).
 
 On CPU the MoE layers use the allgather token dispatcher: the alltoall one creates a CUDA
 stream when built. Parameter names do not depend on the dispatcher.
@@ -32,7 +34,9 @@ def test_gptmodel_ep1_names_shapes_and_weights(monkeypatch):
 
 
 def test_gptmodel_ep2_inside_trainer_pool():
-    """2 trainers (EP=2) + 1 engine rank: megatron's parallel_state is built by the trainers alone."""
+    """2 trainers (EP=2) + 1 engine rank: megatron's parallel_state is built by the trainers alone;
+    the two ranks' micro-batches of unequal lengths are padded by the loop to equal lengths, which
+    megatron's allgather dispatcher needs, and give the EP=1 native model's log-probs."""
     run_distributed(check_backend, 3, 2, 2, timeout=180)
 
 

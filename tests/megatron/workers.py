@@ -50,4 +50,54 @@ def check_backend(rank, world, trainers, ep):
         from megatron.core import parallel_state as ps
 
         assert dist.get_process_group_ranks(ps.get_expert_model_parallel_group()) == groups.layout.ep_groups[rank // ep]
+        if ep == 2:
+            check_unequal_micro_batches(backend, groups, rank, trainers)
     dist.barrier()
+
+
+
+def check_unequal_micro_batches(backend, groups, rank, world):
+    """The two EP ranks' shards of a minibatch pack into micro-batches of different lengths (and
+    one rank's last micro-batch is a dummy): the loop pads them to equal lengths, so megatron's
+    allgather dispatcher runs forward and backward, and the real rows' log-probs are the EP=1
+    native model's on the unpadded micro-batches."""
+    from tests.megatron.cpu_shims.sitecustomize import apply_megatron_cpu_shims
+
+    apply_megatron_cpu_shims()  # megatron's forward on CPU (this spawned rank only)
+    from moe_rl.model import MoEForCausalLM, hf_state_dict, iter_local_hf_tensors
+    from moe_rl.train.backend import NativeBackend
+    from moe_rl.train.loop import make_micro_batches, shard_micro_batches
+
+    assert backend.equal_tokens_per_ep_rank
+    ncfg = backend.cfg.model_copy(deep=True)
+    ncfg.train.backend, ncfg.train.ep_size, ncfg.pools.trainer, ncfg.pools.rollout = "native", 1, 1, 0
+    ncfg.engine.kind, ncfg.engine.urls = "sglang", ["http://x"]
+    native = NativeBackend(ncfg)  # the whole model in this process: the EP=1 reference
+    assert not native.equal_tokens_per_ep_rank
+    hf = hf_state_dict(MoEForCausalLM(backend.arch).init_weights(backend.cfg.model.init_seed))
+    with torch.no_grad():
+        for name, t in iter_local_hf_tensors(native.model):
+            t.copy_(hf[name])
+    g = torch.Generator().manual_seed(5)
+
+    def sample(p, r):
+        return dict(prompt_ids=torch.randint(1, MODEL["vocab_size"], (p,), generator=g).tolist(),
+                    response_ids=torch.randint(1, MODEL["vocab_size"], (r,), generator=g).tolist(),
+                    behaviour_logprobs=[-1.0] * r, advantage=1.0)
+
+    # micro_batch_size 2: rank 0 packs samples (0, 2) = 27 tokens, then (4,) = 5; rank 1 (1, 3) =
+    # 13, then a dummy (2)
+    part = [sample(5, 7), sample(3, 2), sample(6, 9), sample(4, 4), sample(2, 3)]
+    micro = shard_micro_batches(part, rank, world, 2, backend.arch, None, groups.layout.ep_groups[0])
+    plain = make_micro_batches(part[rank::world], 2, len(micro), backend.arch, None)
+    assert [mc.mb.num_tokens for mc in micro] == [27, 5]  # the longer rank's lengths, on both ranks
+    for mc, ref_mc in zip(micro, plain):
+        lp, _ = backend.logprobs(mc.mb, 1.0)
+        lp.sum().backward()
+        if not mc.chunk:
+            continue
+        T = ref_mc.mb.num_tokens
+        assert torch.equal(mc.mb.labels[T:], torch.full_like(mc.mb.labels[T:], -100))  # the padding has no label
+        assert torch.equal(mc.resp_pos, ref_mc.resp_pos)
+        ref, _ = native.logprobs(ref_mc.mb, 1.0)
+        torch.testing.assert_close(lp[:T], ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"rank {rank}: {m}")

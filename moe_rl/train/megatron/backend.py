@@ -96,6 +96,9 @@ class MegatronBackend(DataParallelStep):
                 "is not implemented yet; use train.tp_size=1 (expert parallelism via train.ep_size)"
             )
         self.opts = MegatronOptions.from_config(cfg)
+        # megatron's allgather dispatcher all-gathers each rank's [T, H] block over the EP group, so
+        # T must be equal there; its alltoall dispatcher exchanges the ranks' token counts first
+        self.equal_tokens_per_ep_rank = self.opts.dispatcher == "allgather" and self.ep_size > 1
         self.device = torch.device(cfg.train.device)
         self.dtype = DTYPES[cfg.model.dtype]
         if self.device.type != "cuda":

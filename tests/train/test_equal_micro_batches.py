@@ -1,0 +1,67 @@
+"""Micro-batches padded to equal lengths over an EP group (train/loop.py ``shard_micro_batches``,
+``make_micro_batches(pad_to=...)``), what megatron's allgather dispatcher needs: the padding is
+one filler sequence after the real ones, and everything the loss, the metrics and the replayed
+routing read about the real rows is the unpadded micro-batch's. The distributed check (two gloo
+ranks through megatron's dispatcher) is tests/megatron/test_gptmodel_cpu.py's EP=2 test."""
+import numpy as np
+import pytest
+import torch
+
+from moe_rl.model.arch import MoEArch
+from moe_rl.replay import ReplayLog
+from moe_rl.train.loop import make_micro_batches, shard_micro_batches, stale_rows
+
+ARCH = MoEArch(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2)
+
+
+def _samples(log_dir, spec):
+    """(prompt length, response length, has a routing record) per sample; records in a ReplayLog."""
+    g = torch.Generator().manual_seed(0)
+    L, k, E = len(ARCH.moe_layers), ARCH.num_experts_per_tok, ARCH.num_experts
+    writer = ReplayLog(log_dir, L, k, E)
+    out = []
+    for i, (p, r, rec) in enumerate(spec):
+        if rec:
+            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range((p + r - 1) * L)]).reshape(p + r - 1, L, k)
+            writer.append(f"s{i}", ids, [1])
+        out.append(dict(uid=f"s{i}", prompt_ids=torch.randint(1, 32, (p,), generator=g).tolist(),
+                        response_ids=torch.randint(1, 32, (r,), generator=g).tolist(), behaviour_logprobs=[-0.5] * r,
+                        advantage=float(i), has_routing=rec))
+    writer.flush()
+    return out, ReplayLog(log_dir, mode="r")
+
+
+def test_padding_leaves_the_real_rows_as_they_were(tmp_path):
+    samples, reader = _samples(tmp_path / "routing", [(3, 4, True), (2, 5, False), (4, 2, True)])
+    plain, padded = make_micro_batches(samples, 3, 2, ARCH, reader), make_micro_batches(samples, 3, 2, ARCH, reader, [25, 6])
+    (a, dummy), (b, pdummy) = plain, padded
+    T = a.mb.num_tokens
+    assert (T, b.mb.num_tokens, pdummy.mb.num_tokens) == (20, 25, 6)
+    assert torch.equal(b.mb.input_ids[:, :T], a.mb.input_ids) and not b.mb.input_ids[:, T:].any()
+    assert b.mb.cu_seqlens.tolist() == a.mb.cu_seqlens.tolist() + [25]  # its own sequence: attended by none
+    assert (b.mb.labels[T:] == -100).all() and torch.equal(b.mb.labels[:T], a.mb.labels)
+    for f in ("resp_pos", "behav", "adv", "mask", "seq_ids"):
+        assert torch.equal(getattr(b, f), getattr(a, f)), f
+    assert torch.equal(b.routing[:, :T], a.routing) and b.routing.shape[1] == 25
+    assert torch.equal(b.has_rec[:T], a.has_rec) and not b.has_rec[T:].any()  # no engine routing is matched there
+    fresh = [True, False, True]
+    assert stale_rows(fresh, b.mb.cu_seqlens)[T:].all()  # routed by the trainer under a mixed minibatch
+    assert pdummy.chunk == [] and pdummy.mb.cu_seqlens.tolist() == [0, 6] and (pdummy.mb.labels == -100).all()
+    with pytest.raises(ValueError, match="micro-batch 0 holds 20 tokens, more than pad_to=19"):
+        make_micro_batches(samples, 3, 2, ARCH, reader, [19, 6])
+
+
+def test_shards_pad_to_the_longest_of_the_group(tmp_path):
+    spec = [(3, 4, True), (2, 1, True), (5, 6, True), (2, 2, True), (1, 3, True), (4, 4, True), (2, 7, True)]
+    samples, reader = _samples(tmp_path / "routing", spec)
+    world, mbs = 4, 1  # ranks 0-1 and 2-3 are EP groups; 7 samples: rank 3 ends with a dummy
+    plain = [[mc.mb.num_tokens for mc in make_micro_batches(samples[r::world], mbs, 2, ARCH, reader)] for r in range(world)]
+    assert plain == [[7, 4], [3, 8], [11, 9], [4, 2]]
+    for group in ([0, 1], [2, 3]):
+        want = np.max([plain[r] for r in group], axis=0).tolist()
+        for r in group:
+            got = shard_micro_batches(samples, r, world, mbs, ARCH, reader, group)
+            assert [mc.mb.num_tokens for mc in got] == want
+    # no group (the native backend, or megatron's alltoall dispatcher): as packed
+    assert [mc.mb.num_tokens for mc in shard_micro_batches(samples, 1, world, mbs, ARCH, reader)] == plain[1]
