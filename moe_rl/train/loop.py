@@ -490,13 +490,20 @@ class Trainer:
         for m_i, mc in enumerate(prep["micro"]):
             d = self._on_device(mc)
             used = [] if d.routing is not None else None
-            if self.fused_loss and d.chunk:
+            if not d.chunk:
+                # a dummy runs the forwards a real micro-batch runs, in its order (the frozen policy's
+                # first on the fused path), and a backward: every EP rank meets the same collectives
+                if self.fused_loss:
+                    self._ref_logp(d)
+                logp_all, _ = self.backend.logprobs(d.mb, temp, record=used)
+                if not self.fused_loss:
+                    self._ref_logp(d)
+                (logp_all.sum() * 0.0).backward()
+                continue
+            if self.fused_loss:
                 loss, m, prox = self._fused_step(prep, d, None if proximal is None else proximal[m_i], used)
             else:
                 logp_all, ent_all = self.backend.logprobs(d.mb, temp, with_entropy=need_entropy, record=used)
-                if not d.chunk:
-                    (logp_all.sum() * 0.0).backward()
-                    continue
                 logp = logp_all[d.resp_pos]
                 prox = logp.detach() if proximal is None else proximal[m_i]
                 ref_logp = self._ref_logp(d)
@@ -531,8 +538,12 @@ class Trainer:
 
     @torch.no_grad()
     def _ref_logp(self, d: Micro) -> torch.Tensor | None:
-        """The frozen initial policy's log-probs of ``d``'s response tokens (the KL term); None without one."""
-        return None if self.ref is None else self.ref.logprobs(d.mb, self.cfg.rollout.temperature)[0][d.resp_pos]
+        """The frozen initial policy's log-probs of ``d``'s response tokens (the KL term); None without
+        one, or for a dummy ``d`` (whose forward still runs: expert parallelism needs every rank)."""
+        if self.ref is None:
+            return None
+        logp = self.ref.logprobs(d.mb, self.cfg.rollout.temperature)[0]
+        return logp[d.resp_pos] if d.chunk else None
 
     def _fused_step(self, prep: dict, d: Micro, proximal: torch.Tensor | None, used: list | None):
         """One micro-batch's policy loss fused into the LM head (``train.fused_loss``): its

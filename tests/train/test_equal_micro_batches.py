@@ -65,3 +65,33 @@ def test_shards_pad_to_the_longest_of_the_group(tmp_path):
             assert [mc.mb.num_tokens for mc in got] == want
     # no group (the native backend, or megatron's alltoall dispatcher): as packed
     assert [mc.mb.num_tokens for mc in shard_micro_batches(samples, 1, world, mbs, ARCH, reader)] == plain[1]
+
+
+@pytest.mark.parametrize("fused", ["auto", "false"])
+def test_a_dummy_runs_the_forwards_of_a_real_micro_batch(fused):
+    """A rank left with a dummy micro-batch runs the model forwards a real one runs, in the same
+    order (the frozen policy's for the KL term included): under expert parallelism each forward
+    is a sequence of collectives that the other ranks of the EP group run at the same time."""
+    from moe_rl.config import load_config
+    from moe_rl.dist import Groups, Layout
+    from moe_rl.model.transformer import MoEForCausalLM
+    from moe_rl.train.loop import Trainer
+    from tests.train.test_minibatches import TINY, _batch
+
+    cfg = load_config(None, [*TINY, "algo.kl_coef=0.1", f"train.fused_loss={fused}"])
+    trainer = Trainer(cfg, Groups(layout=Layout(1, [0], [], 1), rank=0, role="trainer"))
+    assert trainer.ref is not None and trainer.fused_loss is (fused == "auto")
+    calls = []
+    for name, backend in (("policy", trainer.backend), ("frozen", trainer.ref)):
+        forward = backend.hidden_states
+        backend.hidden_states = lambda mb, record=None, f=forward, n=name: calls.append(n) or f(mb, record)
+    init = MoEForCausalLM(cfg.model.arch()).init_weights(cfg.model.init_seed, std=cfg.model.init_std)
+    prep = trainer._prepare(_batch(init, cfg.rollout.temperature, n=2))
+    dummy = dict(prep, micro=make_micro_batches([], cfg.train.micro_batch_size, 1, trainer.arch, None))
+    order = []
+    for p in (prep, dummy):
+        calls.clear()
+        trainer._accumulate(p, None, torch.zeros(11, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+        order.append(list(calls))
+    assert order[0] == (["frozen", "policy"] if fused == "auto" else ["policy", "frozen"])
+    assert order[1] == order[0]
