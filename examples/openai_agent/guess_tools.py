@@ -101,6 +101,7 @@ class GuessToolsEnv:
 
     async def reset(self, prompt: Prompt) -> list[int]:
         self.game, self.messages, self.ids = Game(int(prompt.meta["answer"])), list(prompt.meta["messages"]), list(prompt.input_ids)
+        self.text = None  # the template's text of self.ids (the engine keeps it from its render too)
         return list(prompt.input_ids)
 
     async def step(self, action_ids: list[int], action_text: str):
@@ -111,8 +112,8 @@ class GuessToolsEnv:
         if calls:
             assistant["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                        for c in calls]
-        turn = chat.Turn([chat.canonical(m) for m in self.messages], chat.fingerprint(TOOLS), chat.fingerprint(None),
-                         self.ids, list(action_ids), chat.canonical(assistant), 0)
+        turn = chat.Turn.answered(chat.Ask(self.messages, TOOLS), self.ids, list(action_ids), assistant,
+                                  prompt_text=self.text)
         self.messages.append(assistant)
         for c in calls:
             self.messages.append({"role": "tool", "content": g.call(c.name, json.loads(c.arguments))})
@@ -120,7 +121,7 @@ class GuessToolsEnv:
                 break
         if not calls or g.done or g.turns >= self.max_turns:
             return [], g.reward, True, {"found": float(g.found)}
-        ids, _ = chat.continuation(self.tok, turn, self.messages, TOOLS, None, self.stop_texts)
+        ids, self.text = chat.continuation(self.tok, turn, chat.Ask(self.messages, TOOLS), self.stop_texts)
         obs = ids[len(self.ids) + len(action_ids):]
         self.ids = ids
         return obs, 0.0, False, {}  # the reward comes with the last step

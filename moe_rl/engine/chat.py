@@ -33,12 +33,15 @@ them (read from sglang 0.5.23's ``serving_chat.py`` and ``function_call/``); no 
 * **Continuing an episode's conversation** (:func:`continuation`): when a request's messages
   repeat an earlier request's messages plus the assistant message that was returned for it,
   the prompt is that earlier prompt's ids + the ids the model sampled + the ids of the text
-  the template puts after them; the model's turn is never re-tokenised from its text.
+  the template puts after them; the model's turn is never re-tokenised from its text. Only
+  that new text is encoded, and the conversation is rendered once (twice where the template
+  rewrites the model's turn).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 TOOL_CALL_START = "<tool_call>"
@@ -305,6 +308,28 @@ def parse_tool_calls(text: str, fmt: str, tools: list[dict]) -> tuple[str, list[
 
 # --- an episode's conversation, continued token for token ------------------------------------
 @dataclass
+class Ask:
+    """A chat request's conversation, with the comparable forms that continuing it checks and
+    recording it keeps (each computed once per request)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    template_kwargs: dict | None = None
+
+    @cached_property
+    def canonical(self) -> list[str]:
+        return [canonical(m) for m in self.messages]
+
+    @cached_property
+    def tools_key(self) -> str:
+        return fingerprint(self.tools)
+
+    @cached_property
+    def kwargs_key(self) -> str:
+        return fingerprint(self.template_kwargs)
+
+
+@dataclass
 class Turn:
     """One answered chat request of an episode: what it was asked and what it returned."""
 
@@ -317,44 +342,51 @@ class Turn:
     record: int  # index of its record in the episode
     prompt_text: str | None = None  # the template's text of its messages (with the generation prompt)
 
+    @classmethod
+    def answered(cls, ask: Ask, prompt_ids: list[int], output_ids: list[int], returned: dict, record: int = 0,
+                 prompt_text: str | None = None) -> "Turn":
+        return cls(ask.canonical, ask.tools_key, ask.kwargs_key, prompt_ids, output_ids, canonical(returned), record,
+                   prompt_text)
 
-def continuation(tokenizer, turn: Turn, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
-                 stop_texts: list[str]) -> tuple[list[int], str] | None:
-    """The prompt ids of ``messages`` continuing ``turn`` token for token (and the template's
-    text of ``messages``), or None when they do
-    not continue it (other history, other tools) or the template renders them in a way that
-    does not extend the earlier prompt's text.
+
+def continuation(tokenizer, turn: Turn, ask: Ask, stop_texts: list[str]) -> tuple[list[int], str] | None:
+    """The prompt ids of ``ask``'s messages continuing ``turn`` token for token (and the
+    template's text of them), or None when they do not continue it (other history, other
+    tools) or the template renders them in a way that does not extend the earlier prompt's text.
 
     ``messages[:k]`` must be ``turn``'s messages and ``messages[k]`` the assistant message it
-    returned. With A = render(messages[:k], generation prompt), P = render(messages[:k+1])
-    and F = render(messages, generation prompt), P must extend A and F extend P; the ids are
-    turn.prompt_ids + turn.output_ids + encode(rest), where rest is the text the template puts
-    after the model's output: the part of P after A that the output did not write (e.g. the
-    ``<|im_end|>\\n`` closing the turn), then F after P. ``stop_texts``: the text of the
-    tokens that end a model turn (EOS), to find where the model's output ends in P."""
-    k = len(turn.messages)
-    if len(messages) <= k or turn.tools != fingerprint(tools) or turn.template_kwargs != fingerprint(template_kwargs):
+    returned. With A = render(messages[:k], generation prompt) (``turn.prompt_text``) and
+    F = render(messages, generation prompt), F must extend A; the ids are turn.prompt_ids +
+    turn.output_ids + encode(rest), rest being the text the template puts after the model's
+    output. Where F continues A with the output's text itself, rest is the remainder of F (one
+    render). Where the template writes the model's turn otherwise (re-serialised calls,
+    dropped text), P = render(messages[:k+1]) must extend A and F extend P; the turn is cut at
+    its end token in P (``stop_texts``: the text of the tokens that end a model turn) and rest
+    is what follows it there, then F after P."""
+    k, messages, tools, kwargs = len(turn.messages), ask.messages, ask.tools, ask.template_kwargs
+    if len(messages) <= k or turn.tools != ask.tools_key or turn.template_kwargs != ask.kwargs_key:
         return None
-    if [canonical(m) for m in messages[:k]] != turn.messages or canonical(messages[k]) != turn.returned:
+    if ask.canonical[:k] != turn.messages or ask.canonical[k] != turn.returned:
         return None
     tm = template_messages(messages)
     a = turn.prompt_text
     if a is None:
-        a = render(tokenizer, tm[:k], tools, add_generation_prompt=True, template_kwargs=template_kwargs)
-    p = render(tokenizer, tm[: k + 1], tools, add_generation_prompt=False, template_kwargs=template_kwargs)
-    f = render(tokenizer, tm, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
+        a = render(tokenizer, tm[:k], tools, add_generation_prompt=True, template_kwargs=kwargs)
+    f = render(tokenizer, tm, tools, add_generation_prompt=True, template_kwargs=kwargs)
+    if not f.startswith(a):
+        return None
+    out_text = tokenizer.decode(turn.output_ids, skip_special_tokens=False)
+    if f.startswith(out_text, len(a)):  # the template writes the output as sampled: the rest is new text
+        return list(turn.prompt_ids) + list(turn.output_ids) + encode(tokenizer, f[len(a) + len(out_text):]), f
+    p = render(tokenizer, tm[: k + 1], tools, add_generation_prompt=False, template_kwargs=kwargs)
     if not (p.startswith(a) and f.startswith(p)):
         return None
-    written = p[len(a):]  # the assistant turn as the template writes it
-    out_text = tokenizer.decode(turn.output_ids, skip_special_tokens=False)
-    if written.startswith(out_text):
-        closing = written[len(out_text):]
-    else:  # the template writes the turn otherwise (re-serialised calls, dropped text): cut at its end token
-        ends = [(written.rfind(s), s) for s in stop_texts if s and s in written]
-        if not ends:
-            return None
-        pos, stop = max(ends)
-        closing = written[pos + len(stop):] if out_text.endswith(stop) else written[pos:]
+    written = p[len(a):]  # the assistant turn as the template writes it: cut at its end token
+    ends = [(written.rfind(s), s) for s in stop_texts if s and s in written]
+    if not ends:
+        return None
+    pos, stop = max(ends)
+    closing = written[pos + len(stop):] if out_text.endswith(stop) else written[pos:]
     return list(turn.prompt_ids) + list(turn.output_ids) + encode(tokenizer, closing + f[len(p):]), f
 
 

@@ -369,22 +369,24 @@ class OpenAIServer:
                 raise OpenAIError(400, f"tool calls of model_type={self.engine.arch.model_type!r} are not parsed "
                                   f"(supported: {sorted(chat.TOOL_FORMATS)}); send the request without tools", "tools")
             tools = req.tools if use_tools else None
-            prompt, parent, prompt_text = self._chat_prompt(ep, req.messages, tools, req.chat_template_kwargs)
+            ask = chat.Ask(req.messages, tools, req.chat_template_kwargs)
+            prompt, parent, prompt_text = self._chat_prompt(ep, ask)
             gens = self._requests(req, [prompt], ep, parent, max_tokens=req.max_completion_tokens or req.max_tokens,
                                   top_n=(req.top_logprobs or 0) if req.logprobs else 0,
                                   skip_special=False if use_tools else req.skip_special_tokens)
         except OpenAIError as e:
             return error_response(e.status, e.message, e.param)
         shape = _ChatShape(self, req, tools)
-        shape.prompt_text = prompt_text
+        shape.ask, shape.prompt_text = ask, prompt_text
         return await self._respond(request, req, gens, ep, parent, shape)
 
-    def _chat_prompt(self, ep: Episode | None, messages, tools, kwargs) -> tuple[list[int], int | None, str]:
+    def _chat_prompt(self, ep: Episode | None, ask: chat.Ask) -> tuple[list[int], int | None, str]:
         """(prompt ids, the record it continues or None, the template's text of the messages)."""
+        messages, tools, kwargs = ask.messages, ask.tools, ask.template_kwargs
         try:
             if ep is not None:
                 for turn in reversed(ep.turns):
-                    found = chat.continuation(self.tokenizer, turn, messages, tools, kwargs, self.stop_texts)
+                    found = chat.continuation(self.tokenizer, turn, ask, self.stop_texts)
                     if found is not None:
                         return found[0], turn.record, found[1]
             key = chat.fingerprint([messages, tools, kwargs])
@@ -551,11 +553,8 @@ class OpenAIServer:
         for i, out in enumerate(outs):
             rec = self._record(ep, out, parent, i)
             if isinstance(req, ChatRequest):
-                ep.turns.append(chat.Turn(
-                    messages=[chat.canonical(m) for m in req.messages], tools=chat.fingerprint(shape.tools),
-                    template_kwargs=chat.fingerprint(req.chat_template_kwargs), prompt_ids=out.prompt,
-                    output_ids=out.output_ids, returned=chat.canonical(shape.messages[i]), record=rec,
-                    prompt_text=shape.prompt_text))
+                ep.turns.append(chat.Turn.answered(shape.ask, out.prompt, out.output_ids, shape.messages[i], rec,
+                                                   shape.prompt_text))
 
     async def _stream(self, request, req, gens, ep, parent, shape) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
