@@ -10,6 +10,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):
+        # an xdist worker: the long tests (marked slow) first. With --dist worksteal (pyproject.toml)
+        # the workers start on them, and the end of the run is short tests either worker takes
+        # (neither idles while the other finishes a long one). Every worker sorts alike.
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -30,6 +30,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bench_prints_its_summary(name):
     args, keys = CASES[name]
