@@ -59,7 +59,7 @@ def test_megatron_lora_adapter_sync_and_peft_checkpoint(tmp_path):
         torch.testing.assert_close(merged(ids), base(ids), atol=1e-5, rtol=0)
 
 
-@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
+@pytest.mark.slow(longest=True)  # long: scheduled first (tests/conftest.py); runs in CI
 def test_megatron_lora_merged_sync_and_resume(tmp_path):
     out = train(tmp_path, "train.steps=2", *LORA, "lora.sync=merged")
     first = read_metrics(out / "metrics.jsonl")

@@ -60,7 +60,7 @@ EVAL = ["eval.every=2", "eval.prompts=6", "eval.samples=3", "eval.pass_threshold
 EVAL_KEYS = ("eval/reward_mean", "eval/pass@1", "eval/pass@3", "eval/response_len_mean")
 
 
-@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
+@pytest.mark.slow(longest=True)  # long: scheduled first (tests/conftest.py); runs in CI
 def test_resume_continues_without_losing_or_repeating_groups(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")  # noqa: F841
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -66,7 +66,7 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_the_run_resumes(tmp_pat
     print(f"workers gone {gone_s:.2f} s after the launcher's SIGKILL")
 
 
-@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
+@pytest.mark.slow(longest=True)  # long: scheduled first (tests/conftest.py); runs in CI
 def test_crashes_at_every_fault_point_lose_and_repeat_nothing(tmp_path):
     """One chain (seed 0): the whole tree SIGKILLed mid-rollout, mid-weight-sync, mid-checkpoint
     write and mid-routing-log append, an engine rank SIGKILLed mid-rollout, a checkpoint write
