@@ -10,6 +10,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):
+        # an xdist worker: the long tests (marked slow) first. With --dist worksteal (pyproject.toml)
+        # the workers start on them, and the end of the run is short tests either worker takes
+        # (neither idles while the other finishes a long one). Every worker sorts alike.
+        # slow(longest=True): the few longest, started before the rest (one of them starting last
+        # would leave the other worker idle for its whole length)
+        def rank(item):
+            slow = item.get_closest_marker("slow")
+            return 2 if slow is None else (0 if slow.kwargs.get("longest") else 1)
+
+        items.sort(key=rank)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

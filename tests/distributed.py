@@ -30,9 +30,19 @@ def _worker(rank, world, port, fn, args, errors):
         dist.destroy_process_group()
 
 
+def process_context():
+    """The multiprocessing context of the tests' rank and server processes: a fork server that
+    imported torch and the model once, so each process starts without importing them again (a
+    spawned one spent seconds of CPU on it). The server is started by the first process, with the
+    environment of that moment; pass what a process needs through its arguments."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.distributed", "moe_rl.model", "moe_rl.sync"])
+    return ctx
+
+
 def run_distributed(fn, world: int, *args, timeout: float = 120) -> None:
     """fn(rank, world, *args) must be a module-level function (it is pickled)."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errors)) for r in range(world)]

@@ -32,6 +32,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bench_prints_its_summary(name):
     args, keys = CASES[name]
@@ -74,7 +75,7 @@ def test_bench_sync_round_trip_check_can_fail():
     assert not round_trip_identical(BucketCopy(tensors, wrong, torch.bfloat16),
                                     BucketCopy(outs, offsets, torch.bfloat16), tensors, outs)
 
-@pytest.mark.slow  # two `moe-rl train` worlds
+@pytest.mark.slow(longest=True)  # two `moe-rl train` worlds
 def test_async_bench_multi_turn_variant_runs():
     r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "bench", "async", "--json", "--multi-turn", "--steps", "2",
                         "--env-latency-max", "0.1"], capture_output=True, text=True, timeout=300)

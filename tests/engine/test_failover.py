@@ -98,6 +98,7 @@ def test_a_request_to_a_frozen_engine_times_out_and_marks_it_frozen():
     assert 0.5 <= took < 3.0 and client.frozen == {url} and client.serving_urls() == []
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_rollouts_route_around_a_frozen_engine_and_stop_naming_the_last_one():
     """engine a is SIGSTOPped mid-generation: its requests time out (engine.request_timeout_s)
     and go to b, nothing lost or counted twice. Then b freezes too: with no engine left to

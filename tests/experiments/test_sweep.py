@@ -65,6 +65,7 @@ def test_summary_mean_std_over_seeds(tmp_path):
     assert (tmp_path / "reward_by_version.png").stat().st_size > 0 and (tmp_path / "reward.png").stat().st_size > 0 and "± " in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.slow(longest=True)  # long: scheduled first (tests/conftest.py); runs in CI
 def test_tiny_sweep_runs_and_resumes(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "moe_rl.cli", "sweep", TINY, "--grid", "replay.enabled=true,false",

@@ -7,6 +7,7 @@ import torch
 from moe_rl.cli import main as cli_main
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_bench_logprobs_json(capsys):
     rc = cli_main(["bench", "logprobs", "--json", "--shapes", "48,32,500;64,32,700",
                    "--reps", "2", "--no-compile", "--device", "cpu", "--seqs", "4"])

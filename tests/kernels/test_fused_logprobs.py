@@ -146,6 +146,7 @@ def test_one_output_gradient(impl, grads):
     check(impl, 21, 32, 1000, torch.float32, 0.7, grads=grads)
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 @pytest.mark.parametrize("impl", IMPLS)
 def test_qwen_vocab_151936(impl):
     # The real vocabulary: 151936 = 593.5 * 256, so the last tile is ragged.

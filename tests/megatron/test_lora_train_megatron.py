@@ -43,6 +43,7 @@ def _check_rows(rows, steps):
         assert r["routing_match"] == 1.0  # R3 with an adapted router
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_megatron_lora_adapter_sync_and_peft_checkpoint(tmp_path):
     out = train(tmp_path, "train.steps=3", *LORA, "lora.sync=adapter")
     _check_rows(read_metrics(out / "metrics.jsonl"), 3)
@@ -58,6 +59,7 @@ def test_megatron_lora_adapter_sync_and_peft_checkpoint(tmp_path):
         torch.testing.assert_close(merged(ids), base(ids), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow(longest=True)  # long: scheduled first (tests/conftest.py); runs in CI
 def test_megatron_lora_merged_sync_and_resume(tmp_path):
     out = train(tmp_path, "train.steps=2", *LORA, "lora.sync=merged")
     first = read_metrics(out / "metrics.jsonl")

@@ -195,6 +195,7 @@ def test_every_layer_routes_and_replay_reproduces_the_logits():
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 
+@pytest.mark.slow(longest=True)  # long: scheduled first (tests/conftest.py); runs in CI
 def test_compiled_blocks_equal_eager_without_breaks_or_recompiles():
     """A DeltaNet block and a gated-attention block compile with fullgraph (a graph break would
     raise; the chunk scan is an opaque op, so the chunk count never recompiles): logits and

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from moe_rl.config import load_config
 from moe_rl.replay import ReplayLog
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow(longest=True)  # long: scheduled first (tests/conftest.py); runs in CI
 def test_a_short_long_run_outlives_its_timeouts_with_a_bounded_routing_log(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "long_run.py"), "--steps", "80", "--warmup", "25",

@@ -23,6 +23,7 @@ from safetensors.torch import load_file  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_moe_rl_train_syncs_an_sglang_standin_with_two_tp_ranks(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     so = tmp_path / "standin"

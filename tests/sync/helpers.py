@@ -12,6 +12,7 @@ import torch.distributed as dist
 from moe_rl.model import MoEArch, MoEForCausalLM, bind_hf_views, iter_local_hf_tensors
 from moe_rl.sync import WeightReceiver, WeightSender
 from moe_rl.sync.local import LocalEngine, serve_receiver
+from tests.distributed import process_context
 
 # Small, but several MoE layers so buckets mix expert and shared tensors.
 ARCH = dict(vocab_size=48, hidden_size=32, moe_intermediate_size=16, intermediate_size=64, num_hidden_layers=3,
@@ -112,7 +113,7 @@ def trainer_mismatch(rank, world, conn):
 @contextlib.contextmanager
 def spawn_receiver(seed: int = 0, arch_kw: dict | None = None, rebind: bool = False):
     """A receiver process (``receiver_main``): yields (trainer pipe, control engine, process)."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     a_tr, b_tr = ctx.Pipe()
     a_ctl, b_ctl = ctx.Pipe()
     p = ctx.Process(target=receiver_main, args=([b_tr, b_ctl], seed, arch_kw or {}, rebind), daemon=True)

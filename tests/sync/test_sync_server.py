@@ -53,6 +53,7 @@ def test_sender_updates_served_model():
         s.stop()
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_sync_leaves_out_a_dead_or_frozen_engine_and_updates_it_once_it_is_back():
     a, b = ServerProc(), ServerProc()
     port_a = int(a.url.rsplit(":", 1)[1])

@@ -24,6 +24,7 @@ async def call_a_tool(client, prompt):
     return {"reward": float(bool(r.choices[0].message.tool_calls)), "calls": 1.0}
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_an_openai_agent_world_trains(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1",

@@ -1,12 +1,14 @@
 """The algorithm family end to end: a `moe-rl train` world with GSPO, RLOO, token_sum_norm,
 overlong shaping, two optimizer updates per batch and dynamic sampling on (at the start of the
 echo task most groups score all zeros, so groups are dropped and replaced)."""
+import pytest
 import torch
 
 from moe_rl.train.tracking import read_metrics
 from tests.train.test_main_job import train
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_gspo_rloo_dynamic_sampling_world_accounts_for_every_prompt(tmp_path):
     out, _ = train(tmp_path, "train.steps=4", "algo.policy_loss=gspo", "algo.advantage=rloo",
                    "algo.loss_agg=token_sum_norm", "algo.overlong_buffer=4", "rollout.dynamic_sampling=true",

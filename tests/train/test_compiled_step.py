@@ -28,6 +28,7 @@ STEP = [*TINY, "replay.stale=trainer", "train.minibatches=2", "lora.rank=4",
         "lora.targets=[q_proj,router,experts.gate_up_proj,experts.down_proj]"]
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_a_compiled_step_equals_the_eager_step(monkeypatch):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")

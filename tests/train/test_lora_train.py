@@ -31,6 +31,7 @@ def _check_rows(rows):
         assert r["routing_match"] == 1.0  # R3 with an adapted router: replayed = recorded
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_lora_adapter_sync_checkpoint_and_resume(tmp_path):
     args = [*LORA, "lora.sync=adapter", "checkpoint.every=2"]
     out, _ = train(tmp_path, "train.steps=4", *args)
@@ -56,6 +57,7 @@ def test_lora_adapter_sync_checkpoint_and_resume(tmp_path):
         torch.testing.assert_close(merged(ids), base(ids), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_lora_shared_outer_adapter_sync(tmp_path):
     """Shared outer expert factors through the main job: adapter-only sync to the embedded engine
     (same log-probs), and a checkpoint whose PEFT file loads into per-expert adapters equal to
@@ -75,11 +77,13 @@ def test_lora_shared_outer_adapter_sync(tmp_path):
     assert any(b.abs().max() > 0 for b in shared.B.values())  # trained
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_lora_merged_sync(tmp_path):
     out, _ = train(tmp_path, "train.steps=3", *LORA, "lora.sync=merged")
     _check_rows(read_metrics(out / "metrics.jsonl"))
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 @pytest.mark.parametrize("shared", [False, True])
 def test_lora_adapter_sync_through_sglang_lora_endpoints(tmp_path, shared):
     """engine.kind=sglang with lora.sync=adapter: every step's adapter goes as a PEFT directory

@@ -20,6 +20,7 @@ def train(tmp_path, *overrides, name="run", check=True):
     return out, r
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 @pytest.mark.parametrize("eta, pause", [(2, "abort"), (0, "in_place")])
 def test_train_world_runs_and_reports(tmp_path, eta, pause):
     out, _ = train(tmp_path, "train.steps=6", f"rollout.max_staleness={eta}", f"sync.pause_mode={pause}",
@@ -59,6 +60,7 @@ EVAL = ["eval.every=2", "eval.prompts=6", "eval.samples=3", "eval.pass_threshold
 EVAL_KEYS = ("eval/reward_mean", "eval/pass@1", "eval/pass@3", "eval/response_len_mean")
 
 
+@pytest.mark.slow(longest=True)  # long: scheduled first (tests/conftest.py); runs in CI
 def test_resume_continues_without_losing_or_repeating_groups(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")  # noqa: F841
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -123,6 +125,7 @@ def test_bad_dataset_line_fails_before_launch_naming_the_line(tmp_path):
     assert f"{data}:2:" in r.stderr and "answer" in r.stderr
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_a_dead_engine_ends_the_run_with_a_clear_error(tmp_path):
     import signal
     import time

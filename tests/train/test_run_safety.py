@@ -9,6 +9,8 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.train.fault_suite import (STEPS, check_chain, check_run_dir, final_reward, read_rows, run_chain,
                                      run_processes, seeded, start, train, wait_gone)
 
@@ -21,6 +23,7 @@ def _wait_for_steps(proc, out, n: int, timeout: float = 180) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_a_second_run_on_the_directory_is_refused_and_the_first_finishes_intact(tmp_path):
     out = tmp_path / "run"
     first = start(out, "train.steps=30")
@@ -42,6 +45,7 @@ def test_a_second_run_on_the_directory_is_refused_and_the_first_finishes_intact(
     print(f"second run refused after {refused_s:.1f} s")
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_a_killed_launcher_takes_its_workers_with_it_and_the_run_resumes(tmp_path):
     out = tmp_path / "run"
     launcher = start(out, "train.steps=100000")
@@ -62,6 +66,7 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_the_run_resumes(tmp_pat
     print(f"workers gone {gone_s:.2f} s after the launcher's SIGKILL")
 
 
+@pytest.mark.slow(longest=True)  # long: scheduled first (tests/conftest.py); runs in CI
 def test_crashes_at_every_fault_point_lose_and_repeat_nothing(tmp_path):
     """One chain (seed 0): the whole tree SIGKILLed mid-rollout, mid-weight-sync, mid-checkpoint
     write and mid-routing-log append, an engine rank SIGKILLed mid-rollout, a checkpoint write
@@ -89,6 +94,7 @@ def _rank_of(pid: int) -> int | None:
     return next((int(kv[5:]) for kv in env if kv.startswith(b"RANK=")), None)
 
 
+@pytest.mark.slow  # long: scheduled first (tests/conftest.py); runs in CI
 def test_a_frozen_trainer_rank_of_an_ep_group_ends_the_run_naming_it(tmp_path):
     """Trainer rank 1 of an EP group of two is SIGSTOPped mid-run (not dead: torchrun sees
     nothing, and rank 0 would wait on it in a collective for the group's timeout). Rank 0, which
