@@ -139,8 +139,9 @@ stages() {
     gdn_fla="--device cpu --reps 1"
   fi
   # pytest: SIGINT to pytest alone (xdist's controller) 20 s before the cap; it stops its workers
-  # and writes the JUnit report of the tests that ended
-  local pytest="timeout --foreground -s INT -k 10 \$((CAP - 20)) $PY -m pytest -q -p no:cacheprovider"
+  # and writes the JUnit report of the tests that ended (through a wrapper that takes SIGINT even
+  # where the round was started with it ignored, as a background job)
+  local pytest="timeout --foreground -s INT -k 10 \$((CAP - 20)) $PY scripts/pytest_interruptible.py -q -p no:cacheprovider"
   # Caps, and what each stage is expected to take on one H100/H200 (the H200 round of 2026-11-26
   # plus estimates for what came since: compiles ~20-40 s per graph kind, graph capture; nothing
   # measured yet). The stages before gpu_1x add up to 405 s of the 465 s budget (480 - RESERVE):

@@ -7,6 +7,7 @@ from the raw rows); a stage that failed, was skipped or left no or broken output
 keep its exit code; pytest counts come from a JUnit report of a real pytest run."""
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -176,9 +177,12 @@ def test_pytest_counts_come_from_a_real_junit_report(work, tmp_path):
                      "@pytest.mark.skip(reason='x')\ndef test_d(): pass\n"
                      "@pytest.fixture\ndef broken(): raise RuntimeError('setup')\n"
                      "def test_e(broken): pass\n")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
-                        f"--junitxml={work / 'pytest_gpu.json.xml'}"], cwd=tests.parent, capture_output=True,
-                       text=True, timeout=120)
+    # started with SIGINT ignored, as a background job of a non-interactive shell is: the round's
+    # wrapper still stops on it
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "pytest_interruptible.py"), "-q", "-p",
+                        "no:cacheprovider", str(tests), f"--junitxml={work / 'pytest_gpu.json.xml'}"],
+                       cwd=tests.parent, capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert r.returncode == 1, r.stdout
     set_stage(work, "pytest_gpu", rc=1)
     _, s = summarize(work, tmp_path / "out")
@@ -244,9 +248,12 @@ def test_a_pytest_run_stopped_by_its_cap_still_gives_the_tests_that_ended(work, 
                      "def test_b(): pass\n"
                      "def test_c(): os.kill(os.getpid(), signal.SIGINT)\n"  # the cap's SIGINT, mid-run
                      "def test_d(): pass\n")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
-                        f"--junitxml={work / 'pytest_gpu.json.xml'}"], cwd=tests.parent, capture_output=True,
-                       text=True, timeout=120)
+    # started with SIGINT ignored, as a background job of a non-interactive shell is: the round's
+    # wrapper still stops on it
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "pytest_interruptible.py"), "-q", "-p",
+                        "no:cacheprovider", str(tests), f"--junitxml={work / 'pytest_gpu.json.xml'}"],
+                       cwd=tests.parent, capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert r.returncode == 2 and "KeyboardInterrupt" in r.stdout, r.stdout  # interrupted
     set_stage(work, "pytest_gpu", rc=124)
     _, s = summarize(work, tmp_path / "out")
