@@ -119,8 +119,9 @@ def test_megatrons_own_attention_counts_the_window_and_sinks_as_hf(cpu_megatron,
 
     monkeypatch.setattr(mutils, "torch", CpuTorch())
     from moe_rl.model import MoEArch
-    from moe_rl.train.megatron.model import MegatronOptions, transformer_config
+    from moe_rl.train.megatron.model import MegatronOptions, init_parallel_state, transformer_config
 
+    init_parallel_state(1, 1, cuda=False)  # the layer reads megatron's groups (this test may run first in its world)
     tconfig = transformer_config(MoEArch(**GPT_OSS), MegatronOptions(use_te=False, grouped_gemm=False))
     g = torch.Generator().manual_seed(0)
     T, D = 13, 12
