@@ -121,6 +121,24 @@ def assert_logprobs_and_grads_equal_native(meg, native, mb):
         torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+def assert_lora_logprobs_and_adapter_grads_equal_native(meg, native, mb, nonzero=False):
+    """Megatron's log-probs of ``mb`` with LoRA equal the native model's, and so does every
+    adapter's gradient of one policy-gradient-shaped loss (``nonzero``: each also non-zero, for
+    adapters loaded with non-zero B)."""
+    adv = torch.linspace(-1, 1, mb.num_tokens)
+    lp, _ = meg.logprobs(mb, 1.0)
+    ref, _ = native.logprobs(mb, 1.0)
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+    (adv * lp).sum().backward()
+    (adv * ref).sum().backward()
+    nat = dict(native.lora.named_parameters())
+    for n, p in meg.lora.named_parameters():
+        if nonzero:
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+        torch.testing.assert_close(p.grad, nat[n].grad, atol=5e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+    return nat
+
+
 def random_routes(T, num_experts, top_k, layers, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.rand(T, num_experts, generator=g).argsort(1)[:, :top_k] for _ in range(layers)]

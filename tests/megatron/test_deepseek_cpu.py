@@ -11,7 +11,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 pytest.importorskip("megatron.core")
 
 from .common import (  # noqa: E402
-    assert_logprobs_and_grads_equal_native, build, make_mb, native_record, random_correction_bias, random_routes)
+    assert_logprobs_and_grads_equal_native, assert_lora_logprobs_and_adapter_grads_equal_native, build, make_mb,
+    native_record, random_correction_bias, random_routes)
 from .test_forward_cpu import cpu_megatron  # noqa: E402,F401  (the module-scoped 1-rank world with shims)
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
@@ -113,13 +114,4 @@ def test_mla_lora_logprobs_and_adapter_grads_equal_native(cpu_megatron, case):
     meg.lora.load_hf_tensors(ad)
     mb = make_mb(DSV3["vocab_size"], LENGTHS)
     mb.replay = random_routes(mb.num_tokens, DSV3["num_experts"], 2, 2, seed=4)
-    adv = torch.linspace(-1, 1, mb.num_tokens)
-    lp, _ = meg.logprobs(mb, 1.0)
-    ref, _ = native.logprobs(mb, 1.0)
-    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
-    (adv * lp).sum().backward()
-    (adv * ref).sum().backward()
-    nat = dict(native.lora.named_parameters())
-    for n, p in meg.lora.named_parameters():
-        assert p.grad is not None and p.grad.abs().sum() > 0, n
-        torch.testing.assert_close(p.grad, nat[n].grad, atol=5e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+    assert_lora_logprobs_and_adapter_grads_equal_native(meg, native, mb, nonzero=True)

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 pytest.importorskip("megatron.core")
 
 from .common import (  # noqa: E402
-    assert_logprobs_and_grads_equal_native, build, make_mb, native_hidden, native_record, random_routes)
+    assert_logprobs_and_grads_equal_native, assert_lora_logprobs_and_adapter_grads_equal_native, build, make_mb,
+    native_hidden, native_record, random_routes)
 from .test_forward_cpu import cpu_megatron  # noqa: E402,F401  (the module-scoped 1-rank world with shims)
 
 W = 4
@@ -149,13 +150,5 @@ def test_gpt_oss_lora_on_attention_router_and_experts_equals_native(cpu_megatron
     meg, native = build_lora(arch=GPT_OSS)
     mb = make_mb(GPT_OSS["vocab_size"], LENGTHS)
     mb.replay = native_record(native, mb)
-    adv = torch.linspace(-1, 1, mb.num_tokens)
-    lp, _ = meg.logprobs(mb, 1.0)
-    ref, _ = native.logprobs(mb, 1.0)
-    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
-    (adv * lp).sum().backward()
-    (adv * ref).sum().backward()
-    nat = dict(native.lora.named_parameters())
-    for n, p in meg.lora.named_parameters():
-        torch.testing.assert_close(p.grad, nat[n].grad, atol=5e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+    nat = assert_lora_logprobs_and_adapter_grads_equal_native(meg, native, mb)
     assert any("experts__gate_up_proj" in n for n in nat)
