@@ -126,13 +126,20 @@ class ToolCall:
     arguments: str  # a JSON object, as the OpenAI API carries it
 
 
-def _schema_type(tools: list[dict], name: str, key: str) -> Any:
+def _tool_parameters(tools: list[dict], name: str) -> dict | None:
+    """The parameters schema of tool ``name`` ({} when it has none), None for an undeclared tool."""
     for t in tools:
         fn = t.get("function") or {}
         if fn.get("name") == name:
-            props = (fn.get("parameters") or {}).get("properties") or {}
-            return (props.get(key) or {}).get("type")
+            return fn.get("parameters") or {}
     return None
+
+
+def _schema_type(tools: list[dict], name: str, key: str) -> Any:
+    params = _tool_parameters(tools, name)
+    if params is None:
+        return None
+    return ((params.get("properties") or {}).get(key) or {}).get("type")
 
 
 def _glm_calls(text: str, tools: list[dict]) -> list[dict]:
@@ -252,11 +259,8 @@ def _tool_properties(tools: list[dict], name: str) -> dict | None:
                     merged.setdefault(k, v)
         return merged
 
-    for t in tools:
-        fn = t.get("function") or {}
-        if fn.get("name") == name:
-            return props(fn.get("parameters"))
-    return None
+    params = _tool_parameters(tools, name)
+    return None if params is None else props(params)
 
 
 def _xml_calls(text: str, tools: list[dict]) -> list[dict]:
