@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 from unittest import mock
 
@@ -130,11 +131,9 @@ def _moe_rl_kernels():
         yield
 
 
+@functools.cache
 def torch_gated_delta_net_class():
     """``TorchGatedDeltaNet`` (defined on first use: megatron-core is an optional dependency)."""
-    global _TORCH_GDN
-    if _TORCH_GDN is not None:
-        return _TORCH_GDN
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
@@ -168,11 +167,7 @@ def torch_gated_delta_net_class():
                 return super().forward(hidden_states, None, inference_context, packed_seq_params,
                                        sequence_len_offset, **kwargs)
 
-    _TORCH_GDN = TorchGatedDeltaNet
-    return _TORCH_GDN
-
-
-_TORCH_GDN = None
+    return TorchGatedDeltaNet
 
 
 # --- layer specs --------------------------------------------------------------------------------
