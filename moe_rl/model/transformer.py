@@ -23,6 +23,8 @@ per-expert names.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -226,6 +228,7 @@ class SigmoidGate(Linear):
         self.scaling = arch.routed_scaling_factor
         self.register_buffer("e_score_correction_bias", torch.zeros(arch.num_experts))
         self.load: torch.Tensor | None = None  # tokens per expert since the last bias update
+        self.load_rows: int | None = None  # count only the first rows (MoEForCausalLM.expert_load_rows)
 
     @classmethod
     def hf_specs(cls, arch: MoEArch) -> list[tuple[str, tuple[int, ...]]]:
@@ -243,7 +246,8 @@ class SigmoidGate(Linear):
             weights = weights / (self.ops.row_sum(weights) + 1e-20)
         weights = weights * self.scaling
         if self.load is not None and torch.is_grad_enabled():
-            self.load.index_add_(0, ids.reshape(-1), torch.ones_like(ids, dtype=self.load.dtype).reshape(-1))
+            counted = ids if self.load_rows is None else ids[: self.load_rows]
+            self.load.index_add_(0, counted.reshape(-1), torch.ones_like(counted, dtype=self.load.dtype).reshape(-1))
         return ids, weights
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
@@ -521,6 +525,19 @@ class MoEForCausalLM(nn.Module):
         replayed routings count as routed), for ``update_expert_bias``."""
         for g in self._sigmoid_gates():
             g.load = torch.zeros(g.out_features, dtype=torch.float64, device=g.weight.device) if on else None
+
+    @contextlib.contextmanager
+    def expert_load_rows(self, rows: int):
+        """Inside: the expert load counts only the first ``rows`` tokens of each forward (a packed
+        row's filler after them is not a sample's token)."""
+        gates = self._sigmoid_gates()
+        for g in gates:
+            g.load_rows = rows
+        try:
+            yield
+        finally:
+            for g in gates:
+                g.load_rows = None
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float, group=None) -> None:

@@ -9,6 +9,7 @@ checkpoint writer consume.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -35,7 +36,9 @@ class MicroBatch:
     (Megatron's RouterReplay format) or None to let the router choose. ``max_seqlen``: the
     longest sequence, a host integer (flash-attn's varlen convention), taken from
     ``cu_seqlens`` when the batch is made on the host and carried to the device with it, so
-    the forward never reads it back.
+    the forward never reads it back. ``padding``: the row's last ``padding`` tokens are filler
+    (equal-length padding, a dummy micro-batch), not tokens of any sample: they are forwarded
+    but never counted in the experts' load (the expert-bias update).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +46,7 @@ class MicroBatch:
     labels: torch.Tensor
     replay: list[torch.Tensor] | None = None
     max_seqlen: int | None = None
+    padding: int = 0
 
     def __post_init__(self):
         if self.max_seqlen is None and self.cu_seqlens.device.type == "cpu":
@@ -215,11 +219,13 @@ class NativeBackend(DataParallelStep):
     def hidden_states(self, mb, record=None):
         """The final hidden states [T, H] of a packed micro-batch."""
         dev = self.device  # no-ops for the loop's micro-batches; others are copied without a stream sync
-        hidden = self.model.hidden_states(
-            mb.input_ids.to(dev, non_blocking=True), cu_seqlens=mb.cu_seqlens.to(dev, non_blocking=True),
-            max_seqlen=mb.max_seqlen,
-            replay=None if mb.replay is None else [r.to(dev, non_blocking=True) for r in mb.replay], record=record,
-        )
+        counted = self.model.expert_load_rows(mb.num_tokens - mb.padding) if mb.padding else contextlib.nullcontext()
+        with counted:
+            hidden = self.model.hidden_states(
+                mb.input_ids.to(dev, non_blocking=True), cu_seqlens=mb.cu_seqlens.to(dev, non_blocking=True),
+                max_seqlen=mb.max_seqlen,
+                replay=None if mb.replay is None else [r.to(dev, non_blocking=True) for r in mb.replay], record=record,
+            )
         return hidden.reshape(-1, hidden.shape[-1])
 
     def _reduce_grads(self) -> None:

@@ -147,7 +147,7 @@ class Micro:
         moved = {f.name: _to_device(v, device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
                  for f in fields(self)}
         moved["mb"] = MicroBatch(_to_device(mb.input_ids, device), _to_device(mb.cu_seqlens, device),
-                                 _to_device(mb.labels, device), replay, mb.max_seqlen)
+                                 _to_device(mb.labels, device), replay, mb.max_seqlen, mb.padding)
         return Micro(**moved)
 
 
@@ -191,7 +191,8 @@ def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay
     host; a rank with fewer samples gets dummy ones. ``pad_to``: micro-batch m's packed row is
     filled up to ``pad_to[m]`` tokens with one filler sequence of token 0 (its own
     ``cu_seqlens`` segment, so no real sequence attends to it; no label, no response token,
-    no engine routing: the loss and the metrics never see it)."""
+    no engine routing: the loss and the metrics never see it; ``MicroBatch.padding`` keeps it out
+    of the experts' load)."""
     out = []
     for m in range(n_micro):
         chunk = samples[m * mbs : (m + 1) * mbs]
@@ -204,7 +205,7 @@ def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay
         if not chunk:
             T = total + pad
             out.append(Micro(MicroBatch(torch.zeros(1, T, dtype=torch.long), torch.tensor([0, T]),
-                                        torch.full((T,), -100, dtype=torch.long)), []))
+                                        torch.full((T,), -100, dtype=torch.long), padding=T), []))
             continue
         cu = np.concatenate([[0], np.cumsum(lengths + ([pad] if pad else []))])
         ids = torch.tensor([t for x in seqs for t in x] + [0] * pad, dtype=torch.long)
@@ -231,7 +232,7 @@ def make_micro_batches(samples: list[dict], mbs: int, n_micro: int, arch, replay
             layout = replace(packed_layout(lengths), total=int(cu[-1]))
             routing = align_replay(records, layout, num_experts=E, stacked=True)
         out.append(Micro(
-            MicroBatch(ids[None], torch.tensor(cu, dtype=torch.long), labels), chunk, torch.cat(resp_pos),
+            MicroBatch(ids[None], torch.tensor(cu, dtype=torch.long), labels, padding=pad), chunk, torch.cat(resp_pos),
             behav=torch.tensor([x for s in chunk for x in s["behaviour_logprobs"]], dtype=torch.float32),
             adv=torch.tensor([s["advantage"] for s in chunk for _ in s["response_ids"]], dtype=torch.float32),
             mask=torch.tensor([m for s in chunk for m in _loss_mask(s)], dtype=torch.float32),

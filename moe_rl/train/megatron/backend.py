@@ -128,6 +128,10 @@ class MegatronBackend(DataParallelStep):
         self.tconfig = transformer_config(self.arch, self.opts, dtype=self.dtype, tp_size=self.tp_size,
                                           ep_size=self.ep_size, cpu_init=self.device.type != "cuda")
         self.model = build_gpt_model(self.arch, self.opts, self.tconfig)
+        self._filler_rows = 0  # the current micro-batch's MicroBatch.padding
+        for module in self.model.modules():
+            if getattr(module, "enable_expert_bias", False) and hasattr(module, "local_tokens_per_expert"):
+                module.register_forward_hook(self._uncount_filler)
         if self.arch.family.hybrid:
             log.info("megatron backend: Gated DeltaNet layers are megatron-core's GatedDeltaNet with %s",
                      "flash-linear-attention's kernels" if self.opts.use_te else
@@ -244,12 +248,25 @@ class MegatronBackend(DataParallelStep):
             mask = ~PackedCausal(cu, T).mask[None, None]
         ctx = self.replay.forward(mb.replay, T, self.device, record) if self.replay is not None else _no_replay(mb, record)
         self.model.post_process = False  # GPTModel then returns the decoder output: no logits
+        self._filler_rows = mb.padding
         try:
             with ctx, (self._megatron_lora.applied() if self._megatron_lora is not None else contextlib.nullcontext()):
                 hidden = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, **kwargs)
         finally:
             self.model.post_process = True
+            self._filler_rows = 0
         return hidden.reshape(T, -1)  # [s, b=1, h] -> [T, H]
+
+    def _uncount_filler(self, router, inputs, output) -> None:
+        """A router's forward hook: takes the filler rows (the last ``MicroBatch.padding`` of the
+        packed row) back out of the expert load it has just counted, under the condition it
+        counts (megatron's ``_apply_expert_bias``). megatron-core's own ``padding_mask`` would do
+        it, but its expert-bias count fails to broadcast the mask ([N] against [N, E]) in 0.16 and 0.19."""
+        if self._filler_rows and torch.is_grad_enabled():
+            routing_map = output[1]  # [T, E]: the rows are the packed row's tokens (TP = 1, batch 1)
+            with torch.no_grad():
+                router.local_tokens_per_expert -= routing_map[-self._filler_rows:].sum(0).to(
+                    router.local_tokens_per_expert.dtype)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
