@@ -5,8 +5,9 @@ moves its weight to the GPU), so forward checks live in test_megatron_gpu.py and
 shims of cpu_shims/, in test_forward_cpu.py; the EP=2 test here runs one with shims too (its two
 ranks' micro-batches of unequal lengths, padded by the loop).
 
-On CPU the MoE layers use the allgather token dispatcher: the alltoall one creates a CUDA
-stream when built. Parameter names do not depend on the dispatcher.
+On CPU the MoE layers use the allgather token dispatcher, except in the alltoall test (the
+GPU default: it copies the split sizes to the host on a CUDA side stream, for which the shims
+put CPU stand-ins). Parameter names do not depend on the dispatcher.
 """
 import pytest
 import torch
@@ -17,7 +18,7 @@ pytest.importorskip("megatron.core")
 
 from tests.distributed import free_port, run_distributed
 
-from .workers import _cfg, check_backend
+from .workers import _cfg, check_alltoall_ep2, check_backend
 
 def test_gptmodel_ep1_names_shapes_and_weights(monkeypatch):
     """In this process (a 1-rank gloo world), torn down afterwards."""
@@ -38,6 +39,11 @@ def test_gptmodel_ep2_inside_trainer_pool():
     the two ranks' micro-batches of unequal lengths are padded by the loop to equal lengths, which
     megatron's allgather dispatcher needs, and give the EP=1 native model's log-probs."""
     run_distributed(check_backend, 3, 2, 2, timeout=180)
+
+
+def test_alltoall_dispatcher_ep2_equals_native():
+    """The GPU default dispatcher at EP=2, on CPU over gloo (workers.check_alltoall_ep2)."""
+    run_distributed(check_alltoall_ep2, 2, timeout=180)
 
 
 def test_router_fusion_refused_with_replay():

@@ -14,7 +14,7 @@ def _cfg(trainers=1, ep=1, rollout=0, **train):
     return ExperimentConfig.model_validate(dict(
         model=MODEL, pools=dict(trainer=trainers, rollout=rollout), engine=dict(kind="sglang", urls=["http://x"])
         if rollout == 0 else dict(kind="embedded"),
-        train=dict(backend="megatron", ep_size=ep, megatron_dispatcher="allgather", **train),
+        train=dict(backend="megatron", ep_size=ep, **{"megatron_dispatcher": "allgather", **train}),
     ))
 
 
@@ -101,3 +101,52 @@ def check_unequal_micro_batches(backend, groups, rank, world):
         assert torch.equal(mc.resp_pos, ref_mc.resp_pos)
         ref, _ = native.logprobs(ref_mc.mb, 1.0)
         torch.testing.assert_close(lp[:T], ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"rank {rank}: {m}")
+
+
+def check_alltoall_ep2(rank, world):
+    """megatron's alltoall token dispatcher (the default on GPUs) at EP=2 on CPU, under the
+    stream stand-ins of ``cpu_shim_patches``: the two ranks' micro-batches differ in length and
+    are not padded (the dispatcher exchanges the token counts); each rank's log-probs equal the
+    EP=1 native model's, and so does every gradient (the dense ones summed over the ranks, each
+    rank's experts' from both ranks' tokens)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from tests.megatron.common import make_mb, native_grads_by_hf_name
+    from tests.megatron.cpu_shims.sitecustomize import apply_megatron_cpu_shims
+
+    apply_megatron_cpu_shims()  # before the build: the dispatcher makes its side stream there
+    from moe_rl.dist import build_groups
+    from moe_rl.model import MoEForCausalLM, hf_state_dict, iter_local_hf_tensors
+    from moe_rl.train.backend import NativeBackend
+    from moe_rl.train.megatron import MegatronBackend
+    from moe_rl.train.megatron.convert import megatron_to_hf
+
+    cfg = _cfg(world, 2, megatron_dispatcher="alltoall")
+    backend = MegatronBackend(cfg, build_groups(cfg))
+    assert backend.opts.dispatcher == "alltoall" and not backend.equal_tokens_per_ep_rank
+    ncfg = cfg.model_copy(deep=True)
+    ncfg.train.backend, ncfg.train.ep_size, ncfg.pools.trainer = "native", 1, 1
+    native = NativeBackend(ncfg)  # the whole model in this process: the EP=1 reference
+    hf = hf_state_dict(MoEForCausalLM(backend.arch).init_weights(cfg.model.init_seed))
+    with torch.no_grad():
+        for name, t in iter_local_hf_tensors(native.model):
+            t.copy_(hf[name])
+    mbs = [make_mb(MODEL["vocab_size"], (5, 9), seed=0), make_mb(MODEL["vocab_size"], (13, 4, 7), seed=1)]
+    advs = [torch.linspace(-1, 1, mb.num_tokens) for mb in mbs]
+    lp, _ = backend.logprobs(mbs[rank], 1.0)
+    for r, (mb, adv) in enumerate(zip(mbs, advs)):
+        ref, _ = native.logprobs(mb, 1.0)
+        if r == rank:
+            torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"rank {rank}: {m}")
+        (adv * ref).sum().backward()
+    (advs[rank] * lp).sum().backward()
+    backend._reduce_grads()
+    tensors = backend._tensors()
+    got = dict(megatron_to_hf(lambda n: tensors[n].grad, backend.arch, backend.layout))
+    want = native_grads_by_hf_name(native)
+    assert len(got) < len(want) and any(".experts." in n for n in got)  # this rank's experts only
+    for name, g in got.items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"rank {rank} {name}: {m}")
+    dist.barrier()

@@ -330,22 +330,59 @@ def _compat_megatron_without_te() -> None:
         mla.HAVE_TE = False
 
 
-@contextlib.contextmanager
-def cpu_forward_shims():
-    """Lets megatron-core's forward/backward run on CPU (tests, the CPU bench): it moves the RoPE
-    frequencies and the router weight to ``torch.cuda.current_device()`` and forks/restores CUDA
-    RNG states (dropout regions, recompute). Patched here, for the duration: current device ->
-    "cpu", RNG tracker and CUDA RNG state calls -> no-ops (dropout is 0), and TorchDynamo off
-    (megatron's ``jit_fuser`` helpers would ask the patched current_device for an index)."""
+class _CpuStream:
+    """A stand-in for ``torch.cuda.Stream`` on CPU, where work is done when it is issued:
+    waits, events and synchronisation are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None) -> "_CpuStream":
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+def cpu_shim_patches() -> list[tuple[object, str, object]]:
+    """(object, attribute, value) patches that let megatron-core's forward/backward run on CPU
+    (tests, the CPU bench). It moves the RoPE frequencies and the router weight to
+    ``torch.cuda.current_device()`` and forks/restores CUDA RNG states (dropout regions,
+    recompute): current device -> "cpu", RNG tracker and CUDA RNG state calls -> no-ops (dropout
+    is 0), TorchDynamo off (megatron's ``jit_fuser`` helpers would ask the patched
+    current_device for an index). Its alltoall token dispatcher copies the split sizes to the
+    host on a side stream: streams -> :class:`_CpuStream`, and the host copy of a CPU tensor
+    is made as of a CUDA one (a numpy array where asked: the collective takes a sequence)."""
     import torch._dynamo
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import token_dispatcher
 
     tracker = mrandom.get_cuda_rng_tracker()
-    patches = [(torch.cuda, "current_device", lambda: "cpu"), (torch._dynamo.config, "disable", True),
-               (tracker, "fork", lambda *a, **k: contextlib.nullcontext()), (tracker, "get_states", lambda: {}),
-               (tracker, "set_states", lambda states: None),
-               (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
-               (mrandom, "_set_cuda_rng_state", lambda *a, **k: None)]
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+    stream = _CpuStream()
+
+    def move_to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return [(torch.cuda, "current_device", lambda: "cpu"), (torch._dynamo.config, "disable", True),
+            (tracker, "fork", lambda *a, **k: contextlib.nullcontext()), (tracker, "get_states", lambda: {}),
+            (tracker, "set_states", lambda states: None),
+            (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+            (mrandom, "_set_cuda_rng_state", lambda *a, **k: None),
+            (torch.cuda, "Stream", _CpuStream), (torch.cuda, "current_stream", lambda device=None: stream),
+            (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
+            (token_dispatcher, "maybe_move_tensor_to_cpu", move_to_host)]
+
+
+@contextlib.contextmanager
+def cpu_forward_shims():
+    """:func:`cpu_shim_patches` applied for the duration."""
+    patches = cpu_shim_patches()
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:

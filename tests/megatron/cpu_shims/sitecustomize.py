@@ -1,7 +1,8 @@
 """Start-up hook for the processes of a `moe-rl train` run launched by tests/megatron (put first
-on PYTHONPATH, active only with MOE_RL_MEGATRON_CPU_SHIMS=1): the same shims of megatron-core's
-CUDA calls as test_forward_cpu's ``cpu_megatron`` fixture (current device -> "cpu", CUDA RNG
-tracker and RNG state calls -> no-ops; dropout is 0), so megatron's GPTModel runs on CPU inside
+on PYTHONPATH, active only with MOE_RL_MEGATRON_CPU_SHIMS=1): the shims of megatron-core's
+CUDA calls that test_forward_cpu's ``cpu_megatron`` fixture applies (moe_rl.train.megatron.model
+``cpu_shim_patches``: current device -> "cpu", CUDA RNG tracker and RNG state calls -> no-ops,
+CPU stand-ins for streams), so megatron's GPTModel runs on CPU inside
 the real main job (trainer rank and torchrun's workers alike). The shims are applied when a
 process first imports megatron.core: the launcher and the engine rank never pay its import."""
 import os
@@ -9,23 +10,11 @@ import sys
 
 
 def apply_megatron_cpu_shims() -> None:
-    import contextlib
+    """moe_rl.train.megatron.model's cpu_shim_patches, for the rest of this process."""
+    from moe_rl.train.megatron.model import cpu_shim_patches
 
-    import torch
-
-    torch.cuda.current_device = lambda: "cpu"
-    torch._dynamo.config.disable = True
-    try:
-        from megatron.core.tensor_parallel import random as _mrandom
-    except ImportError:
-        pass
-    else:
-        _tracker = _mrandom.get_cuda_rng_tracker()
-        _tracker.fork = lambda *a, **k: contextlib.nullcontext()
-        _tracker.get_states = lambda: {}
-        _tracker.set_states = lambda states: None
-        _mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-        _mrandom._set_cuda_rng_state = lambda *a, **k: None
+    for obj, name, value in cpu_shim_patches():
+        setattr(obj, name, value)
 
 
 class _ShimsAfterMegatronImport:
