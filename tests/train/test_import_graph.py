@@ -98,3 +98,15 @@ def test_the_launcher_loads_no_model_code():
     out = subprocess.run([sys.executable, "-c", code, *WORKER_ONLY], capture_output=True, text=True,
                          cwd=ROOT.parent, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_reading_a_config_loads_no_torch():
+    """`moe-rl validate` and `moe-rl keys` (and a launcher refusing a bad config) read configs
+    only: importing torch would be most of their time."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from moe_rl.cli import main; main(['validate', 'configs/tiny.yaml']); main(['keys', 'model']); "
+            "print('loaded:', sorted(m for m in ('torch', 'triton', 'moe_rl.model.ops') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, check=True)
+    assert out.stdout.splitlines()[-1] == "loaded: []", out.stdout[-2000:] + out.stderr
