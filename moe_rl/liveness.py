@@ -165,11 +165,10 @@ class Liveness:
         """A trainer rank is done with the run (however it ended)."""
         self.store.add(_DONE, 1)
 
-    def wait_for_trainers(self, poll_s: float = 0.05) -> None:
+    def wait_for_trainers(self, poll_s: float = 0.2) -> None:
         """An engine host: returns once every trainer rank is done. No deadline: the run lasts as
-        long as it lasts; a frozen trainer rank 0 is caught by this rank's watch. Every poll is
-        one small store request; the poll's wait is on the run's way out (trainer rank 0 waits
-        for this rank to exit), so it is short."""
+        long as it lasts; a frozen trainer rank 0 is caught by this rank's watch. It polls for
+        the whole run, every engine host of the world: a short poll would load the store."""
         n = len(self.layout.trainer_ranks)
         self.set_note("serving")
         while self.store.add(_DONE, 0) < n:
@@ -201,7 +200,7 @@ class Liveness:
                     kill_if_local(beat)
                     frozen.append(r)
                     del pending[r]
-            time.sleep(min(0.05, self.interval_s))  # each round reads one key per engine host
+            time.sleep(min(0.05, self.interval_s))  # at the end of the run only: a short poll is cheap
         if pending:
             log.warning("engine host ranks %s did not exit within %.0f s of the end of the run (dist.peer_timeout_s)",
                         sorted(pending), self.peer_timeout_s)

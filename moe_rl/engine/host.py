@@ -17,7 +17,6 @@ import torch.distributed as dist
 from moe_rl.dist import set_default_timeout
 from moe_rl.gc_control import freeze_gc
 
-
 log = logging.getLogger(__name__)
 
 
