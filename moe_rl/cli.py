@@ -209,5 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The ``moe-rl`` command (and ``python -m moe_rl.cli``): ``main``, then the process ends
+    without the interpreter's teardown, half a second of the launcher's exit with torch loaded
+    (moe_rl.lifetime.exit_without_teardown). ``main`` is what to call from Python."""
+    from .lifetime import exit_without_teardown
+
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

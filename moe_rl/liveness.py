@@ -167,7 +167,8 @@ class Liveness:
 
     def wait_for_trainers(self, poll_s: float = 0.2) -> None:
         """An engine host: returns once every trainer rank is done. No deadline: the run lasts as
-        long as it lasts; a frozen trainer rank 0 is caught by this rank's watch."""
+        long as it lasts; a frozen trainer rank 0 is caught by this rank's watch. It polls for
+        the whole run, every engine host of the world: a short poll would load the store."""
         n = len(self.layout.trainer_ranks)
         self.set_note("serving")
         while self.store.add(_DONE, 0) < n:
@@ -199,7 +200,7 @@ class Liveness:
                     kill_if_local(beat)
                     frozen.append(r)
                     del pending[r]
-            time.sleep(min(0.1, self.interval_s))
+            time.sleep(min(0.05, self.interval_s))  # at the end of the run only: a short poll is cheap
         if pending:
             log.warning("engine host ranks %s did not exit within %.0f s of the end of the run (dist.peer_timeout_s)",
                         sorted(pending), self.peer_timeout_s)

@@ -50,3 +50,36 @@ def test_a_parent_already_gone_kills_at_once():
     code = "import os; from moe_rl.lifetime import die_with_parent; die_with_parent(os.getppid() + 10**7); print('alive')"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == -signal.SIGKILL and "alive" not in r.stdout
+
+
+EXITING = """
+import atexit, sys, threading, time
+from moe_rl.lifetime import exit_without_teardown
+
+class Teardown:  # freed only by the interpreter's teardown
+    def __del__(self):
+        print("teardown", flush=True)
+
+kept = Teardown()
+out = open(sys.argv[1], "a")
+def late():  # a non-daemon thread still working when the main thread is done
+    time.sleep(0.3)
+    out.write("thread ")
+threading.Thread(target=late).start()
+atexit.register(lambda: (out.write("atexit"), out.close()))
+sys.stdout.write("buffered")  # no newline, no flush: written at the exit
+exit_without_teardown(3)
+"""
+
+
+def test_exit_without_teardown_does_what_an_exit_does_but_the_teardown(tmp_path):
+    """Its threads joined first, then the atexit handlers, stdout flushed, the exit code kept;
+    only the interpreter's teardown (objects freed one by one: the __del__ here) is skipped."""
+    log = tmp_path / "log"
+    r = subprocess.run([sys.executable, "-c", EXITING, str(log)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout == "buffered"
+    assert log.read_text() == "thread atexit"
+    normal = subprocess.run([sys.executable, "-c", EXITING.replace("exit_without_teardown(3)", "sys.exit(3)"),
+                             str(tmp_path / "log2")], capture_output=True, text=True, timeout=60)
+    assert (normal.returncode, normal.stdout, (tmp_path / "log2").read_text()) == (3, "bufferedteardown\n", "thread atexit")

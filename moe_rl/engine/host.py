@@ -17,9 +17,6 @@ import torch.distributed as dist
 from moe_rl.dist import set_default_timeout
 from moe_rl.gc_control import freeze_gc
 
-from .limits import ServerLimits
-from .server import build_engine, start_server
-
 log = logging.getLogger(__name__)
 
 
@@ -36,6 +33,10 @@ def exchange_urls(my_url: str | None, timeout_s: float | None = None) -> list[st
 
 
 def run_engine_host(cfg, groups) -> None:
+    # here, not at the top: the trainer ranks import this module for exchange_urls alone
+    from .limits import ServerLimits
+    from .server import build_engine, start_server
+
     e = cfg.engine
     index = groups.layout.rollout_ranks.index(groups.rank)
     port = 0 if e.port == 0 else e.port + index

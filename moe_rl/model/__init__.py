@@ -1,22 +1,30 @@
-"""Torch-native MoE models (Qwen3-MoE, GLM-4.5, gpt-oss) with routing record/replay and expert parallelism."""
+"""Torch-native MoE models (Qwen3-MoE, GLM-4.5, gpt-oss) with routing record/replay and expert parallelism.
+
+The names below load with the module that defines them, on first use: the config
+(``moe_rl.config``) reads ``moe_rl.model.arch`` alone, so a process that only reads a config
+(``moe-rl validate``, ``moe-rl keys``, the ``moe-rl train`` launcher) loads neither torch's
+model code nor the Triton kernels.
+"""
+import importlib
+
 from .arch import MoEArch
-from .hf_io import (
-    expert_owner,
-    hf_dtype,
-    hf_param_specs,
-    hf_state_dict,
-    bind_hf_views,
-    dequantize_mxfp4,
-    iter_local_hf_tensors,
-    load_hf,
-    load_hf_weights,
-    local_hf_tensor,
-    parse_expert_name,
-    save_hf,
-    stacked_expert_rows,
-)
-from .attention import PackedCausal, PaddedCausal, packed_positions
-from .transformer import MoEForCausalLM, RoutingError
+
+_LAZY = {  # name -> the submodule that defines it
+    **dict.fromkeys(("expert_owner", "hf_dtype", "hf_param_specs", "hf_state_dict", "bind_hf_views",
+                     "dequantize_mxfp4", "iter_local_hf_tensors", "load_hf", "load_hf_weights", "local_hf_tensor",
+                     "parse_expert_name", "save_hf", "stacked_expert_rows"), ".hf_io"),
+    **dict.fromkeys(("PackedCausal", "PaddedCausal", "packed_positions"), ".attention"),
+    **dict.fromkeys(("MoEForCausalLM", "RoutingError"), ".transformer"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later look-ups find it without this function
+    return value
+
 
 __all__ = [
     "MoEArch",

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .attention.rope import Rope
+if TYPE_CHECKING:  # the config reads this module without torch (moe_rl.model's docstring)
+    from .attention.rope import Rope
 
 
 def all_mha(arch: "MoEArch", layer: int) -> str:
@@ -386,6 +387,8 @@ class MoEArch(BaseModel):
 
     def rope(self) -> Rope:
         """The rotary embedding every layer that rotates shares."""
+        from .attention.rope import Rope
+
         try:
             return Rope.from_hf(self.rope_scaling, self.rotary_dim, self.rope_theta, bool(self.rope_interleave))
         except ValueError as e:

@@ -77,3 +77,36 @@ def test_the_package_imports_without_a_circle():
     graph = import_graph("moe_rl")
     assert "moe_rl.rollout.manager" not in graph["moe_rl.rollout.episode"]
     assert find_cycle(graph) is None, find_cycle(graph)
+
+
+# loaded by the worker ranks, never by the `moe-rl train` launcher (it only needs torch for torchrun)
+WORKER_ONLY = ("triton", "moe_rl.kernels", "moe_rl.model.ops", "moe_rl.model.transformer", "moe_rl.model.attention.mha",
+               "aiohttp", "transformers", "torch._dynamo", "matplotlib")
+
+
+def test_the_launcher_loads_no_model_code():
+    """What `moe-rl train` does before it starts torchrun (read and check the config, its
+    dataset and placement) loads neither the model code nor its Triton kernels: each costs the
+    launcher start-up time (and exit time: more objects to free) on every run."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch.distributed.run; from moe_rl.cli import _load; from moe_rl.tasks import task_from_config; "
+            "from moe_rl.placement import check_before_launch; from moe_rl.dist import Layout; "
+            "cfg = _load(['configs/tiny.yaml']); task_from_config(cfg); check_before_launch(cfg, 0, None); "
+            "Layout.from_config(cfg); print(sorted(m for m in sys.argv[1:] if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *WORKER_ONLY], capture_output=True, text=True,
+                         cwd=ROOT.parent, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_reading_a_config_loads_no_torch():
+    """`moe-rl validate` and `moe-rl keys` (and a launcher refusing a bad config) read configs
+    only: importing torch would be most of their time."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from moe_rl.cli import main; main(['validate', 'configs/tiny.yaml']); main(['keys', 'model']); "
+            "print('loaded:', sorted(m for m in ('torch', 'triton', 'moe_rl.model.ops') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, check=True)
+    assert out.stdout.splitlines()[-1] == "loaded: []", out.stdout[-2000:] + out.stderr

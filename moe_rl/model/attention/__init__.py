@@ -10,31 +10,55 @@ the engine keeps for a layer (``state_specs``). docs/models.md says how a kind i
 """
 from __future__ import annotations
 
-from .base import Mixer
-from .deltanet import DeltaNet, DeltaNetQKVZ
-from .gated import GatedAttention
-from .layouts import (Attention, PackedCausal, PaddedCausal, Scan, Sequences, Steps, decode_sdpa, longest_sequence,
-                      packed_positions, sdpa, visible)
-from .mha import MHAttention, SlidingAttention
-from .mla import MLAttention
-from .rope import Rope, apply_rope, rope_cos_sin
-from .state import KVCache, KVSpec, RecurrentSpec, RecurrentState, RingKVCache, RingKVSpec
+import functools
+import importlib
 
-MIXERS: dict[str, type[Mixer]] = {
-    "mha": MHAttention,
-    "swa": SlidingAttention,  # gpt-oss's sliding-window layers
-    "gated_attention": GatedAttention,  # Qwen3-Next / Qwen3.5 full-attention layers
-    "deltanet": DeltaNet,  # Gated DeltaNet, Qwen3.5's projections
-    "deltanet_qkvz": DeltaNetQKVZ,  # Gated DeltaNet, Qwen3-Next's projections
-    "mla": MLAttention,
+# The names below load with the module that defines them, on first use: the config reads
+# ``rope`` alone (MoEArch checks rope_scaling), so it loads none of the mixers (moe_rl.model's docstring).
+_LAZY = {  # name -> the submodule that defines it
+    "Mixer": ".base", "DeltaNet": ".deltanet", "DeltaNetQKVZ": ".deltanet", "GatedAttention": ".gated",
+    **dict.fromkeys(("Attention", "PackedCausal", "PaddedCausal", "Scan", "Sequences", "Steps", "decode_sdpa",
+                     "longest_sequence", "packed_positions", "sdpa", "visible"), ".layouts"),
+    "MHAttention": ".mha", "SlidingAttention": ".mha", "MLAttention": ".mla",
+    **dict.fromkeys(("Rope", "apply_rope", "rope_cos_sin"), ".rope"),
+    **dict.fromkeys(("KVCache", "KVSpec", "RecurrentSpec", "RecurrentState", "RingKVCache", "RingKVSpec"), ".state"),
 }
 
 
+@functools.cache
+def _mixers() -> dict:
+    """``MIXERS``: attention kind -> its ``Mixer`` class."""
+    from .deltanet import DeltaNet, DeltaNetQKVZ
+    from .gated import GatedAttention
+    from .mha import MHAttention, SlidingAttention
+    from .mla import MLAttention
+
+    return {
+        "mha": MHAttention,
+        "swa": SlidingAttention,  # gpt-oss's sliding-window layers
+        "gated_attention": GatedAttention,  # Qwen3-Next / Qwen3.5 full-attention layers
+        "deltanet": DeltaNet,  # Gated DeltaNet, Qwen3.5's projections
+        "deltanet_qkvz": DeltaNetQKVZ,  # Gated DeltaNet, Qwen3-Next's projections
+        "mla": MLAttention,
+    }
+
+
+def __getattr__(name: str):
+    if name == "MIXERS":
+        return _mixers()
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later look-ups find it without this function
+    return value
+
+
 def mixer_class(arch: MoEArch, layer: int) -> type[Mixer]:
+    mixers = _mixers()
     kind = arch.layer_kinds()[layer]
-    if kind not in MIXERS:
-        raise ValueError(f"layer {layer}: unknown attention kind {kind!r} (known: {sorted(MIXERS)})")
-    return MIXERS[kind]
+    if kind not in mixers:
+        raise ValueError(f"layer {layer}: unknown attention kind {kind!r} (known: {sorted(mixers)})")
+    return mixers[kind]
 
 
 def state_specs(arch: MoEArch) -> list:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a table is made: the config checks rope_scaling without it
+    import torch
 
 ROPE_TYPES = ("default", "yarn")
 
@@ -69,11 +70,15 @@ class Rope:
         return yarn_mscale(self.factor)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
+        import torch
+
         return _inv_freq(self, torch.device(device))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables [N, dim] for the given positions, computed in fp32 and cast to
         ``dtype`` (HF's order: scaled before the cast)."""
+        import torch
+
         freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         s = self.scale()
@@ -93,6 +98,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 @functools.lru_cache(maxsize=16)
 def _inv_freq(rope: Rope, device: torch.device) -> torch.Tensor:
+    import torch
+
     dim, base = rope.dim, rope.theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)
     if rope.rope_type == "default":
@@ -124,6 +131,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     """x [N, heads, head_dim], cos/sin [N, rot]. The first ``rot`` dims of each head rotate and
     the rest pass through (partial rotary). NeoX halves (rotate-half, as HF), or interleaved
     pairs whose result is laid out de-interleaved (HF's ``apply_rotary_pos_emb_interleave``)."""
+    import torch
+
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rot], cos, sin, interleaved), x[..., rot:]), dim=-1)
