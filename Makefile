@@ -1,6 +1,6 @@
 PYTHON ?= python3
 CONFIG ?= configs/tiny.yaml
-# pytest-xdist workers for `make test`: 2 fits the 2-core CI machines (the suite takes ~13-14 min there
+# pytest-xdist workers for `make test`: 2 fits the 2-core CI machines (the suite takes ~12-14 min there
 # with the second megatron-core pass); PYTEST_WORKERS=0 runs it in one process
 PYTEST_WORKERS ?= 2
 
