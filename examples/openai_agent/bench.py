@@ -8,7 +8,8 @@ drift hits both alike. Run from the repository root:
 Per run: samples/s = samples per step / the median of the step times (``wall_s`` between
 consecutive metrics.jsonl rows) over steps 6..S (start-up excluded), and the 1-minute load
 average before it. Prints every run, then per arm the median samples/s and the median of the
-pair-by-pair ratios to the token-level arm. ``--arm`` adds arms (e.g. ``workers0=env.agent_workers=0``).
+pair-by-pair ratios to the token-level arm. ``--arm`` adds arms (e.g. ``workers0=env.agent_workers=0``);
+``--cpu`` prints each process's CPU time per step (Linux /proc; steps 6 to S-2) after every run.
 
 The learning check (minutes, so a benchmark and not a test):
 
@@ -37,15 +38,69 @@ EXAMPLE = ROOT / "examples" / "openai_agent"
 TOKEN_LEVEL = ["env.openai_agent=null", "env.factory=guess_tools:GuessToolsEnv"]
 
 
-def run(overrides: list[str], steps: int, out: Path) -> float:
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants (Linux /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _cpu_s(pid: int) -> tuple[str, float] | None:
+    """(what the process is: launcher, rank N, agent worker; user + system CPU seconds) from /proc,
+    None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        rank = [kv[5:].decode() for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if kv.startswith(b"RANK=")]
+    except OSError:
+        return None
+    if b"multiprocessing" in argv:
+        name = "agent worker" if b"spawn_main" in argv else "multiprocessing helper"
+    else:
+        name = f"rank {rank[0]}" if rank else "launcher"
+    return name, (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def run(overrides: list[str], steps: int, out: Path, cpu: bool = False) -> float:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLE)]))
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/openai_agent.yaml", f"output_dir={out}",
            f"train.steps={steps}", "logging.progress=false", "checkpoint.every=0", "overwrite_output_dir=true",
            *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if r.returncode:
-        raise SystemExit(f"{shlex.join(cmd)} failed:\n{r.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    log = out.with_suffix(".stderr")  # a file, not a pipe: nobody reads a pipe while the run goes on
+    with log.open("w") as err_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=env, cwd=ROOT)
+    if cpu:  # each process's CPU time per step over steps 6..S-2 (start-up and the end excluded)
+        first = last = None
+        while proc.poll() is None:
+            rows = _metrics(out)
+            step = rows[-1]["step"] if rows else 0
+            if step >= steps - 2:
+                break
+            if first is None and step >= 5:
+                first = (step, {p: c for p in _tree(proc.pid) if (c := _cpu_s(p))})
+            time.sleep(0.05)
+        if first is not None and proc.poll() is None:
+            last = (_metrics(out)[-1]["step"], {p: c for p in first[1] if (c := _cpu_s(p))})
+    if proc.wait():
+        raise SystemExit(f"{shlex.join(cmd)} failed:\n{log.read_text()[-3000:]}")
+    if cpu and last is not None and last[0] > first[0]:
+        n = last[0] - first[0]
+        per = {first[1][p][0]: (last[1][p][1] - first[1][p][1]) / n for p in last[1]}
+        print("  CPU per step: " + ", ".join(f"{k} {1000 * v:.0f} ms" for k, v in per.items() if v > 0.0005)
+              + f"; all {1000 * sum(per.values()):.0f} ms", flush=True)
+    rows = _metrics(out)
     gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(rows[4:], rows[5:])]
     if any(row["failed_samples"] for row in rows):
         raise SystemExit(f"{shlex.join(cmd)}: failed samples in {out / 'metrics.jsonl'}")
@@ -60,7 +115,9 @@ def learn(minutes: float, overrides: list[str], out: Path) -> int:
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/openai_agent.yaml", f"output_dir={out}",
            "train.steps=100000", "logging.progress=false", "checkpoint.every=0", "overwrite_output_dir=true",
            *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    log = out.with_suffix(".stderr")  # a file, not a pipe: nobody reads a pipe while the run goes on
+    with log.open("w") as err_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=env, cwd=ROOT)
     metrics, rows = out / "metrics.jsonl", []
     try:
         while proc.poll() is None and (not rows or rows[-1]["wall_s"] < minutes * 60):
@@ -90,6 +147,7 @@ def main() -> None:
     ap.add_argument("--arm", action="append", default=[], help="NAME=OVERRIDE[ OVERRIDE...]: another agent arm")
     ap.add_argument("--learn", action="store_true", help="the learning check instead of the throughput pairs")
     ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--cpu", action="store_true", help="print each process's CPU time per step of every run")
     ap.add_argument("overrides", nargs="*", help="config overrides for --learn")
     a = ap.parse_args()
     if a.learn:
@@ -102,7 +160,8 @@ def main() -> None:
         for i in range(a.pairs):
             for name, overrides in arms.items():
                 load = os.getloadavg()[0]
-                rates[name].append(run(overrides, a.steps, Path(tmp) / name))
+                (Path(tmp) / name).mkdir(exist_ok=True)
+                rates[name].append(run(overrides, a.steps, Path(tmp) / name, a.cpu))
                 print(f"pair {i + 1} {name}: {rates[name][-1]:.1f} samples/s (load {load:.1f})", flush=True)
     base = rates["token-level"]
     for name, r in rates.items():
