@@ -106,15 +106,17 @@ def test_glm_expert_bias_update_equals_native(cpu_megatron, rate):
                        native.model.model.layers[1].mlp.gate.e_score_correction_bias)
 
 
-def test_glm_filler_rows_are_left_out_of_the_expert_load(cpu_megatron):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_glm_filler_rows_are_left_out_of_the_expert_load(cpu_megatron, recompute):
     """A packed row's filler (``MicroBatch.padding``: the equal-length padding of megatron's
     allgather dispatcher, a dummy micro-batch) is forwarded but not counted in the expert load
-    that the bias update reads: megatron's routers (its ``padding_mask``) and the native gates
-    count exactly the replayed experts of the real rows. Without the mark the filler's rows,
-    all routed to experts 0 and 1 here, would be counted."""
+    that the bias update reads: megatron's routers (a forward hook of the backend's) and the
+    native gates count exactly the replayed experts of the real rows, also where megatron counts
+    in the backward's recompute (``megatron_recompute``: its forward runs without grad). Without
+    the mark the filler's rows, all routed to experts 0 and 1 here, would be counted."""
     from moe_rl.train.backend import MicroBatch
 
-    meg, native = build_glm(expert_bias_update_rate=0.01)
+    meg, native = build_glm(expert_bias_update_rate=0.01, megatron_recompute=recompute)
     E, k, pad = GLM_ARCH["num_experts"], GLM_ARCH["num_experts_per_tok"], 13
     mb = make_mb(GLM_ARCH["vocab_size"], LENGTHS)
     real = native_record(native, mb)
@@ -132,16 +134,20 @@ def test_glm_filler_rows_are_left_out_of_the_expert_load(cpu_megatron):
             return [meg.model.decoder.layers[l].mlp.router.local_tokens_per_expert.double().clone() for l in meg.arch.moe_layers]
         return [native.model.model.layers[l].mlp.gate.load.clone() for l in meg.arch.moe_layers]
 
+    def step(backend, micro):  # forward and backward, as the training loop runs a micro-batch
+        lp, _ = backend.logprobs(micro, 1.0)
+        lp.sum().backward()
+
     want = [torch.bincount(r.reshape(-1), minlength=E).double() for r in real]
     dummy = MicroBatch(torch.zeros(1, 6, dtype=torch.long), torch.tensor([0, 6]), torch.full((6,), -100),
                        [torch.arange(k).expand(6, k)] * len(real), padding=6)
     for backend in (meg, native):
-        backend.logprobs(padded(pad), 1.0)
+        step(backend, padded(pad))
         got = loads(backend)
         for g, w in zip(got, want):
             assert torch.equal(g, w), (backend, g, w)
-        backend.logprobs(dummy, 1.0)  # all filler: counts nothing
+        step(backend, dummy)  # all filler: counts nothing
         assert all(torch.equal(a, b) for a, b in zip(loads(backend), got))
-        backend.logprobs(padded(0), 1.0)  # unmarked, the filler counts
+        step(backend, padded(0))  # unmarked, the filler counts
         extra = torch.zeros(E, dtype=torch.float64).index_add_(0, filler.reshape(-1), torch.ones(pad * k, dtype=torch.float64))
         assert all(torch.equal(a, 2 * w + extra) for a, w in zip(loads(backend), want))

@@ -128,7 +128,9 @@ class MegatronBackend(DataParallelStep):
         self.tconfig = transformer_config(self.arch, self.opts, dtype=self.dtype, tp_size=self.tp_size,
                                           ep_size=self.ep_size, cpu_init=self.device.type != "cuda")
         self.model = build_gpt_model(self.arch, self.opts, self.tconfig)
-        self._filler_rows = 0  # the current micro-batch's MicroBatch.padding
+        # the MicroBatch.padding of the micro-batch forwarded last: kept after its forward, for the
+        # recompute in its backward (megatron_recompute), which runs before the next forward
+        self._filler_rows = 0
         for module in self.model.modules():
             if getattr(module, "enable_expert_bias", False) and hasattr(module, "local_tokens_per_expert"):
                 module.register_forward_hook(self._uncount_filler)
@@ -254,14 +256,14 @@ class MegatronBackend(DataParallelStep):
                 hidden = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, **kwargs)
         finally:
             self.model.post_process = True
-            self._filler_rows = 0
         return hidden.reshape(T, -1)  # [s, b=1, h] -> [T, H]
 
     def _uncount_filler(self, router, inputs, output) -> None:
         """A router's forward hook: takes the filler rows (the last ``MicroBatch.padding`` of the
         packed row) back out of the expert load it has just counted, under the condition it
-        counts (megatron's ``_apply_expert_bias``). megatron-core's own ``padding_mask`` would do
-        it, but its expert-bias count fails to broadcast the mask ([N] against [N, E]) in 0.16 and 0.19."""
+        counts (megatron's ``_apply_expert_bias``: grad enabled, so in the backward's recompute
+        too). megatron-core's own ``padding_mask`` would do it, but its expert-bias count fails to
+        broadcast the mask ([N] against [N, E]) in 0.16 and 0.19."""
         if self._filler_rows and torch.is_grad_enabled():
             routing_map = output[1]  # [T, E]: the rows are the packed row's tokens (TP = 1, batch 1)
             with torch.no_grad():
