@@ -93,18 +93,24 @@ def random_correction_bias(meg, native, num_experts, seed=5):
             meg.model.decoder.layers[layer].mlp.router.expert_bias.copy_(bias)
 
 
-def assert_logprobs_and_grads_equal_native(meg, native, mb):
-    """Megatron's log-probs of ``mb`` equal the native model's, and so does every parameter's
-    gradient of one policy-gradient-shaped loss, mapped to HF names (each non-zero; the
-    correction bias is a buffer in both, with none)."""
-    from moe_rl.train.megatron.convert import megatron_to_hf
-
+def equal_logprobs_then_backward(meg, native, mb):
+    """Megatron's log-probs of ``mb`` equal the native model's; then one policy-gradient-shaped
+    loss (per-token advantages from -1 to 1) goes backward through both."""
     adv = torch.linspace(-1, 1, mb.num_tokens)
     lp, _ = meg.logprobs(mb, 1.0)
     lp_ref, _ = native.logprobs(mb, 1.0)
     torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
     (adv * lp).sum().backward()
     (adv * lp_ref).sum().backward()
+
+
+def assert_logprobs_and_grads_equal_native(meg, native, mb):
+    """Megatron's log-probs of ``mb`` equal the native model's, and so does every parameter's
+    gradient of one policy-gradient-shaped loss, mapped to HF names (each non-zero; the
+    correction bias is a buffer in both, with none)."""
+    from moe_rl.train.megatron.convert import megatron_to_hf
+
+    equal_logprobs_then_backward(meg, native, mb)
     tensors = meg._tensors()
     got = dict(megatron_to_hf(lambda n: tensors[n].grad if tensors[n].requires_grad else torch.zeros_like(tensors[n]),
                               meg.arch, meg.layout))
@@ -125,12 +131,7 @@ def assert_lora_logprobs_and_adapter_grads_equal_native(meg, native, mb, nonzero
     """Megatron's log-probs of ``mb`` with LoRA equal the native model's, and so does every
     adapter's gradient of one policy-gradient-shaped loss (``nonzero``: each also non-zero, for
     adapters loaded with non-zero B)."""
-    adv = torch.linspace(-1, 1, mb.num_tokens)
-    lp, _ = meg.logprobs(mb, 1.0)
-    ref, _ = native.logprobs(mb, 1.0)
-    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
-    (adv * lp).sum().backward()
-    (adv * ref).sum().backward()
+    equal_logprobs_then_backward(meg, native, mb)
     nat = dict(native.lora.named_parameters())
     for n, p in meg.lora.named_parameters():
         if nonzero:

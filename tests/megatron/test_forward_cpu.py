@@ -24,9 +24,9 @@ from tests.distributed import free_port
 
 from .common import (
     CPU_ARCH,
+    assert_logprobs_and_grads_equal_native,
     build,
     make_mb,
-    native_grads_by_hf_name,
     native_hidden,
     native_record,
     pg_step,
@@ -267,7 +267,6 @@ def test_experts_forward_and_every_gradient_equal_native(cpu_megatron, monkeypat
     equal the native model's on the same weights and replayed routes (fp32). ``align=8`` runs the
     CUDA layout (groups padded to aligned starts) on CPU."""
     from moe_rl.train.megatron import experts as experts_mod
-    from moe_rl.train.megatron.convert import megatron_to_hf
 
     monkeypatch.setattr(experts_mod, "group_align", lambda x: align)
 
@@ -276,19 +275,7 @@ def test_experts_forward_and_every_gradient_equal_native(cpu_megatron, monkeypat
     assert experts == {"TorchGroupedMLP" if grouped else "SequentialMLP"}
     mb = make_mb(CPU_ARCH["vocab_size"], LENGTHS)
     mb.replay = native_record(native, mb)
-    adv = torch.linspace(-1, 1, mb.num_tokens)
-    lp, _ = meg.logprobs(mb, 1.0)
-    lp_ref, _ = native.logprobs(mb, 1.0)
-    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
-    (adv * lp).sum().backward()
-    (adv * lp_ref).sum().backward()
-    params = dict(meg.model.named_parameters())
-    got = dict(megatron_to_hf(lambda n: params[n].grad, meg.arch, meg.layout))
-    want = native_grads_by_hf_name(native)
-    assert got.keys() == want.keys()
-    for name, g in want.items():
-        assert g.abs().sum() > 0, name
-        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert_logprobs_and_grads_equal_native(meg, native, mb)
 
 
 def test_local_spec_attention_is_fused_sdpa_and_refuses_other_masks(cpu_megatron):
