@@ -72,15 +72,22 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def run(overrides: list[str], steps: int, out: Path, cpu: bool = False) -> float:
+def _start(overrides: list[str], steps: int, out: Path) -> tuple[list[str], subprocess.Popen, Path]:
+    """Starts `moe-rl train` of the example into ``out``: (its command, its process, the file its
+    stderr goes to: a file, not a pipe, which nobody would read while the run goes on)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLE)]))
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/openai_agent.yaml", f"output_dir={out}",
            f"train.steps={steps}", "logging.progress=false", "checkpoint.every=0", "overwrite_output_dir=true",
            *overrides]
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    log = out.with_suffix(".stderr")  # a file, not a pipe: nobody reads a pipe while the run goes on
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)  # polled before the run starts over
+    log = out.with_suffix(".stderr")
     with log.open("w") as err_file:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=env, cwd=ROOT)
+        return cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=env, cwd=ROOT), log
+
+
+def run(overrides: list[str], steps: int, out: Path, cpu: bool = False) -> float:
+    cmd, proc, log = _start(overrides, steps, out)
     if cpu:  # each process's CPU time per step over steps 6..S-2 (start-up and the end excluded)
         first = last = None
         while proc.poll() is None:
@@ -111,25 +118,18 @@ BLIND = 1 / 3  # guess_tools: the best a policy that ignores the tool results ea
 
 
 def learn(minutes: float, overrides: list[str], out: Path) -> int:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLE)]))
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/openai_agent.yaml", f"output_dir={out}",
-           "train.steps=100000", "logging.progress=false", "checkpoint.every=0", "overwrite_output_dir=true",
-           *overrides]
-    log = out.with_suffix(".stderr")  # a file, not a pipe: nobody reads a pipe while the run goes on
-    with log.open("w") as err_file:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=env, cwd=ROOT)
-    metrics, rows = out / "metrics.jsonl", []
+    cmd, proc, log = _start(overrides, 100000, out)
+    rows = []
     try:
         while proc.poll() is None and (not rows or rows[-1]["wall_s"] < minutes * 60):
             time.sleep(2)
-            if metrics.exists():
-                rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            rows = _metrics(out)
     finally:
         proc.terminate()
-        err = proc.communicate(timeout=60)[1]
+        proc.wait(timeout=60)
     rows = [r for r in rows if r["wall_s"] <= minutes * 60]
     if len(rows) < 40:
-        raise SystemExit(f"{shlex.join(cmd)}: {len(rows)} steps in {minutes} min\n{err[-3000:]}")
+        raise SystemExit(f"{shlex.join(cmd)}: {len(rows)} steps in {minutes} min\n{log.read_text()[-3000:]}")
     windows = [rows[i:i + 20] for i in range(0, len(rows) - len(rows) % 20, 20)]
     means = [statistics.fmean(r["reward_mean"] for r in w) for w in windows]
     for w, m in zip(windows, means):
@@ -160,7 +160,6 @@ def main() -> None:
         for i in range(a.pairs):
             for name, overrides in arms.items():
                 load = os.getloadavg()[0]
-                (Path(tmp) / name).mkdir(exist_ok=True)
                 rates[name].append(run(overrides, a.steps, Path(tmp) / name, a.cpu))
                 print(f"pair {i + 1} {name}: {rates[name][-1]:.1f} samples/s (load {load:.1f})", flush=True)
     base = rates["token-level"]
