@@ -56,6 +56,23 @@ def check_backend(rank, world, trainers, ep):
 
 
 
+def _native_reference(backend):
+    """The EP=1 reference: the whole model on the native backend in this process, with the
+    megatron backend's initial weights (its config's seeded init)."""
+    from moe_rl.model import MoEForCausalLM, hf_state_dict, iter_local_hf_tensors
+    from moe_rl.train.backend import NativeBackend
+
+    ncfg = backend.cfg.model_copy(deep=True)
+    ncfg.train.backend, ncfg.train.ep_size, ncfg.pools.trainer, ncfg.pools.rollout = "native", 1, 1, 0
+    ncfg.engine.kind, ncfg.engine.urls = "sglang", ["http://x"]
+    native = NativeBackend(ncfg)
+    hf = hf_state_dict(MoEForCausalLM(backend.arch).init_weights(backend.cfg.model.init_seed))
+    with torch.no_grad():
+        for name, t in iter_local_hf_tensors(native.model):
+            t.copy_(hf[name])
+    return native
+
+
 def check_unequal_micro_batches(backend, groups, rank, world):
     """The two EP ranks' shards of a minibatch pack into micro-batches of different lengths (and
     one rank's last micro-batch is a dummy): the loop pads them to equal lengths, so megatron's
@@ -64,20 +81,11 @@ def check_unequal_micro_batches(backend, groups, rank, world):
     from tests.megatron.cpu_shims.sitecustomize import apply_megatron_cpu_shims
 
     apply_megatron_cpu_shims()  # megatron's forward on CPU (this spawned rank only)
-    from moe_rl.model import MoEForCausalLM, hf_state_dict, iter_local_hf_tensors
-    from moe_rl.train.backend import NativeBackend
     from moe_rl.train.loop import make_micro_batches, shard_micro_batches
 
     assert backend.equal_tokens_per_ep_rank
-    ncfg = backend.cfg.model_copy(deep=True)
-    ncfg.train.backend, ncfg.train.ep_size, ncfg.pools.trainer, ncfg.pools.rollout = "native", 1, 1, 0
-    ncfg.engine.kind, ncfg.engine.urls = "sglang", ["http://x"]
-    native = NativeBackend(ncfg)  # the whole model in this process: the EP=1 reference
+    native = _native_reference(backend)
     assert not native.equal_tokens_per_ep_rank
-    hf = hf_state_dict(MoEForCausalLM(backend.arch).init_weights(backend.cfg.model.init_seed))
-    with torch.no_grad():
-        for name, t in iter_local_hf_tensors(native.model):
-            t.copy_(hf[name])
     g = torch.Generator().manual_seed(5)
 
     def sample(p, r):
@@ -117,21 +125,13 @@ def check_alltoall_ep2(rank, world):
 
     apply_megatron_cpu_shims()  # before the build: the dispatcher makes its side stream there
     from moe_rl.dist import build_groups
-    from moe_rl.model import MoEForCausalLM, hf_state_dict, iter_local_hf_tensors
-    from moe_rl.train.backend import NativeBackend
     from moe_rl.train.megatron import MegatronBackend
     from moe_rl.train.megatron.convert import megatron_to_hf
 
     cfg = _cfg(world, 2, megatron_dispatcher="alltoall")
     backend = MegatronBackend(cfg, build_groups(cfg))
     assert backend.opts.dispatcher == "alltoall" and not backend.equal_tokens_per_ep_rank
-    ncfg = cfg.model_copy(deep=True)
-    ncfg.train.backend, ncfg.train.ep_size, ncfg.pools.trainer = "native", 1, 1
-    native = NativeBackend(ncfg)  # the whole model in this process: the EP=1 reference
-    hf = hf_state_dict(MoEForCausalLM(backend.arch).init_weights(cfg.model.init_seed))
-    with torch.no_grad():
-        for name, t in iter_local_hf_tensors(native.model):
-            t.copy_(hf[name])
+    native = _native_reference(backend)
     mbs = [make_mb(MODEL["vocab_size"], (5, 9), seed=0), make_mb(MODEL["vocab_size"], (13, 4, 7), seed=1)]
     advs = [torch.linspace(-1, 1, mb.num_tokens) for mb in mbs]
     lp, _ = backend.logprobs(mbs[rank], 1.0)
