@@ -8,8 +8,11 @@ drift hits both alike. Run from the repository root:
 Per run: samples/s = samples per step / the median of the step times (``wall_s`` between
 consecutive metrics.jsonl rows) over steps 6..S (start-up excluded), and the 1-minute load
 average before it. Prints every run, then per arm the median samples/s and the median of the
-pair-by-pair ratios to the token-level arm. ``--arm`` adds arms (e.g. ``workers0=env.agent_workers=0``);
-``--cpu`` prints each process's CPU time per step (Linux /proc; steps 6 to S-2) after every run.
+pair-by-pair ratios to the token-level arm. ``--arm`` adds arms (e.g. ``workers0=env.agent_workers=0``,
+or ``raw=env.openai_agent=raw_agent:play``: the same agent without the openai SDK, to tell the SDK's
+CPU from the rest of the agent path); ``--cpu`` prints each process's CPU time per step (Linux /proc;
+steps 6 to S-2) after every run; ``--json FILE`` writes the figures (the GPU round's ``agent_api``
+stage: the same pairs on the GPU machine's cores).
 
 The learning check (minutes, so a benchmark and not a test):
 
@@ -75,7 +78,8 @@ def _metrics(out: Path) -> list[dict]:
 def _start(overrides: list[str], steps: int, out: Path) -> tuple[list[str], subprocess.Popen, Path]:
     """Starts `moe-rl train` of the example into ``out``: (its command, its process, the file its
     stderr goes to: a file, not a pipe, which nobody would read while the run goes on)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLE)]))
+    path = [str(ROOT), str(EXAMPLE), *filter(None, [os.environ.get("PYTHONPATH")])]  # and what the caller set
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/openai_agent.yaml", f"output_dir={out}",
            f"train.steps={steps}", "logging.progress=false", "checkpoint.every=0", "overwrite_output_dir=true",
            *overrides]
@@ -86,8 +90,10 @@ def _start(overrides: list[str], steps: int, out: Path) -> tuple[list[str], subp
         return cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=env, cwd=ROOT), log
 
 
-def run(overrides: list[str], steps: int, out: Path, cpu: bool = False) -> float:
+def run(overrides: list[str], steps: int, out: Path, cpu: bool = False) -> tuple[float, dict]:
+    """(samples/s, CPU seconds per step by process: empty without ``cpu``)."""
     cmd, proc, log = _start(overrides, steps, out)
+    per: dict[str, float] = {}
     if cpu:  # each process's CPU time per step over steps 6..S-2 (start-up and the end excluded)
         first = last = None
         while proc.poll() is None:
@@ -104,14 +110,16 @@ def run(overrides: list[str], steps: int, out: Path, cpu: bool = False) -> float
         raise SystemExit(f"{shlex.join(cmd)} failed:\n{log.read_text()[-3000:]}")
     if cpu and last is not None and last[0] > first[0]:
         n = last[0] - first[0]
-        per = {first[1][p][0]: (last[1][p][1] - first[1][p][1]) / n for p in last[1]}
+        for p in last[1]:  # two agent workers: their sum
+            name = first[1][p][0]
+            per[name] = per.get(name, 0.0) + (last[1][p][1] - first[1][p][1]) / n
         print("  CPU per step: " + ", ".join(f"{k} {1000 * v:.0f} ms" for k, v in per.items() if v > 0.0005)
               + f"; all {1000 * sum(per.values()):.0f} ms", flush=True)
     rows = _metrics(out)
     gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(rows[4:], rows[5:])]
     if any(row["failed_samples"] for row in rows):
         raise SystemExit(f"{shlex.join(cmd)}: failed samples in {out / 'metrics.jsonl'}")
-    return statistics.median(row["samples"] for row in rows[5:]) / statistics.median(gaps)
+    return statistics.median(row["samples"] for row in rows[5:]) / statistics.median(gaps), per
 
 
 BLIND = 1 / 3  # guess_tools: the best a policy that ignores the tool results earns
@@ -148,6 +156,7 @@ def main() -> None:
     ap.add_argument("--learn", action="store_true", help="the learning check instead of the throughput pairs")
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--cpu", action="store_true", help="print each process's CPU time per step of every run")
+    ap.add_argument("--json", type=Path, help="also write the figures there (machine, runs, medians, ratios)")
     ap.add_argument("overrides", nargs="*", help="config overrides for --learn")
     a = ap.parse_args()
     if a.learn:
@@ -156,17 +165,30 @@ def main() -> None:
     arms = {"agent": [], **{s.split("=", 1)[0]: shlex.split(s.split("=", 1)[1]) for s in a.arm},
             "token-level": TOKEN_LEVEL}
     rates: dict[str, list[float]] = {k: [] for k in arms}
+    cpu: dict[str, list[dict]] = {k: [] for k in arms}
+    loads = []
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as tmp:
         for i in range(a.pairs):
             for name, overrides in arms.items():
-                load = os.getloadavg()[0]
-                rates[name].append(run(overrides, a.steps, Path(tmp) / name, a.cpu))
-                print(f"pair {i + 1} {name}: {rates[name][-1]:.1f} samples/s (load {load:.1f})", flush=True)
+                loads.append(os.getloadavg()[0])
+                rate, per = run(overrides, a.steps, Path(tmp) / name, a.cpu)
+                rates[name].append(rate)
+                cpu[name].append(per)
+                print(f"pair {i + 1} {name}: {rate:.1f} samples/s (load {loads[-1]:.1f})", flush=True)
     base = rates["token-level"]
+    result = {"machine": {"cpus": os.cpu_count(), "load_1min": [min(loads), max(loads)]},
+              "pairs": a.pairs, "steps": a.steps, "arms": {}}
     for name, r in rates.items():
         ratios = [x / b for x, b in zip(r, base)]
         print(f"{name}: median {statistics.median(r):.1f} samples/s ({', '.join(f'{x:.1f}' for x in r)}); "
               f"ratio to token-level median {statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})")
+        result["arms"][name] = {
+            "overrides": arms[name], "samples_per_s": r, "median_samples_per_s": statistics.median(r),
+            "ratios_to_token_level": ratios, "ratio_median": statistics.median(ratios),
+            "cpu_ms_per_step": {k: round(1000 * statistics.median(p[k] for p in cpu[name] if k in p), 1)
+                                for k in sorted({k for p in cpu[name] for k in p})}}
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -33,3 +33,55 @@ def test_blind_policies_earn_a_third_and_reading_the_result_earns_one():
         g = guess_tools.Game(s)
         assert _play(s, [("compare", 1), ("answer", named[g.call("compare", {"n": 1})])]) == 1.0
         assert _play(s, [("answer", s)]) == 0.0  # an answer before any comparison does not count
+
+
+def test_the_bench_raw_agent_sends_what_the_sdk_agent_sends():
+    """bench.py's `raw` arm (raw_agent.py, plain aiohttp) stands for the same agent without the
+    openai SDK: given the same replies it must send the same requests, body for body."""
+    openai = pytest.importorskip("openai")
+    aiohttp = pytest.importorskip("aiohttp")
+    import asyncio
+    import json
+
+    from aiohttp import web
+
+    from moe_rl.tasks.base import Prompt
+
+    agent, raw_agent = pytest.importorskip("agent"), pytest.importorskip("raw_agent")
+
+    def reply(name, n, i):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps({"n": n})}}
+        return {"id": f"c{i}", "object": "chat.completion", "created": 0, "model": "policy",
+                "choices": [{"index": 0, "finish_reason": "tool_calls",
+                             "message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
+
+    async def play(module):
+        seen = []
+        moves = [("compare", 1), ("answer", 2)]
+
+        async def chat(request):
+            assert request.headers["Authorization"] == "Bearer k"
+            seen.append(await request.json())
+            return web.json_response(reply(*moves[len(seen) - 1], len(seen)))
+
+        app = web.Application()
+        app.router.add_post("/episodes/e1/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/episodes/e1/v1", api_key="k", max_retries=0)
+        prompt = Prompt(0, [1], None, {"messages": [{"role": "user", "content": "guess"}], "answer": "2"})
+        try:
+            out = await module.play(client, prompt)
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return seen, out
+
+    sdk_seen, sdk_out = asyncio.run(play(agent))
+    raw_seen, raw_out = asyncio.run(play(raw_agent))
+    assert len(sdk_seen) == 2 and sdk_out["reward"] == 1.0  # compare(1) -> higher, answer(2) -> right
+    assert raw_seen == sdk_seen and raw_out == sdk_out
