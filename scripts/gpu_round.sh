@@ -29,7 +29,8 @@
 # train_fused (the fused-loss train rows), train_large_megatron (the large preset's megatron,
 # recompute and eager rows), gpu_1x_compiled (the main job as shipped, compiled), engine_variants
 # (each decode mode of the bf16 engine), gated_delta_fla (the Gated DeltaNet scan at 8k tokens,
-# against flash-linear-attention too: its first call autotunes), pytest_suite, sync_gpu, fp32_error.
+# against flash-linear-attention too: its first call autotunes), pytest_suite, sync_gpu, fp32_error,
+# agent_api (the OpenAI-API agent path vs the token-level one on the machine's CPU cores).
 #
 # The commit: a device copy of the tree has no .git. `fetch` writes .whl/COMMIT (git describe of
 # HEAD, marked when the tree had local changes) and .whl/tree.sha256 (a hash of every tracked
@@ -184,10 +185,15 @@ stages() {
   st pytest_suite     540    "$pytest tests ${XDIST/6/8} --junitxml=\$J.xml"
   st sync_gpu         200    "$PY -m moe_rl.cli bench sync --gpu only --json > \$J"
   st fp32_error       120    "$PY scripts/fp32_logprob_error.py --device $DEVICE > \$J"
+  # the OpenAI-API agent path vs the token-level path (examples/openai_agent/bench.py), on the
+  # machine's CPU cores (the configs' device, cpu): what the agent's own client costs when it has
+  # cores of its own. Where openai does not import, its wheels (.whl/agent) go to a folder of their
+  # own, on this stage's path only, so that no other stage sees their versions of anyio, h11, idna.
+  st agent_api        150    "export PYTHONPATH=/tmp/site_agent:\$PYTHONPATH; { $PY -c 'import openai' 2>/dev/null || $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_agent .whl/agent/*.whl; } && $PY examples/openai_agent/bench.py --pairs 3 --steps 20 --cpu --arm workers2=env.agent_workers=2 --json \$J"
 }
 ALL_STAGES=(install pytest_gpu train_medium train_large logprobs engine engine_bf16 on_policy gated_delta gpu_1x)
 EXTRA_STAGES=(train_fused train_large_megatron gpu_1x_compiled gated_delta_fla engine_variants pytest_suite sync_gpu
-              fp32_error)
+              fp32_error agent_api)
 
 fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not change with a release
   # (megatron-core 0.19.2 is what the CPU suite checks; the rest as on the CPU machines and the
@@ -198,6 +204,13 @@ fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not chang
     megatron-core==0.19.2 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
     typing-inspection==0.4.2 liger-kernel==0.8.5 peft==0.21.2 fla-core==0.6.0 einops==0.8.2 \
     || { echo "[gpu_round] fetch: pip download failed (message above); the GPU machine has no registry" >&2; return 1; }
+  # the openai client and what it needs beyond the image (aiohttp is there), for agent_api only
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d .whl/agent \
+    openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 anyio==4.16.0 \
+    sniffio==1.3.1 jiter==0.19.0 idna==3.20 \
+    || { echo "[gpu_round] fetch: pip download of the openai client failed (message above)" >&2; return 1; }
   # the commit, for a device copy of the tree without .git
   local desc; desc=$(git describe --always --abbrev=12 HEAD)
   [ -n "$(git status --porcelain --untracked-files=no)" ] && desc="$desc+local-changes"

@@ -277,6 +277,7 @@ def summarize(work: Path, device: str = "cuda") -> dict:
     run, pt = figures.get("gpu_1x") or {}, figures.get("pytest_gpu") or {}
     run_c = figures.get("gpu_1x_compiled") or {}  # by name: the main job as shipped (compiled)
     op, gdn = figures.get("on_policy") or {}, figures.get("gated_delta") or {}
+    ag = figures.get("agent_api") or {}  # by name: examples/openai_agent/bench.py --json, as it is
     gdn_fla = figures.get("gated_delta_fla") or {}  # by name: 8k tokens, fla too
     ms = lp.get("ms", {})
     out = {
@@ -338,6 +339,9 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "gpu_1x_s_per_step": run.get("s_per_step"),  # `all`: train.compile=false
         "gpu_1x_compiled_steps_done": run_c.get("steps_done"),
         "gpu_1x_compiled_s_per_step": run_c.get("s_per_step"),
+        # the OpenAI-API agent path's samples/s over the token-level path's, pair by pair (median), per arm
+        "agent_api_ratio_median": {k: v.get("ratio_median") for k, v in (ag.get("arms") or {}).items()} or None,
+        "agent_api_cpus": _get(ag, "machine", "cpus"),
         "pytest_gpu_passed": pt.get("passed"),
         "pytest_gpu_failed": (pt["failed"] + pt["errors"]) if pt else None,
         "pytest_gpu_skipped": pt.get("skipped"),
