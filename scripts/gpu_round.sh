@@ -204,12 +204,14 @@ fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not chang
     megatron-core==0.19.2 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
     typing-inspection==0.4.2 liger-kernel==0.8.5 peft==0.21.2 fla-core==0.6.0 einops==0.8.2 \
     || { echo "[gpu_round] fetch: pip download failed (message above); the GPU machine has no registry" >&2; return 1; }
-  # the openai client and what it needs beyond the image (aiohttp is there), for agent_api only
+  # the openai client and what it needs, for agent_api only (aiohttp too: its aiohttp client wants
+  # aiohttp>=3.14.4, newer than the image's may be)
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .whl/agent \
     openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 anyio==4.16.0 \
-    sniffio==1.3.1 jiter==0.19.0 idna==3.20 \
+    sniffio==1.3.1 jiter==0.19.0 idna==3.20 aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 \
+    propcache==0.5.4 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 attrs==26.1.0 \
     || { echo "[gpu_round] fetch: pip download of the openai client failed (message above)" >&2; return 1; }
   # the commit, for a device copy of the tree without .git
   local desc; desc=$(git describe --always --abbrev=12 HEAD)
