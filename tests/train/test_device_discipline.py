@@ -38,6 +38,24 @@ from tests import fake_device as fd
 
 # a gpt-oss model on the same tiny shape: a sliding layer (a ring state in the engine), sinks, biases
 GPT_OSS = ["model.model_type=gpt_oss", "model.mlp_only_layers=[]", "model.sliding_window=3", "model.attention_bias=true"]
+# the other families on it, each with its own attention kind and decode state: DeepSeek-V3's MLA
+# (the compressed latent cache, interleaved rope), grouped sigmoid routing with a bias
+# and a shared expert (GLM-4.5 too, with partial rope and attention biases), Qwen3-Next's gated
+# DeltaNet layers (recurrent and conv states) beside a gated full-attention layer
+FAMILIES = {
+    "deepseek-v3-mla": ["model.model_type=deepseek_v3", "model.mlp_only_layers=[]", "model.first_k_dense_replace=1",
+                        "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
+                        "model.qk_rope_head_dim=4", "model.v_head_dim=8", "model.rope_interleave=true",
+                        "model.n_group=2", "model.topk_group=1", "model.n_shared_experts=1"],
+    "glm-4.5": ["model.model_type=glm4_moe", "model.mlp_only_layers=[]", "model.first_k_dense_replace=1",
+                "model.n_group=2", "model.topk_group=1", "model.n_shared_experts=1", "model.partial_rotary_factor=0.5",
+                "model.attention_bias=true"],
+    "qwen3-next": ["model.model_type=qwen3_next", "model.mlp_only_layers=[]",
+                   "model.layer_types=[linear_attention,linear_attention,full_attention]",
+                   "model.shared_expert_intermediate_size=16", "model.partial_rotary_factor=0.25",
+                   "model.linear_num_key_heads=2", "model.linear_num_value_heads=4", "model.linear_key_head_dim=8",
+                   "model.linear_value_head_dim=8", "model.linear_conv_kernel_dim=4"],
+}
 TINY = ["model.vocab_size=32", "model.hidden_size=32", "model.intermediate_size=64", "model.moe_intermediate_size=16",
         "model.num_hidden_layers=3", "model.mlp_only_layers=[1]", "model.num_attention_heads=4",
         "model.num_key_value_heads=2", "model.head_dim=8", "model.num_experts=4", "model.num_experts_per_tok=2",
@@ -193,7 +211,8 @@ def _train_step(overrides: list[str]):
     ["train.fused_loss=false", "algo.loss_agg=sequence"],
     # gpt-oss, with LoRA on its [E, in, out] experts
     [*GPT_OSS, "lora.rank=4", "lora.targets=[q_proj,router,experts.gate_up_proj,experts.down_proj]"],
-], ids=["stale-kl-entropy-2updates", "defaults", "lora", "general-loss-path", "gpt-oss-lora"])
+    *FAMILIES.values(),
+], ids=["stale-kl-entropy-2updates", "defaults", "lora", "general-loss-path", "gpt-oss-lora", *FAMILIES])
 def test_one_train_step_on_a_second_device(fakedev, overrides):
     """The step on fakedev computes what it computes on the CPU, with one host sync: the read of
     its metrics at the end."""
@@ -410,6 +429,14 @@ def test_gpt_oss_static_decode_on_a_second_device(fakedev):
     """gpt-oss's static decode step on fakedev (ring states of the sliding layer, sinks, biased
     experts): the CPU's outputs, one read per step, nothing that keeps a CUDA graph from capturing."""
     fakedev(_static_engine_on_both, GPT_OSS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_static_decode_on_a_second_device(fakedev, family):
+    """Each family's decode state on fakedev (MLA's latent cache, the DeltaNet layers' recurrent
+    and conv states): the CPU's outputs, one read per step, nothing that keeps a CUDA graph from
+    capturing."""
+    fakedev(_static_engine_on_both, FAMILIES[family])
 
 
 def test_weight_sync_on_a_second_device(fakedev):
