@@ -1,4 +1,5 @@
-"""Torch-native MoE models (Qwen3-MoE, GLM-4.5, gpt-oss) with routing record/replay and expert parallelism.
+"""Torch-native MoE models (Qwen3-MoE, GLM-4.5, DeepSeek-V3, gpt-oss, Qwen3-Next and Qwen3.5-MoE) with
+routing record/replay and expert parallelism; attention kinds and their decode states in attention/.
 
 The names below load with the module that defines them, on first use: the config
 (``moe_rl.config``) reads ``moe_rl.model.arch`` alone, so a process that only reads a config
