@@ -112,7 +112,7 @@ def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) 
     absent = [t for t in targets if t in ATTENTION_TARGETS and not any(s.target == t for s in sites)]
     if absent:
         raise LoraError(f"lora.targets: {absent} is not a projection of this model's attention "
-                        f"(its layers have {sorted({t for l in model.model.layers for t in l.mixer.lora_targets})})")
+                        f"(its layers have {sorted({t for l in model.model.layers for t in l.mixer.lora_targets if getattr(l.mixer, t, None) is not None})})")
     return sites
 
 

@@ -392,8 +392,10 @@ def test_mla_adapters_equal_hand_merge_in_training_and_in_the_engine():
     want = [lp[4 + j, t].item() for j, t in enumerate(out["output_ids"])]
     got_lp = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
     torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want), atol=1e-5, rtol=0)
-    with pytest.raises(LoraError, match="\\['k_proj'\\] is not a projection of this model's attention"):
+    with pytest.raises(LoraError, match="\\['k_proj'\\] is not a projection of this model's attention") as e:
         LoraAdapters(MoEForCausalLM(DSV3), 4, 8.0, ["q_a_proj", "k_proj"])
+    # the projections named are this model's: with q_lora_rank set, q_a_proj and q_b_proj, no q_proj
+    assert "['kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj', 'q_a_proj', 'q_b_proj'])" in str(e.value)
 
 
 def test_mla_peft_loads_adapter_on_hf_base(tmp_path, monkeypatch):
