@@ -212,7 +212,11 @@ def _train_step(overrides: list[str]):
     # gpt-oss, with LoRA on its [E, in, out] experts
     [*GPT_OSS, "lora.rank=4", "lora.targets=[q_proj,router,experts.gate_up_proj,experts.down_proj]"],
     *FAMILIES.values(),
-], ids=["stale-kl-entropy-2updates", "defaults", "lora", "general-loss-path", "gpt-oss-lora", *FAMILIES])
+    # MLA's projections and a shared expert with LoRA adapters
+    [*FAMILIES["deepseek-v3-mla"], "lora.rank=4", "lora.targets=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,"
+                                                   "experts.gate_up_proj,shared_experts.gate_proj]"],
+], ids=["stale-kl-entropy-2updates", "defaults", "lora", "general-loss-path", "gpt-oss-lora", *FAMILIES,
+        "deepseek-v3-mla-lora"])
 def test_one_train_step_on_a_second_device(fakedev, overrides):
     """The step on fakedev computes what it computes on the CPU, with one host sync: the read of
     its metrics at the end."""
