@@ -100,12 +100,13 @@ def grouped_kernel(x: torch.Tensor, w: torch.Tensor | None = None) -> str:
     * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90+ (its meta kernel is bf16-only),
       when ``w``'s N and K are multiples of 16 bytes (:func:`cutlass_aligned`);
     * "triton": the Triton kernel of ``moe_rl.kernels.grouped_gemm`` (CUDA otherwise);
-    * "torch": ``torch._grouped_mm`` (float32, bf16, fp16; the CPU kernel, checked on torch
-      2.13), called directly when eager on a CPU and through that module's custom op when traced
-      by ``torch.compile`` (its fake, which torch's own meta kernel lacks for float32) or on a
-      device that stands for a GPU in the tests (``fakedev``, meta: one device op, as on CUDA);
-    * "padded": ``padded_grouped_mm`` (float64; CPU torch < 2.13): one host sync per call."""
-    if x.dtype not in DTYPES or (x.device.type == "cpu" and _TORCH < (2, 13)):
+    * "torch": ``torch._grouped_mm`` (float32, bf16, fp16; the CPU kernel, the suite run on
+      torch 2.11, the GPU image's, 2.13 and 2.14), called directly when eager on a CPU and
+      through that module's custom op when traced by ``torch.compile`` (its fake, which torch's
+      own meta kernel lacks for float32) or on a device that stands for a GPU in the tests
+      (``fakedev``, meta: one device op, as on CUDA);
+    * "padded": ``padded_grouped_mm`` (float64; CPU torch < 2.11): one host sync per call."""
+    if x.dtype not in DTYPES or (x.device.type == "cpu" and _TORCH < (2, 11)):
         return "padded"
     if x.device.type != "cuda":
         return "torch"
