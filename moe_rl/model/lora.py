@@ -79,6 +79,12 @@ class _Site:
     transposed: bool = False  # experts stored [E, in, out] (gpt-oss), not [E, out, in]
 
 
+def _projections(mixer) -> list[str]:
+    """The projections of ``mixer`` a LoRA adapter may target that this model has (an MLA layer
+    with ``q_lora_rank`` has q_a_proj and q_b_proj, no q_proj)."""
+    return [t for t in mixer.lora_targets if getattr(mixer, t, None) is not None]
+
+
 def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) -> list[_Site]:
     sites = []
     for i, layer in enumerate(model.model.layers):
@@ -87,7 +93,7 @@ def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) 
         p = f"model.layers.{i}."
         for t in targets:
             if t in ATTENTION_TARGETS:
-                if t in layer.mixer.lora_targets and getattr(layer.mixer, t, None) is not None:
+                if t in _projections(layer.mixer):
                     sites.append(_Site(f"{p}{layer.mixer_name}.{t}", t, i, getattr(layer.mixer, t), ("weight",), None))
             elif not layer.is_moe:
                 continue  # router and experts exist only in MoE layers
@@ -112,7 +118,7 @@ def _sites(model: MoEForCausalLM, targets: list[str], layers: list[int] | None) 
     absent = [t for t in targets if t in ATTENTION_TARGETS and not any(s.target == t for s in sites)]
     if absent:
         raise LoraError(f"lora.targets: {absent} is not a projection of this model's attention "
-                        f"(its layers have {sorted({t for l in model.model.layers for t in l.mixer.lora_targets if getattr(l.mixer, t, None) is not None})})")
+                        f"(its layers have {sorted({t for l in model.model.layers for t in _projections(l.mixer)})})")
     return sites
 
 

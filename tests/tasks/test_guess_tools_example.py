@@ -39,7 +39,7 @@ def test_the_bench_raw_agent_sends_what_the_sdk_agent_sends():
     """bench.py's `raw` arm (raw_agent.py, plain aiohttp) stands for the same agent without the
     openai SDK: given the same replies it must send the same requests, body for body."""
     openai = pytest.importorskip("openai")
-    aiohttp = pytest.importorskip("aiohttp")
+    pytest.importorskip("aiohttp")
     import asyncio
     import json
 
