@@ -325,7 +325,6 @@ def _fused_triton(hidden, weight, labels_local, ignored, token_loss, inv_t, entr
 def _fused_torch(hidden, weight, labels_local, ignored, token_loss, inv_t, entropy, plan,
                  tp_group, need_dh, need_dw):
     n, hdim = hidden.shape
-    v = weight.shape[0]
     dev = hidden.device
     wf = weight.float()
     d_hidden = torch.empty_like(hidden) if need_dh else None

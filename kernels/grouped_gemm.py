@@ -167,7 +167,7 @@ def _gmm_triton(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 
 def _gmm_wgrad_triton(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
-    E, (rows, N), K = offs.shape[0], dy.shape, x.shape[1]
+    E, N, K = offs.shape[0], dy.shape[1], x.shape[1]
     dw = dy.new_empty(E, N, K)
     if E == 0 or N == 0 or K == 0:
         return dw

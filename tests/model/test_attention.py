@@ -57,7 +57,7 @@ def test_yarn_equals_transformers(params):
 
 
 def test_interleaved_rope_equals_transformers():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
     rope = Rope(8, 10000.0, interleaved=True)

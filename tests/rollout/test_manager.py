@@ -1,6 +1,5 @@
 """Rollout manager and buffer: the staleness bound, partial rollouts, failing rewards."""
 import asyncio
-import threading
 import time
 
 import pytest

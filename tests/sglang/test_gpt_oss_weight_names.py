@@ -13,7 +13,6 @@ from collections import defaultdict
 from functools import partial
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from moe_rl.model import MoEArch, MoEForCausalLM, iter_local_hf_tensors

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import multiprocessing as mp
 import os
 
 import torch

@@ -1,5 +1,4 @@
 """The main job end to end: `moe-rl train` worlds (1 trainer + 1 embedded engine over gloo)."""
-import json
 import os
 import subprocess
 import sys

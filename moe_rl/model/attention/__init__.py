@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: arch.py imports the mixers
+    from ..arch import MoEArch
+    from .base import Mixer
 
 # The names below load with the module that defines them, on first use: the config reads
 # ``rope`` alone (MoEArch checks rope_scaling), so it loads none of the mixers (moe_rl.model's docstring).

@@ -1,11 +1,16 @@
 """What a token mixer (one attention kind) provides to the model, the HF I/O and the engine."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ..ops import TORCH
 from .layouts import Attention
+
+if TYPE_CHECKING:  # annotations only: arch.py imports the mixers
+    from ..arch import MoEArch
 
 
 class Mixer(nn.Module):

@@ -23,6 +23,7 @@ step. Both conv paths sum the kernel taps in the same order, in fp32.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +31,12 @@ from torch import nn
 
 from moe_rl.kernels.gated_delta import chunk_gated_delta_rule, compute_dtype, l2norm, recurrent_step
 
-from ..norm import RMSNorm
 from ..ops import Linear
 from .base import Mixer
 from .state import RecurrentSpec
+
+if TYPE_CHECKING:  # annotations only: arch.py imports the mixers
+    from ..arch import MoEArch
 
 
 class GatedRMSNorm(nn.Module):

@@ -4,6 +4,8 @@ in Gemma's (1 + w) form; partial NeoX rope; the attention output times sigmoid(g
 ``o_proj``. The attention arithmetic is the layout's (``attend``), as for ``mha``."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..norm import RMSNorm
@@ -11,6 +13,9 @@ from ..ops import Linear
 from .base import Mixer
 from .rope import apply_rope
 from .state import KVSpec
+
+if TYPE_CHECKING:  # annotations only: arch.py imports the mixers
+    from ..arch import MoEArch
 
 
 class GatedAttention(Mixer):

@@ -5,6 +5,8 @@ of each head, optional attention sinks (gpt-oss). ``MHAttention`` attends to the
 engine keeps only those keys per request (``RingKVSpec``)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -13,6 +15,9 @@ from ..ops import Linear
 from .base import Mixer
 from .rope import apply_rope
 from .state import KVSpec, RingKVSpec
+
+if TYPE_CHECKING:  # annotations only: arch.py imports the mixers
+    from ..arch import MoEArch
 
 
 class MHAttention(Mixer):
