@@ -216,8 +216,10 @@ def _blocks(dk: int, dv: int) -> tuple[int, int]:
     spilled ~2 KB of stack per thread; 16-row key tiles keep every tile in registers (165
     registers forward, 216 backward, no stack: tests/kernels/test_sm90_compile.py checks).
     32 value columns (not 16, which also fits) halve the chunk tiles each program re-reads.
-    The interpreter uses 16 x 16 so that the tests' small heads run several tiles of each."""
-    return min(triton.next_power_of_2(dk), 16), min(triton.next_power_of_2(dv), 16 if TRITON_INTERPRET else 32)
+    Never under 16: Triton (3.6, the GPU image's) refuses a ``tl.dot`` with a dimension below 16,
+    so a head narrower than a tile runs one masked tile. The interpreter uses 16 x 16 so that the
+    tests' small heads run several tiles of each."""
+    return 16, max(16, min(triton.next_power_of_2(dv), 16 if TRITON_INTERPRET else 32))
 
 
 def _launch_options() -> dict:

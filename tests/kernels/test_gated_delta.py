@@ -67,17 +67,28 @@ def test_float32_within_rounding_of_float64(impl):
 @pytest.mark.skipif(not INTERP_OR_CUDA, reason="needs triton with TRITON_INTERPRET=1 or a GPU")
 def test_triton_scan_over_several_key_tiles_and_value_blocks():
     """Heads wider than one tile of the Triton scan (Dk = 40: key tiles of 16, 16 and a ragged
-    8; Dv = 20: value blocks of 16 and a ragged 4 under the interpreter), so the state is
-    carried through memory tile by tile: outputs, final states and every gradient equal the
-    float64 recurrence."""
-    ins, cu = _inputs([70, 5, 64], torch.float64, Dk=40, Dv=20, seed=3)
-    bk, bv = gd._blocks(40, 20)
-    assert 40 > 2 * bk and 20 > bv  # several tiles of each
+    8; Dv = 40: value blocks of 16, 16 and a ragged 8 under the interpreter, of 32 and 8 on a
+    GPU), so the state is carried through memory tile by tile: outputs, final states and every
+    gradient equal the float64 recurrence."""
+    ins, cu = _inputs([70, 5, 64], torch.float64, Dk=40, Dv=40, seed=3)
+    bk, bv = gd._blocks(40, 40)
+    assert 40 > 2 * bk and 40 > bv  # several tiles of each
     got = _run(lambda *a: gd.chunk_gated_delta_rule(*a, impl="triton"), ins, cu)
     want = _run(gd.gated_delta_rule_reference, ins, cu)
     for name, a, b in zip(["o", "final", "dq", "dk", "dv", "dg", "dbeta", "ds0"], got, want):
         assert b.abs().max() > 0, name
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=name)
+
+@pytest.mark.skipif(gd.triton is None, reason="needs triton")
+def test_scan_tiles_are_never_narrower_than_a_dot_allows():
+    """Triton 3.6 (the GPU image's) refuses a ``tl.dot`` with a dimension below 16, which the
+    interpreter and newer Triton accept: heads narrower than 16 (the tests' Dk = 8) run one
+    masked 16-wide tile (compiled for sm_90 with Triton 3.6 on CPU at Dk = 8, Dv = 12)."""
+    for dk in (1, 8, 12, 16, 40, 128, 256):
+        for dv in (1, 8, 12, 16, 20, 40, 128, 256):
+            bk, bv = gd._blocks(dk, dv)
+            assert bk >= 16 and bv >= 16, (dk, dv, bk, bv)
+
 
 def test_packed_sequences_never_see_each_other():
     """Each packed sequence equals the same sequence run alone; changing one sequence's inputs
