@@ -180,7 +180,10 @@ stages() {
   st train_fused      120    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends native,native_fused"
   st train_large_megatron 150 "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends $MEDIUM_ROWS"
   st gpu_1x_compiled  300    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x_compiled logging.progress=false"
-  st gated_delta_fla  120    "$PY -m moe_rl.cli bench gated-delta --json $gdn_fla > \$J"
+  # flash-linear-attention (.whl/fla) on this stage's path alone: where fla imports, transformers'
+  # Qwen3-Next and megatron's GatedDeltaNet take its kernels, which the suite's CPU comparisons with
+  # them must not (and fla's import asks CUDA for the device's capability)
+  st gated_delta_fla  120    "export PYTHONPATH=/tmp/site_fla:\$PYTHONPATH; { $PY -c 'import fla' 2>/dev/null || $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl/fla/*.whl; } && $PY -m moe_rl.cli bench gated-delta --json $gdn_fla > \$J"
   st engine_variants   90    "$PY -m moe_rl.cli bench engine --json $engine --variants all engine.dtype=bfloat16 > \$J"
   st pytest_suite     540    "$pytest tests ${XDIST/6/8} --junitxml=\$J.xml"
   st sync_gpu         200    "$PY -m moe_rl.cli bench sync --gpu only --json > \$J"
@@ -197,13 +200,18 @@ EXTRA_STAGES=(train_fused train_large_megatron gpu_1x_compiled gated_delta_fla e
 
 fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not change with a release
   # (megatron-core 0.19.2 is what the CPU suite checks; the rest as on the CPU machines and the
-  # H200 round of 2026-11-26; fla-core, flash-linear-attention's kernels, for `bench gated-delta`)
+  # H200 round of 2026-11-26)
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .whl \
     megatron-core==0.19.2 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
-    typing-inspection==0.4.2 liger-kernel==0.8.5 peft==0.21.2 fla-core==0.6.0 einops==0.8.2 \
+    typing-inspection==0.4.2 liger-kernel==0.8.5 peft==0.21.2 \
     || { echo "[gpu_round] fetch: pip download failed (message above); the GPU machine has no registry" >&2; return 1; }
+  # flash-linear-attention's kernels, for gated_delta_fla only (a folder of their own, as agent's)
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d .whl/fla fla-core==0.6.0 einops==0.8.2 \
+    || { echo "[gpu_round] fetch: pip download of fla-core failed (message above)" >&2; return 1; }
   # the openai client and what it needs, for agent_api only (aiohttp too: its aiohttp client wants
   # aiohttp>=3.14.4, newer than the image's may be)
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

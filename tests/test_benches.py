@@ -21,7 +21,7 @@ CASES = {
                 ["kl_replay", "kl_no_replay", "routing_match_replay", "routing_match_no_replay"]),
     "exact": (["--shapes", "tiny", "--rounds", "1"],
               ["tiny", "accuracy_ok", "invariant", "torch_variant_cases", "checks_can_fail"]),
-    "gated-delta": (["--reps", "1", "--shapes", "2,64,2,16,16"],
+    "gated-delta": (["--device", "cpu", "--reps", "1", "--shapes", "2,64,2,16,16"],  # (auto: cuda on a GPU)
                     ["triton_vs_torch", "triton_vs_fla", "accuracy_ok", "accuracy_check_can_fail", "fla", "ms"]),
     "on-policy": (["--rounds", "1"], ["engine_time_on_vs_off", "train_step_on_vs_off", "skip_saving", "exact",
                                       "off_mismatch_live", "machine", "checks", "passed", "clock", "device"]),

@@ -294,3 +294,27 @@ def test_local_spec_attention_is_fused_sdpa_and_refuses_other_masks(cpu_megatron
     bad[0, 0, 5, 1] = False  # token 5 (second sequence) would see token 1 (first sequence)
     with pytest.raises(ValueError, match="not block-causal"):
         TorchSDPAttention.packing(bad)
+
+
+def test_the_shims_have_triton_bind_the_real_device_first(monkeypatch):
+    """On a GPU machine (the whole suite there) the shims run beside CUDA work. Triton's CUDA
+    driver keeps the ``torch.cuda.current_device`` it finds when made (its first use, which
+    flash-linear-attention's import is, under the shims where megatron's GatedDeltaNet imports
+    it): the shims have it made before they patch. Stand-in: a CUDA driver made here."""
+    triton = pytest.importorskip("triton")
+    import sys
+
+    from triton.backends.driver import GPUDriver
+
+    from moe_rl.train.megatron.model import cpu_forward_shims
+
+    cuda = type("Cuda", (GPUDriver,), dict.fromkeys(GPUDriver.__abstractmethods__, lambda *a, **k: None))
+    made = []
+    monkeypatch.setattr(sys.modules["triton.runtime.driver"], "_create_driver", lambda: made.append(cuda()) or made[-1])
+    monkeypatch.setattr(triton.runtime.driver, "_default", None)
+    monkeypatch.setattr(triton.runtime.driver, "_active", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = torch.cuda.current_device
+    with cpu_forward_shims():
+        assert triton.runtime.driver.active is made[-1]  # a first use under the shims
+    assert len(made) == 1 and made[0].get_current_device is real

@@ -188,3 +188,28 @@ def test_hybrid_logprobs_and_grads_equal_native(world):
     for name, g in native_grads_by_hf_name(native).items():
         err = float((got[name].float() - g.float()).norm() / g.float().norm().clamp_min(1e-12))
         assert err < 2e-2, (name, err)
+
+
+def test_the_cpu_shims_leave_triton_the_real_device():
+    """The megatron CPU shims (test_forward_cpu.py's; the whole suite runs them on a GPU machine
+    too) make ``torch.cuda.current_device`` say "cpu" while on. Triton's CUDA driver keeps the
+    function it finds when first used, and flash-linear-attention's import (megatron-core's
+    GatedDeltaNet, where fla is installed) is such a first use: it is bound before the patch, so
+    a Triton launch after the shims still runs (a fresh interpreter: nothing bound it earlier)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import subprocess
+    import sys
+
+    code = """
+import torch, triton
+from moe_rl.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from moe_rl.train.megatron.model import cpu_forward_shims
+with cpu_forward_shims():
+    triton.runtime.driver.active.get_current_device()  # a first use under the shims, as fla's import
+x, w = torch.randn(64, 32, device="cuda"), torch.randn(4, 48, 32, device="cuda")
+offs = torch.tensor([10, 30, 30, 64], dtype=torch.int32, device="cuda")
+torch.testing.assert_close(grouped_gemm(x, w, offs, impl="triton"), grouped_gemm_reference(x, w, offs), rtol=1e-4, atol=1e-4)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -347,6 +347,23 @@ class _CpuStream:
         pass
 
 
+def _read_the_device_before_shims() -> None:
+    """On a machine with a GPU (the whole suite there) the CPU shims run beside CUDA work, and
+    what reads ``torch.cuda.current_device`` once must read the real one, not the shim's "cpu":
+    Triton's CUDA driver keeps the function it finds when first used, and flash-linear-attention
+    (imported by megatron-core's GatedDeltaNet where installed) asks for the device's capability
+    as it is imported. Both happen here, before the patch."""
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        import triton
+
+        triton.runtime.driver.active  # noqa: B018 (made on first use: now, before the patch)
+    if importlib.util.find_spec("fla") is not None:
+        try:
+            importlib.import_module("megatron.core.ssm.gated_delta_net")
+        except ImportError:  # a megatron-core without it
+            pass
+
+
 def cpu_shim_patches() -> list[tuple[object, str, object]]:
     """(object, attribute, value) patches that let megatron-core's forward/backward run on CPU
     (tests, the CPU bench). It moves the RoPE frequencies and the router weight to
@@ -360,6 +377,7 @@ def cpu_shim_patches() -> list[tuple[object, str, object]]:
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import token_dispatcher
 
+    _read_the_device_before_shims()
     tracker = mrandom.get_cuda_rng_tracker()
     to_host = token_dispatcher.maybe_move_tensor_to_cpu
     stream = _CpuStream()
