@@ -200,7 +200,9 @@ EXTRA_STAGES=(train_fused train_large_megatron gpu_1x_compiled gated_delta_fla e
 
 fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not change with a release
   # (megatron-core 0.19.2 is what the CPU suite checks; the rest as on the CPU machines and the
-  # H200 round of 2026-11-26)
+  # H200 round of 2026-11-26). What an earlier fetch left (another pin, another folder) goes first:
+  # install() takes every wheel of .whl/
+  rm -f .whl/*.whl .whl/*/*.whl
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .whl \
