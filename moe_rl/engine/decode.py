@@ -37,10 +37,16 @@ aten = torch.ops.aten
 
 class _HostReads(TorchDispatchMode):
     """Notes the ops by which the host reads device values: a scalar read (item, int(),
-    bool()), nonzero (its size), a copy from a device to the CPU (cpu(), tolist()). Under
-    inference mode the composite ops (item, is_nonzero, to) arrive undecomposed."""
+    bool()), an op whose output size the host must read (nonzero, masked_select, unique,
+    bincount, repeat_interleave without ``output_size``, indexing with a boolean mask), a copy
+    from a device to the CPU (cpu(), tolist()). Under inference mode the composite ops (item,
+    is_nonzero, to) arrive undecomposed."""
 
-    SCALAR = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default}
+    SCALAR = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default,
+              aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
+              aten.unique_consecutive.default, aten.bincount.default}
+    REPEAT = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor}
+    INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
     TO = {aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.to.other}
 
     def __init__(self):
@@ -59,6 +65,11 @@ class _HostReads(TorchDispatchMode):
 
         if func in self.SCALAR:
             return any(on_device(a) for a in args)
+        if func in self.REPEAT:
+            return kwargs.get("output_size") is None and any(on_device(a) for a in args)
+        if func in self.INDEX:
+            return on_device(args[0]) and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                              for i in (args[1] or ()))
         if func is aten.copy_.default:
             return args[0].device.type == "cpu" and on_device(args[1])
         if func in self.TO and on_device(args[0]):

@@ -93,11 +93,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return grouped_gemm(x, w, offs, impl=kernel)
 
 
+CUTLASS_MAJORS = (9, 10)  # the compute capabilities torch builds its CUTLASS grouped GEMM for
+
+
 def grouped_kernel(x: torch.Tensor, w: torch.Tensor | None = None) -> str:
     """Which grouped GEMM ``grouped_mm`` runs for ``x``'s device and dtype (and the weight
     ``w`` [E, N, K] it multiplies, when given):
 
-    * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90+ (its meta kernel is bf16-only),
+    * "cutlass": ``torch._grouped_mm`` for bf16 on CUDA sm_90 and sm_100 (its meta kernel is
+      bf16-only; on other GPUs torch's fallback loops over the groups on the host),
       when ``w``'s N and K are multiples of 16 bytes (:func:`cutlass_aligned`);
     * "triton": the Triton kernel of ``moe_rl.kernels.grouped_gemm`` (CUDA otherwise);
     * "torch": ``torch._grouped_mm`` (float32, bf16, fp16; the CPU kernel, the suite run on
@@ -110,7 +114,7 @@ def grouped_kernel(x: torch.Tensor, w: torch.Tensor | None = None) -> str:
         return "padded"
     if x.device.type != "cuda":
         return "torch"
-    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0):
+    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] in CUTLASS_MAJORS:
         return "cutlass" if w is None or cutlass_aligned(w) else "triton"
     return "triton"
 

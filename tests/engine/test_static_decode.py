@@ -227,7 +227,11 @@ def test_a_step_that_reads_the_host_is_not_captured(caplog):
     assert graphs.captures == 0 and engine._thread is None
     # host_reads sees each kind of read (meta tensors stand for a GPU's)
     x = torch.ones(3, device="meta")
+    n, mask = torch.ones(3, dtype=torch.long, device="meta"), torch.ones(3, dtype=torch.bool, device="meta")
     for read in (lambda: x.sum().item(), lambda: bool(x[0]), lambda: x.tolist(), lambda: x.cpu(), lambda: x.nonzero(),
-                 lambda: torch.empty(3).copy_(x)):
+                 lambda: torch.empty(3).copy_(x), lambda: x[mask], lambda: x.masked_select(mask),
+                 lambda: x.unique(), lambda: n.bincount(), lambda: x.repeat_interleave(n),
+                 lambda: x.index_put_((mask,), torch.zeros((), device="meta"))):
         assert host_reads(read), read
     assert host_reads(lambda: (x * 2).to(torch.float16)) == [] and host_reads(lambda: torch.ones(2).sum().item()) == []
+    assert host_reads(lambda: x.repeat_interleave(n, output_size=3)) == [] and host_reads(lambda: x[n]) == []

@@ -86,6 +86,20 @@ def test_grouped_equals_per_expert_reference(monkeypatch, kernel, align, dtype, 
         assert torch.equal(ids, replay) and grads["experts.gate_proj"][5].abs().max() == 0
 
 
+def test_cutlass_only_where_torch_builds_it(monkeypatch):
+    """bf16 on CUDA takes torch._grouped_mm's CUTLASS kernel on sm_90 and sm_100 only (torch's
+    `bf16bf16_grouped_gemm_impl_sm90_sm100`); on other GPUs torch falls back to a loop over the
+    groups on the host, which a CUDA graph cannot capture, so those take the Triton kernel."""
+    from types import SimpleNamespace
+
+    x = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 0))  # a CUDA tensor's two attributes
+    for cap, want in (((8, 0), "triton"), ((8, 9), "triton"), ((9, 0), "cutlass"), ((10, 0), "cutlass"),
+                      ((12, 0), "triton")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert grouped_ops.grouped_kernel(x) == want, cap
+        assert grouped_ops.grouped_kernel(SimpleNamespace(dtype=torch.float32, device=x.device)) == "triton"
+
+
 def test_float64_takes_the_padded_path():
     """torch._grouped_mm's CPU kernel refuses float64; grouped_mm then pads, with the same result
     as a per-group matmul. float32 takes torch's CPU kernel behind moe_rl's custom op."""

@@ -96,7 +96,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=None)  # never evicted: captured decode graphs read this tensor's memory
 def _inv_freq(rope: Rope, device: torch.device) -> torch.Tensor:
     import torch
 
