@@ -166,7 +166,7 @@ stages() {
   st pytest_gpu       105    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
   st train_medium      80    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
   st train_large       50    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
-  st logprobs          55    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P > \$J"
+  st logprobs          55    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P --out \$J"
   st engine            20    "$PY -m moe_rl.cli bench engine --json $engine --variants none > \$J"
   # the engine in bf16 (its CUDA graphs, beside gpu_1x's fp32 engine)
   st engine_bf16       15    "$PY -m moe_rl.cli bench engine --json $engine --variants none engine.dtype=bfloat16 > \$J"

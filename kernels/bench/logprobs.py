@@ -69,6 +69,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -210,17 +211,6 @@ def _providers(hidden, weight, labels, temperature, device, use_compile, use_lig
     def fused(h, w, y, t):
         return fused_logprobs(h, w, y, t, return_entropy=True)
 
-    provs = {
-        "fused": {"fwd": lambda: fused(hidden, weight, labels, temperature),
-                  "fwd_bwd": fwd_bwd_of(fused)},
-        "eager": {"fwd": lambda: eager_logprobs(hidden, weight, labels, temperature),
-                  "fwd_bwd": fwd_bwd_of(eager_logprobs)},
-    }
-    if use_compile:
-        compiled = torch.compile(eager_logprobs, dynamic=False)
-        provs["compile"] = {"fwd": lambda: compiled(hidden, weight, labels, temperature),
-                            "fwd_bwd": fwd_bwd_of(compiled)}
-
     g_logits = torch.randn(n, v, device=device, dtype=hidden.dtype)  # an input of the 3 GEMMs
 
     def gemm_fwd_bwd():
@@ -228,16 +218,26 @@ def _providers(hidden, weight, labels, temperature, device, use_compile, use_lig
         del logits
         return g_logits @ weight, g_logits.T @ hidden
 
-    provs["gemm"] = {"fwd": lambda: hidden @ weight.T, "fwd_bwd": gemm_fwd_bwd}
-
     li = loss_inputs(hidden, weight, labels, temperature, seqs)
 
     def fused_loss():
         loss, _, _ = fused_token_loss(hg, wg, labels, li["token_loss"], temperature)
         return torch.autograd.grad(loss, [hg, wg])
 
-    provs["fused_loss"] = {"fwd_bwd": fused_loss}
-
+    # in the order they run: the targets' rows first (fused and fused loss against the GEMMs),
+    # then the baselines, torch.compile's and Liger's compiles last (a run cut short keeps the rest)
+    provs = {
+        "fused": {"fwd": lambda: fused(hidden, weight, labels, temperature),
+                  "fwd_bwd": fwd_bwd_of(fused)},
+        "gemm": {"fwd": lambda: hidden @ weight.T, "fwd_bwd": gemm_fwd_bwd},
+        "fused_loss": {"fwd_bwd": fused_loss},
+        "eager": {"fwd": lambda: eager_logprobs(hidden, weight, labels, temperature),
+                  "fwd_bwd": fwd_bwd_of(eager_logprobs)},
+    }
+    if use_compile:
+        compiled = torch.compile(eager_logprobs, dynamic=False)
+        provs["compile"] = {"fwd": lambda: compiled(hidden, weight, labels, temperature),
+                            "fwd_bwd": fwd_bwd_of(compiled)}
     if use_liger:
         provs["liger"] = {p: f for p, f in _liger_flce(hidden, weight, hg, wg, labels, device).items()}
         provs["liger_grpo"] = {"fwd_bwd": _liger_grpo(hg, wg, labels, temperature, li)}
@@ -286,12 +286,20 @@ def _liger_grpo(hg, wg, labels, temperature, li):
     return run
 
 
+def bench_inputs(n, h, v, dtype, device):
+    """Seeded hidden states [n, h], LM head [v, h] and labels, drawn on ``device`` (the
+    151936 x 4096 head's 622 M normals take seconds on a host)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(v, h, generator=gen, device=device) / h**0.5).to(dtype)
+    return hidden, weight, torch.randint(0, v, (n,), generator=gen, device=device)
+
+
 def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_liger,
-                accuracy=True, seqs=8):
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    hidden = torch.randn(n, h, generator=gen).to(device=device, dtype=dtype)
-    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(device=device, dtype=dtype)
-    labels = torch.randint(0, v, (n,), generator=gen).to(device)
+                accuracy=True, seqs=8, on_row=lambda row: None):
+    """The rows of one shape; ``on_row`` is called with each as it is done (and once more with
+    None after the accuracy checks, which add to the fused rows)."""
+    hidden, weight, labels = bench_inputs(n, h, v, dtype, device)
     flops = {"fwd": 2 * n * h * v, "fwd_bwd": 8 * n * h * v}
     rows = []
     provs = _providers(hidden, weight, labels, temperature, device, use_compile, use_liger, seqs)
@@ -302,6 +310,7 @@ def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_lige
             if isinstance(fn, Exception):
                 row["error"] = f"{type(fn).__name__}: {fn}"[:300]
                 rows.append(row)
+                on_row(row)
                 continue
             try:
                 ms, p20, p80 = _time_ms(fn, device, reps)
@@ -311,6 +320,7 @@ def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_lige
             except Exception as exc:  # one failing baseline must not sink the whole run
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
+            on_row(row)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -323,6 +333,7 @@ def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_lige
                 row.update(acc)
             if row["provider"] == "fused_loss":
                 row.update(acc_loss)
+        on_row(None)
     return rows
 
 
@@ -485,10 +496,7 @@ def profile_fused(n, h, v, dtype, temperature, device, out_dir, seqs=8) -> dict:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    hidden = torch.randn(n, h, generator=gen).to(device=device, dtype=dtype)
-    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(device=device, dtype=dtype)
-    labels = torch.randint(0, v, (n,), generator=gen).to(device)
+    hidden, weight, labels = bench_inputs(n, h, v, dtype, device)
     provs = _providers(hidden, weight, labels, temperature, device, False, False, seqs)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -619,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-liger", action="store_true", help="skip the Liger rows")
     parser.add_argument("--no-accuracy", action="store_true",
                         help="skip the fp64 accuracy checks of the fused outputs and gradients")
+    parser.add_argument("--out", metavar="FILE",
+                        help="also write the JSON object to FILE, rewritten after every row (a run "
+                             "stopped early keeps the rows it finished)")
     parser.add_argument("--profile", metavar="DIR",
                         help="also profile one fused fwd, fwd+bwd and fused loss at the largest "
                              "shape with torch.profiler: op tables, Chrome traces and "
@@ -641,10 +652,24 @@ def main(argv: list[str] | None = None) -> int:
                                                              ("bf16" if gpu else "fp32")]
     _SELF_TEST.clear()
     rows = []
+
+    def result() -> dict:
+        return {"device": _device_name(device),
+                "software": {"torch": torch.__version__, "python": platform.python_version(),
+                             "triton": _triton_version(), "liger_kernel": _liger_version()},
+                "rows": rows, "summary": _summary(rows, device, dtype)}
+
+    def on_row(row) -> None:  # None: the shape's accuracy checks updated its rows
+        if row is not None:
+            rows.append(row)
+        if args.out:
+            tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
+            tmp.write_text(json.dumps(result()))
+            tmp.replace(args.out)
+
     for n, h, v in shapes:
-        rows += bench_shape(n, h, v, dtype, args.temperature, device, args.reps,
-                            not args.no_compile, not args.no_liger, not args.no_accuracy,
-                            args.seqs)
+        bench_shape(n, h, v, dtype, args.temperature, device, args.reps, not args.no_compile,
+                    not args.no_liger, not args.no_accuracy, args.seqs, on_row=on_row)
         if not args.json:
             print(f"done {n}x{h}x{v}", file=sys.stderr)
     if args.profile:
@@ -655,17 +680,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"profile {name}: {p['total_ms']:.2f} ms, top: " +
                       ", ".join(f"{o['name']} x{o['count']}" for o in p["top"][:5]),
                       file=sys.stderr)
-    result = {
-        "device": _device_name(device),
-        "software": {"torch": torch.__version__, "python": platform.python_version(),
-                     "triton": _triton_version(), "liger_kernel": _liger_version()},
-        "rows": rows,
-        "summary": _summary(rows, device, dtype),
-    }
+    final = result()
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(final))
     else:
-        _print_table(result)
+        _print_table(final)
     return 0
 
 

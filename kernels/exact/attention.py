@@ -41,7 +41,10 @@ CPU_BLOCK = 64  # keys per block of the CPU kernel (csrc/exact.h: ATTN_BLOCK)
 if C.triton is not None:
     triton, tl = C.triton, C.tl
 
-    @triton.jit
+    # the sequence count and the index tensors' alignment change from step to step (how requests
+    # fall into prefill steps): one build serves them all, none compiles inside a measured step
+    @triton.jit(do_not_specialize=["S"], do_not_specialize_on_alignment=[
+        "tile_seq_ptr", "tile_row_ptr", "cu_ptr", "pos0_ptr", "kv_seq_ptr", "kv_start_ptr"])
     def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, tile_seq_ptr, tile_row_ptr, cu_ptr, pos0_ptr,
                                 kv_seq_ptr, kv_start_ptr, S, G, window, scale,
                                 stride_qn, stride_qh, stride_ks, stride_kt, stride_kh,

@@ -22,7 +22,7 @@ from . import _common as C
 if C.triton is not None:
     triton, tl = C.triton, C.tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the row count changes every step: one build for all
     def _exact_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):

@@ -207,7 +207,8 @@ class StaticDecoder:
         self.model = model
         self.states = states
         self.batch_sizes = decode_batch_sizes(max_bs)
-        self.context_sizes = context_sizes(max_context)
+        # exact attention reads each request's own keys whatever the span: one span, one graph per batch size
+        self.context_sizes = [max_context] if model.ops.exact else context_sizes(max_context)
         self.max_bs = max_bs
         self.pad_slot = pad_slot
         self.graphs = graphs

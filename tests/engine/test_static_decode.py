@@ -147,6 +147,21 @@ def test_graph_capture_and_replay_logic_on_cpu(model):
     assert_same(want, got, atol=0.0)  # the same shapes as the eager static step: bit for bit
 
 
+def test_an_exact_engine_captures_one_span_per_batch_size():
+    """Under true_on_policy the step's attention reads each request's own keys whatever the
+    span, so one graph per batch size (not one per span as well), replayed bit for bit."""
+    from moe_rl.model.ops import EXACT
+
+    model = build_model(CFG).use_ops(EXACT)
+    want = generate(Engine(model, max_running_requests=6, max_context=128, static_decode=True))
+    graphs = StandInGraphs()
+    engine = Engine(model, max_running_requests=6, max_context=128, cuda_graph=True, graphs=graphs)
+    assert engine.static_decoder.context_sizes == [128] and graphs.captures == 0
+    got = generate(engine)
+    assert graphs.captures == 4 and engine.stats["decode_graphs"] == 4 and graphs.replays > 20
+    assert_same(want, got, atol=0.0)
+
+
 def test_lora_serving_in_the_captured_step():
     """An engine serving a LoRA adapter (adapter-only sync) captures the adapter's rows too."""
     from moe_rl.engine import lora

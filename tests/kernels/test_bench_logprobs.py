@@ -121,3 +121,33 @@ def test_bench_profile_writes_breakdown(tmp_path, capsys):
     assert (tmp_path / "fused_loss_table.txt").read_text().strip()
     summary = json.loads(capsys.readouterr().out)["summary"]
     assert summary["accuracy_ok"] is True and summary["fused_loss_accuracy_ok"] is True
+
+
+def test_out_keeps_the_rows_a_stopped_run_finished(tmp_path, monkeypatch, capsys):
+    """--out FILE is rewritten after every row, the target rows first: a run stopped at its
+    sixth timed row (the GPU round's time cap) leaves the fused, GEMM and fused-loss rows with
+    their ratios; a finished run leaves what it prints."""
+    from moe_rl.kernels.bench import logprobs as bench
+
+    out = tmp_path / "lp.json"
+    args = ["bench", "logprobs", "--json", "--shapes", "32,16,300", "--reps", "1", "--no-compile",
+            "--device", "cpu", "--no-accuracy", "--out", str(out)]
+    timed, real = [], bench._time_ms
+
+    def stop_at_the_sixth(fn, device, reps):
+        timed.append(fn)
+        if len(timed) == 6:
+            raise KeyboardInterrupt  # the cap's SIGINT
+        return real(fn, device, reps)
+
+    monkeypatch.setattr(bench, "_time_ms", stop_at_the_sixth)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(args)
+    got = json.loads(out.read_text())
+    assert [(r["provider"], r["pass"]) for r in got["rows"]] == [
+        ("fused", "fwd"), ("fused", "fwd_bwd"), ("gemm", "fwd"), ("gemm", "fwd_bwd"), ("fused_loss", "fwd_bwd")]
+    assert {"fwd_vs_gemm", "fwd_bwd_vs_gemm", "fused_loss_vs_gemm"} <= set(got["summary"])
+    monkeypatch.setattr(bench, "_time_ms", real)
+    capsys.readouterr()
+    assert cli_main(args) == 0
+    assert json.loads(out.read_text()) == json.loads(capsys.readouterr().out)
