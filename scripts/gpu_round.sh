@@ -152,12 +152,14 @@ stages() {
   #                                exact kernels' and the Gated DeltaNet scan's Triton tests
   #  train_medium    80  ~80      4 rows, each written when done; the native row's compile ~30 s
   #  train_large     50  ~45      the compiled native row only (its MFU target); the rest by name
-  #  logprobs        55  45-60    the torch.compile row dominates
+  #  logprobs        45  45-90    the target rows first (fused, GEMM, fused loss, after the float64
+  #                                checks), then eager, torch.compile and Liger, the JSON rewritten
+  #                                after each row: a cut run keeps the targets
   #  engine          20  ~20      the configured engine only (--variants none); graph capture
   #  engine_bf16     15  ~15
-  #  on_policy       35  30-35    3 variants x 3 steps of the tiny model in bf16, graph capture of
-  #                                3 engines, the exact kernels' Triton compiles (pytest_gpu's
-  #                                exact-kernel tests leave most in Triton's cache)
+  #  on_policy       45  25-35    3 variants x 3 steps of the tiny model in bf16, graph capture of
+  #                                3 engines, ~15 cold Triton builds of the exact kernels (pytest_gpu's
+  #                                fp32 tests build other variants); its JSON comes at the end
   #  gated_delta     15  ~15      2k tokens, Triton scan vs torch (fla, 8k tokens: gated_delta_fla)
   #  gpu_1x        rest  >= 60    train.compile=false: its compile would take most of what is left
   #                                (gpu_1x_compiled, by name, measures the compiled step)
@@ -166,13 +168,13 @@ stages() {
   st pytest_gpu       105    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
   st train_medium      80    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
   st train_large       50    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
-  st logprobs          55    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P --out \$J"
+  st logprobs          45    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P --out \$J"
   st engine            20    "$PY -m moe_rl.cli bench engine --json $engine --variants none > \$J"
   # the engine in bf16 (its CUDA graphs, beside gpu_1x's fp32 engine)
   st engine_bf16       15    "$PY -m moe_rl.cli bench engine --json $engine --variants none engine.dtype=bfloat16 > \$J"
   # true_on_policy in bf16 with the exact kernels' Triton versions: its exactness checks and its
   # cost (engine tokens/s and train step, key on vs off)
-  st on_policy         35    "$PY -m moe_rl.cli bench on-policy --json $on_policy > \$J"
+  st on_policy         45    "$PY -m moe_rl.cli bench on-policy --json $on_policy > \$J"
   # the Gated DeltaNet chunk scan: Triton vs torch, checked against the float64 recurrence
   st gated_delta       15    "$PY -m moe_rl.cli bench gated-delta --json $gdn > \$J"
   st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false output_dir=\$W/gpu_1x logging.progress=false"

@@ -297,16 +297,18 @@ def bench_inputs(n, h, v, dtype, device):
 
 def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_liger,
                 accuracy=True, seqs=8, on_row=lambda row: None):
-    """The rows of one shape; ``on_row`` is called with each as it is done (and once more with
-    None after the accuracy checks, which add to the fused rows)."""
+    """The rows of one shape; ``on_row`` is called with each as it is done. The accuracy checks
+    against float64 run first and go into the fused rows (a run cut short keeps them)."""
     hidden, weight, labels = bench_inputs(n, h, v, dtype, device)
     flops = {"fwd": 2 * n * h * v, "fwd_bwd": 8 * n * h * v}
     rows = []
+    acc = {("fused", "fwd"): check_accuracy(hidden, weight, labels, temperature),
+           ("fused_loss", "fwd_bwd"): check_loss_accuracy(hidden, weight, labels, temperature, seqs)} if accuracy else {}
     provs = _providers(hidden, weight, labels, temperature, device, use_compile, use_liger, seqs)
     for name, fns in provs.items():
         for pas, fn in fns.items():
             row = {"shape": [n, h, v], "dtype": str(dtype).replace("torch.", ""),
-                   "temperature": temperature, "provider": name, "pass": pas}
+                   "temperature": temperature, "provider": name, "pass": pas, **acc.get((name, pas), {})}
             if isinstance(fn, Exception):
                 row["error"] = f"{type(fn).__name__}: {fn}"[:300]
                 rows.append(row)
@@ -325,15 +327,6 @@ def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_lige
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     del provs
-    if accuracy:
-        acc = check_accuracy(hidden, weight, labels, temperature)
-        acc_loss = check_loss_accuracy(hidden, weight, labels, temperature, seqs)
-        for row in rows:
-            if row["provider"] == "fused" and row["pass"] == "fwd":
-                row.update(acc)
-            if row["provider"] == "fused_loss":
-                row.update(acc_loss)
-        on_row(None)
     return rows
 
 
@@ -659,9 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                              "triton": _triton_version(), "liger_kernel": _liger_version()},
                 "rows": rows, "summary": _summary(rows, device, dtype)}
 
-    def on_row(row) -> None:  # None: the shape's accuracy checks updated its rows
-        if row is not None:
-            rows.append(row)
+    def on_row(row) -> None:
+        rows.append(row)
         if args.out:
             tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
             tmp.write_text(json.dumps(result()))

@@ -126,12 +126,12 @@ def test_bench_profile_writes_breakdown(tmp_path, capsys):
 def test_out_keeps_the_rows_a_stopped_run_finished(tmp_path, monkeypatch, capsys):
     """--out FILE is rewritten after every row, the target rows first: a run stopped at its
     sixth timed row (the GPU round's time cap) leaves the fused, GEMM and fused-loss rows with
-    their ratios; a finished run leaves what it prints."""
+    their ratios and accuracy checks; a finished run leaves what it prints."""
     from moe_rl.kernels.bench import logprobs as bench
 
     out = tmp_path / "lp.json"
     args = ["bench", "logprobs", "--json", "--shapes", "32,16,300", "--reps", "1", "--no-compile",
-            "--device", "cpu", "--no-accuracy", "--out", str(out)]
+            "--device", "cpu", "--out", str(out)]
     timed, real = [], bench._time_ms
 
     def stop_at_the_sixth(fn, device, reps):
@@ -147,6 +147,7 @@ def test_out_keeps_the_rows_a_stopped_run_finished(tmp_path, monkeypatch, capsys
     assert [(r["provider"], r["pass"]) for r in got["rows"]] == [
         ("fused", "fwd"), ("fused", "fwd_bwd"), ("gemm", "fwd"), ("gemm", "fwd_bwd"), ("fused_loss", "fwd_bwd")]
     assert {"fwd_vs_gemm", "fwd_bwd_vs_gemm", "fused_loss_vs_gemm"} <= set(got["summary"])
+    assert got["summary"]["accuracy_ok"] and got["summary"]["fused_loss_accuracy_ok"]  # checked first
     monkeypatch.setattr(bench, "_time_ms", real)
     capsys.readouterr()
     assert cli_main(args) == 0
