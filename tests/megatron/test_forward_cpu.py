@@ -251,6 +251,8 @@ def test_bf16_model_steps_fp32_main_params(cpu_megatron):
     assert isinstance(meg.optimizer, MainParamsOptimizer)
     assert sum(p.numel() for p in meg.model.parameters() if p.dtype == torch.bfloat16) > 0.9 * sum(
         p.numel() for p in meg.model.parameters())  # megatron may keep a few (e.g. the router) in fp32
+    norms = {n: p.dtype for n, p in meg.model.named_parameters() if "layernorm" in n or n.endswith("final_layernorm.weight")}
+    assert norms and set(norms.values()) == {torch.bfloat16}, norms  # torch's fused norm wants the input's dtype
     assert {m.dtype for m in meg.optimizer.main_params} == {torch.float32}
     mbs, adv, n_tokens = replayed_batch(native, CPU_ARCH["vocab_size"], LENGTHS)
     losses = [pg_step(meg, mbs, adv, n_tokens) for _ in range(4)]

@@ -66,7 +66,7 @@ class TorchGroupedMLP(nn.Module):
             self.linear_fc2.add_biases(H)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
-        counts = tokens_per_expert.to(device=tokens.device)
+        counts = tokens_per_expert.to(device=tokens.device, non_blocking=True)  # the dispatcher's pinned host copy
         probs = probs.unsqueeze(-1)
         d, x = None, tokens
         align = group_align(tokens)

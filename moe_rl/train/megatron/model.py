@@ -453,7 +453,18 @@ def build_gpt_model(arch: MoEArch, opts: MegatronOptions, config):
     )
     if arch.is_mla:
         _latent_norms_at_hf_eps(model)
+    _norms_in_params_dtype(model, config.params_dtype)
     return model
+
+
+def _norms_in_params_dtype(model, dtype: torch.dtype) -> None:
+    """The local spec's norms are torch's ``RMSNorm``/``LayerNorm`` built without a dtype, so
+    fp32 in a bf16 model (megatron's training casts them with its Float16Module, which moe-rl
+    does not use); torch's fused norm kernel refuses a weight whose dtype is not the input's and
+    decomposes each norm into some 30 ops. Only the norms: the router's expert bias stays fp32."""
+    for m in model.modules():
+        if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            m.to(dtype)
 
 
 def _latent_norms_at_hf_eps(model) -> None:
@@ -611,7 +622,7 @@ class RouterReplayControl:
         """Context for one micro-batch forward; fills ``record`` (if given) after it."""
         if replay is not None:
             check_replay(replay, self.num_layers, n_tokens, self.top_k, self.num_experts)
-            data = [r.to(device=device, dtype=torch.long) for r in replay]
+            data = [r.to(device=device, dtype=torch.long, non_blocking=True) for r in replay]  # no stream sync
             for inst, ids in zip(self.instances, data):
                 inst.set_target_indices(ids)
             self._set_action(self._action.REPLAY_FORWARD)
