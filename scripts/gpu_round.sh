@@ -116,8 +116,8 @@ stages() {
   # the GPU stages; GPU_ROUND_DEVICE=cpu runs their CPU form at tiny sizes (a dry run of the round)
   local medium large train logprobs engine gpu_1x on_policy gdn gdn_fla
   # the medium preset: megatron's rows first (the compiled native row's compile must not cut them),
-  # then the native step as configured (compiled on CUDA) and eager
-  local MEDIUM_ROWS=megatron,megatron_recompute,native,native_eager
+  # then the native step eager, then as configured (compiled on CUDA: its compile comes last)
+  local MEDIUM_ROWS=megatron,megatron_recompute,native_eager,native
   if [ "$DEVICE" = cuda ]; then
     medium=medium large=large
     train="--device cuda --profile-dir \$P --out \$J"

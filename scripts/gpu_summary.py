@@ -106,6 +106,10 @@ def read_train(path: Path) -> dict:
         out[b] = {k: row.get(k) for k in ("tokens_per_s", "step_s", "cpu_s", "mfu", "model_tflops_per_s",
                                           "peak_mem_gib", "compiled", "loss_path", "first_step_s", "compile_s")
                   if k in row}
+    # against the eager native row too: it runs before the compiled one, which a cap may cut
+    meg, eager = (out.get(b) or {} for b in ("megatron", "native_eager"))
+    if meg.get("tokens_per_s") and eager.get("tokens_per_s"):
+        out["megatron_vs_native_eager"] = meg["tokens_per_s"] / eager["tokens_per_s"]
     return out
 
 
@@ -300,6 +304,7 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "train_large_compile_s": _get(tl, "native", "compile_s"),
         "train_fused_fused_loss_speedup": tf.get("fused_loss_speedup"),
         "megatron_vs_native_medium": tm.get("megatron_vs_native"),
+        "megatron_vs_native_eager_medium": tm.get("megatron_vs_native_eager"),
         "megatron_vs_native_large": large(lambda t: t.get("megatron_vs_native")),
         "recompute_step_ratio_medium": tm.get("recompute_step_ratio"),
         "recompute_step_ratio_large": large(lambda t: t.get("recompute_step_ratio")),

@@ -60,6 +60,9 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
             assert s[f"train_{preset}_native_mfu"] == t["native"]["mfu"] > 0
         assert s[f"megatron_vs_native_{preset}"] == pytest.approx(
             t["megatron"]["tokens_per_s"] / t["native"]["tokens_per_s"])
+        if preset == "medium":
+            assert s["megatron_vs_native_eager_medium"] == pytest.approx(
+                t["megatron"]["tokens_per_s"] / t["native_eager"]["tokens_per_s"])
         assert s[f"recompute_step_ratio_{preset}"] == pytest.approx(
             t["megatron_recompute"]["step_s"] / t["megatron"]["step_s"])
         # train.compile: the bench's own rows (eager on a CPU: auto is off there)
