@@ -29,7 +29,6 @@ Differentiable; the backward is plain torch (the reference recomputed under auto
 """
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 
