@@ -321,12 +321,10 @@ def main(argv=None) -> int:
         from moe_rl.train.megatron import MegatronBackend
         from moe_rl.train.megatron.model import cpu_forward_shims
 
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29561")
         if cuda:
             torch.cuda.set_device(0)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+        if not dist.is_initialized():  # one rank: an in-process store, no port to collide on
+            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
             import megatron.core
 
