@@ -296,6 +296,14 @@ def test_local_spec_attention_is_fused_sdpa_and_refuses_other_masks(cpu_megatron
     bad[0, 0, 5, 1] = False  # token 5 (second sequence) would see token 1 (first sequence)
     with pytest.raises(ValueError, match="not block-causal"):
         TorchSDPAttention.packing(bad)
+    # read once per forward: recompute hands each layer a detached alias of the same mask
+    first = TorchSDPAttention.packing(mask)
+    assert TorchSDPAttention.packing(mask.detach()) is first and TorchSDPAttention.packing(mask) is first
+    assert TorchSDPAttention.packing(mask.clone()) is not first  # other memory: read again
+    other = mask.clone()
+    TorchSDPAttention.packing(other)
+    other[0, 0] = ~PackedCausal(torch.tensor([0, 5, 10]), 10).mask  # written in place: read again
+    assert torch.equal(TorchSDPAttention.packing(other.detach()).cu_seqlens, torch.tensor([0, 5, 10]))
 
 
 def test_the_shims_have_triton_bind_the_real_device_first(monkeypatch):

@@ -56,14 +56,15 @@ class TorchSDPAttention(nn.Module):
         else:
             self.softmax_offset = None
 
-    # (mask, its layout): every layer of a forward gets the same mask object, so the layout is
-    # read once per micro-batch forward; holding the mask keeps the identity test sound
+    # (mask, its layout): every layer of a forward gets the same mask (the same object, or under
+    # recompute a detached alias of it: the same memory and version counter), so the layout is
+    # read once per micro-batch forward; holding the mask keeps its memory from being reused
     _last: tuple[torch.Tensor, PackedCausal, int] | None = None
 
     @classmethod
     def packing(cls, mask: torch.Tensor) -> PackedCausal:
         """The packed layout behind a block-causal mask [1, 1, T, T] (True = masked)."""
-        if cls._last is not None and cls._last[0] is mask and mask._version == cls._last[2]:
+        if cls._last is not None and _same_tensor(cls._last[0], mask) and mask._version == cls._last[2]:
             return cls._last[1]
         T = mask.shape[-1]
         if mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, T, T):
@@ -89,6 +90,13 @@ class TorchSDPAttention(nn.Module):
         out = self.packing(attention_mask)(self.layer_number, query[:, 0], key[:, 0], value[:, 0],
                                            scale=self.softmax_scale, sinks=self.softmax_offset, window=self.window)
         return out.reshape(s, 1, -1)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b`` is ``a`` or views the same elements (a detached alias: activation recompute passes
+    each layer a detached copy of its inputs)."""
+    return a is b or (a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                      and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _refuse_unknown(where: str, extra: dict) -> None:
