@@ -221,7 +221,7 @@ def test_serve_takes_slime_requests(tok_server, tokenizer, top_p, seed):
     if fin["type"] == "length":
         assert len(toks) == 5
     else:  # slime's default body has no seed: an EOS sampled early ends the answer there, as in SGLang
-        assert fin["type"] == "stop" and fin["matched"] == toks[-1] and len(toks) < 5, fin
+        assert fin["type"] == "stop" and fin["matched"] == toks[-1] and len(toks) <= 5, fin  # an EOS at the 5th beats the cap (SGLang)
     assert out["text"] == sglang_text(tokenizer, body["input_ids"], out["output_ids"], fin,
                                       skip=True, spaces=False, no_stop_trim=True)
     _read_like_sglang_clients(out, 3)

@@ -37,7 +37,9 @@ def test_train_world_runs_and_reports(tmp_path, eta, pause):
         assert r["mismatch_k3"] >= 0 and r["sync_s"] > 0
         assert 0 < r["busy_trainer"] <= 1 and 0 < r["busy_rollout"] <= 1
         assert sum(v for k, v in r.items() if k.startswith("staleness_hist_")) == r["train_tokens"]
-        assert r["tokens_per_s"] > 0 and r["rollout_tokens_per_s"] > 0
+        # tokens the engines returned since the last row: none in a short step whose samples were all
+        # made before it (the staleness bound lets the buffer run ahead); the run's total is checked below
+        assert r["tokens_per_s"] > 0 and r["rollout_tokens_per_s"] >= 0
     # rollout tokens/s x each step's wall time adds up to every generated token: at least the trained ones
     walls = [0.0] + [r["wall_s"] for r in rows]
     generated = sum(r["rollout_tokens_per_s"] * (walls[i + 1] - walls[i]) for i, r in enumerate(rows))
