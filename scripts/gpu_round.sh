@@ -185,7 +185,7 @@ stages() {
   # flash-linear-attention (.whl/fla) on this stage's path alone: where fla imports, transformers'
   # Qwen3-Next and megatron's GatedDeltaNet take its kernels, which the suite's CPU comparisons with
   # them must not (and fla's import asks CUDA for the device's capability)
-  st gated_delta_fla  120    "export PYTHONPATH=/tmp/site_fla:\$PYTHONPATH; { $PY -c 'import fla' 2>/dev/null || $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl/fla/*.whl; } && $PY -m moe_rl.cli bench gated-delta --json $gdn_fla > \$J"
+  st gated_delta_fla  120    "own_wheels fla fla && $PY -m moe_rl.cli bench gated-delta --json $gdn_fla > \$J"
   st engine_variants   90    "$PY -m moe_rl.cli bench engine --json $engine --variants all engine.dtype=bfloat16 > \$J"
   st pytest_suite     540    "$pytest tests ${XDIST/6/8} --junitxml=\$J.xml"
   st sync_gpu         200    "$PY -m moe_rl.cli bench sync --gpu only --json > \$J"
@@ -194,7 +194,13 @@ stages() {
   # machine's CPU cores (the configs' device, cpu): what the agent's own client costs when it has
   # cores of its own. Where openai does not import, its wheels (.whl/agent) go to a folder of their
   # own, on this stage's path only, so that no other stage sees their versions of anyio, h11, idna.
-  st agent_api        150    "export PYTHONPATH=/tmp/site_agent:\$PYTHONPATH; { $PY -c 'import openai' 2>/dev/null || $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_agent .whl/agent/*.whl; } && $PY examples/openai_agent/bench.py --pairs 3 --steps 20 --cpu --arm workers2=env.agent_workers=2 --json \$J"
+  st agent_api        150    "own_wheels openai agent && $PY examples/openai_agent/bench.py --pairs 3 --steps 20 --cpu --arm workers2=env.agent_workers=2 --json \$J"
+}
+# own_wheels MODULE DIR: where MODULE does not import, .whl/DIR's wheels go to /tmp/site_DIR, on the
+# calling stage's path alone (their versions of shared dependencies must not reach other stages)
+own_wheels() {
+  export PYTHONPATH=/tmp/site_$2:$PYTHONPATH
+  "$PY" -c "import $1" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site_$2" .whl/"$2"/*.whl
 }
 ALL_STAGES=(install pytest_gpu train_medium train_large logprobs engine engine_bf16 on_policy gated_delta gpu_1x)
 EXTRA_STAGES=(train_fused train_large_megatron gpu_1x_compiled gated_delta_fla engine_variants pytest_suite sync_gpu
@@ -205,23 +211,21 @@ fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not chang
   # H200 round of 2026-11-26). What an earlier fetch left (another pin, another folder) goes first:
   # install() takes every wheel of .whl/
   rm -f .whl/*.whl .whl/*/*.whl
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d .whl \
-    megatron-core==0.19.2 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
+  download() {  # download DIR PACKAGE...: the GPU machine's wheels (cp312, manylinux) into DIR
+    local dir=$1; shift
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform any -d "$dir" "$@"
+  }
+  download .whl megatron-core==0.19.2 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
     typing-inspection==0.4.2 liger-kernel==0.8.5 peft==0.21.2 \
     || { echo "[gpu_round] fetch: pip download failed (message above); the GPU machine has no registry" >&2; return 1; }
   # flash-linear-attention's kernels, for gated_delta_fla only (a folder of their own, as agent's)
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d .whl/fla fla-core==0.6.0 einops==0.8.2 \
+  download .whl/fla fla-core==0.6.0 einops==0.8.2 \
     || { echo "[gpu_round] fetch: pip download of fla-core failed (message above)" >&2; return 1; }
   # the openai client and what it needs, for agent_api only (aiohttp too: its aiohttp client wants
   # aiohttp>=3.14.4, newer than the image's may be)
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d .whl/agent \
-    openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 anyio==4.16.0 \
+  download .whl/agent openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 anyio==4.16.0 \
     sniffio==1.3.1 jiter==0.19.0 idna==3.20 aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 \
     propcache==0.5.4 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 attrs==26.1.0 \
     || { echo "[gpu_round] fetch: pip download of the openai client failed (message above)" >&2; return 1; }
@@ -248,7 +252,7 @@ esac
 W=${GPU_ROUND_WORK:-$(mktemp -d /tmp/gpu_round.XXXX)}
 mkdir -p "$W/logs" "$W/profiles" && W=$(cd "$W" && pwd)
 export W PY
-export -f install
+export -f install own_wheels
 XDIST=""; "$PY" -c "import xdist" 2>/dev/null && [ "$DEVICE" = cuda ] && XDIST="-n 6"
 echo "[gpu_round] device $DEVICE, budget ${BUDGET} s, work folder $W, results in $OUT"
 stages

@@ -42,9 +42,9 @@ class _HostReads(TorchDispatchMode):
     from a device to the CPU (cpu(), tolist()). Under inference mode the composite ops (item,
     is_nonzero, to) arrive undecomposed."""
 
-    SCALAR = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default,
-              aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
-              aten.unique_consecutive.default, aten.bincount.default}
+    READ = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default,
+            aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
+            aten.unique_consecutive.default, aten.bincount.default}
     REPEAT = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor}
     INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
     TO = {aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.to.other}
@@ -63,7 +63,7 @@ class _HostReads(TorchDispatchMode):
         def on_device(t):
             return isinstance(t, torch.Tensor) and t.device.type != "cpu"
 
-        if func in self.SCALAR:
+        if func in self.READ:
             return any(on_device(a) for a in args)
         if func in self.REPEAT:
             return kwargs.get("output_size") is None and any(on_device(a) for a in args)
