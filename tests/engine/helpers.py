@@ -16,6 +16,7 @@ import torch
 
 from moe_rl.config import load_config
 from moe_rl.engine import decode_routed_experts, output_logprobs
+from moe_rl.engine.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
@@ -132,6 +133,43 @@ def generate_queued(engine, bodies: list[dict], timeout: float = 120) -> list[di
         return wait(timeout)
     finally:
         engine.stop()
+
+
+def decode_graphs_on_a_gpu(model, bodies: list[dict], **engine_kw) -> list[dict]:
+    """A bf16 copy of ``model`` on the GPU, served by an eager static-decode engine and by one that
+    replays captured CUDA graphs, the same queued ``bodies`` through each: the two give the same
+    tokens, log-probs (1e-5) and routing, and the graphs replayed every static step. Returns the
+    graph engine's outputs."""
+    gpu = type(model)(model.arch).to("cuda", torch.bfloat16)
+    gpu.load_state_dict(model.state_dict())
+    eager = Engine(gpu, static_decode=True, cuda_graph=False, **engine_kw)
+    graphs = Engine(gpu, cuda_graph=True, **engine_kw)
+    want, got = generate_queued(eager, bodies), generate_queued(graphs, bodies)
+    assert graphs.stats["decode_graph_steps"] == eager.stats["decode_static_steps"] > 10
+    arch = model.arch
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(decode_routed_experts(b, arch.num_hidden_layers, arch.num_experts_per_tok),
+                                      decode_routed_experts(a, arch.num_hidden_layers, arch.num_experts_per_tok))
+    return got
+
+
+def check_bf16_against_fp32_replayed(model, bodies: list[dict], outs: list[dict], atol: float = 0.15) -> None:
+    """A bf16 engine's log-probs against one full forward of the fp32 ``model`` that replays the
+    engine's experts (as the trainer does with R3): close, not equal. Without the replay bf16 flips
+    a few of a random model's near-tied top-k choices, each moving a log-prob by more than atol."""
+    arch = model.arch
+    for body, out in zip(bodies, outs):
+        prompt = body["input_ids"]
+        seq = prompt + out["output_ids"]
+        rows = decode_routed_experts(out, arch.num_hidden_layers, arch.num_experts_per_tok)
+        replay = [torch.from_numpy(np.ascontiguousarray(rows[:, n])).long() for n in model.moe_layers]
+        t = body["sampling_params"].get("temperature") or 1.0
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([seq[:-1]]), replay=replay)[0].float() / t, -1)
+        ref = [lp[len(prompt) - 1 + j, tok].item() for j, tok in enumerate(out["output_ids"])]
+        np.testing.assert_allclose(output_logprobs(out["meta_info"]), ref, atol=atol, rtol=0)
 
 
 def run(coro):

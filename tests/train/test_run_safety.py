@@ -103,6 +103,7 @@ def test_a_frozen_trainer_rank_of_an_ep_group_ends_the_run_naming_it(tmp_path):
     proc = start(out, "pools.trainer=2", "train.ep_size=2", "train.steps=100000", "dist.peer_timeout_s=5")
     try:
         _wait_for_steps(proc, out, 3)
+        time.sleep(1.0)  # two heartbeats (0.5 s apart here): rank 1's last one has carried its step
         frozen = next(p for p in run_processes(out) if p != proc.pid and _rank_of(p) == 1)
         os.kill(frozen, signal.SIGSTOP)
         t0 = time.monotonic()
