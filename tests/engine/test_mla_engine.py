@@ -89,6 +89,27 @@ def test_static_decode_and_captured_graphs(model):
         check_against_forward(model, b, g)
 
 
+def test_prefill_in_row_chunks_equals_a_full_forward(model, monkeypatch):
+    """On a GPU the absorbed latent head (576 wide on DeepSeek-V3) is above SDPA's fused kernels,
+    so a long prefill attends in chunks of query rows (``layouts.math_backend_rows``); forced here
+    at 3 rows, prefills of up to 37 tokens and continuations still equal one full forward."""
+    from moe_rl.model.attention import layouts
+
+    chunked = []
+
+    def rows(q, n_keys):
+        chunked.append(q.shape[2] > 3)
+        return 3 if q.shape[2] > 3 else None
+
+    bs = bodies()
+    monkeypatch.setattr(layouts, "math_backend_rows", rows)
+    outs = generate_queued(Engine(model, max_running_requests=4, max_context=128), bs)
+    monkeypatch.undo()  # the reference forward attends in one call
+    assert sum(chunked) >= 5 * ARCH.num_hidden_layers
+    for b, o in zip(bs, outs):
+        check_against_forward(model, b, o)
+
+
 def test_retract_and_weight_update_in_place():
     """A retract mid-generation frees the slots and re-prefills prompt + output into them; new
     weights copied in place reach the next decode step (the absorbed path reads kv_b_proj as it is)."""

@@ -29,6 +29,47 @@ def test_decode_fold_equals_repeated_kv(hq, hkv, dv):
     torch.testing.assert_close(got64, ref64, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("hq,hkv,dv,t,s,causal", [(8, 2, 16, 11, 11, True), (6, 1, 10, 5, 12, False),
+                                                   (4, 4, 16, 7, 7, False)])
+def test_wide_heads_attend_in_row_chunks_as_in_one_call(monkeypatch, hq, hkv, dv, t, s, causal):
+    """A head too wide for SDPA's fused GPU kernels goes in chunks of query rows with the query
+    heads of a kv group folded into the rows: each row's output is the one call's (K/V repeated
+    per query head, the mask as given), causal or with a mask of later rows over a longer prefix."""
+    from moe_rl.model.attention import layouts
+
+    g = torch.Generator().manual_seed(1)
+    B, D = 2, 16
+    q = torch.randn(B, hq, t, D, generator=g)
+    k, v = torch.randn(B, hkv, s, D, generator=g), torch.randn(B, hkv, s, dv, generator=g)
+    mask = None if causal else layouts.visible(torch.arange(s - t, s)[:, None], torch.arange(s)[None, :])
+    rep = hq // hkv
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                         attn_mask=mask, is_causal=causal, scale=0.3)
+    calls = []
+    monkeypatch.setattr(layouts, "math_backend_rows", lambda q, n_keys: calls.append(n_keys) or 3)
+    got = layouts.sdpa(q, k, v, mask=mask, is_causal=causal, scale=0.3)
+    assert calls == [s]
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+
+
+def test_math_backend_rows_bound_the_scores():
+    """Chunks only on a GPU with a head over 256 (DeepSeek-V3's absorbed 576), sized so that the
+    fp32 scores of one call stay under 1 GiB; a segment that fits goes in one call."""
+    from types import SimpleNamespace
+
+    from moe_rl.model.attention.layouts import MATH_SCORES_BYTES, math_backend_rows
+
+    def q(device, shape):
+        return SimpleNamespace(device=torch.device(device), shape=shape)
+
+    rows = math_backend_rows(q("cuda", (1, 128, 8192, 576)), 8192)
+    assert rows == 256 and 4 * 128 * rows * 8192 <= MATH_SCORES_BYTES < 4 * 128 * (rows + 1) * 8192
+    assert math_backend_rows(q("cuda", (1, 128, 8192, 256)), 8192) is None  # flash takes 256
+    assert math_backend_rows(q("cpu", (1, 128, 8192, 576)), 8192) is None  # the CPU's kernel is blocked
+    assert math_backend_rows(q("cuda", (1, 128, 200, 576)), 200) is None  # fits in one call
+    assert math_backend_rows(q("cuda", (1, 128, 8192, 576)), 10 ** 9) == 1
+
+
 def _hf_yarn(params: dict, head_dim: int, max_pos: int):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

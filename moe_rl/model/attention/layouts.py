@@ -91,21 +91,65 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None)
     return seen if window is None else seen & (k_pos > q_pos - window)
 
 
+# CUDA's fused SDPA kernels (flash, memory-efficient, cuDNN) take head dims up to 256. Above
+# that (MLA's absorbed latent head, kv_lora_rank + qk_rope_head_dim = 576 on DeepSeek-V3) SDPA
+# runs its math backend, which holds every (query head, query, key) score at once: 128 heads x
+# 8192 x 8192 fp32 is 34 GB. Such calls go in chunks of query rows that keep it under this.
+FUSED_HEAD_DIM_MAX = 256
+MATH_SCORES_BYTES = 1 << 30
+
+
+def math_backend_rows(q, n_keys: int) -> int | None:
+    """Query rows per SDPA call of q [B, Hq, T, D] over ``n_keys`` keys where SDPA would run its
+    math backend on the GPU, so that its fp32 scores stay under MATH_SCORES_BYTES; None where one
+    call is fine (a fused kernel takes D, the CPU's kernel is blocked, or all T rows fit)."""
+    B, Hq, T, D = q.shape
+    if q.device.type != "cuda" or D <= FUSED_HEAD_DIM_MAX:
+        return None
+    rows = max(1, MATH_SCORES_BYTES // (4 * B * Hq * n_keys))
+    return rows if rows < T else None
+
+
+def _sdpa_in_row_chunks(q, k, v, mask, scale, rows: int):
+    """``sdpa`` (an explicit mask, no sinks) ``rows`` query rows at a time, the query heads of
+    each kv group folded into the rows so that K/V are never repeated: each row's softmax is over
+    the same keys as in one call; only the scores of one chunk exist at once. ``mask``
+    broadcasts to [B, Hq, T, S] with no copy (each of its dims 1 or full), as ``visible`` gives."""
+    B, Hq, T, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    rep = Hq // Hkv
+    mask = mask.expand(B, Hq, T, S).view(B, Hkv, rep, T, S)
+    out = q.new_empty(B, Hq, T, Dv)
+    for a in range(0, T, rows):
+        r = min(rows, T - a)
+        qc = q[:, :, a : a + r].reshape(B, Hkv, rep * r, D)
+        o = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask[..., a : a + r, :].reshape(B, Hkv, rep * r, S),
+                                           scale=scale)
+        out[:, :, a : a + r] = o.view(B, Hq, r, Dv)
+    return out
+
+
 def sdpa(q, k, v, mask=None, is_causal=False, scale=None, *, sinks=None, window=None):
     """q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] (grouped K/V
     heads: query head h reads kv head h // (Hq / Hkv)). ``mask`` (bool, True: attend) or
     ``is_causal`` (query i sees keys j <= i); ``window`` narrows ``is_causal`` (an explicit mask
-    carries its own, ``visible``); ``sinks`` [Hq]: see the module docstring."""
+    carries its own, ``visible``); ``sinks`` [Hq]: see the module docstring. A head too wide for
+    SDPA's fused GPU kernels goes in chunks of query rows (``math_backend_rows``)."""
+    T, S = q.shape[2], k.shape[2]
     if window is not None:
         if not is_causal:
             raise ValueError("sdpa: window applies to is_causal; put it in an explicit mask (visible())")
-        T, S = q.shape[2], k.shape[2]
         mask = visible(torch.arange(T, device=q.device)[:, None], torch.arange(S, device=q.device)[None, :], window)
         is_causal = False
+    rows = math_backend_rows(q, S) if sinks is None else None
+    if rows is not None:
+        if mask is None:
+            ones = torch.ones(T, S, dtype=torch.bool, device=q.device)
+            mask = ones.tril() if is_causal else ones  # SDPA's is_causal: query i sees keys j <= i
+        return _sdpa_in_row_chunks(q, k, v, mask, scale, rows)
     if sinks is not None:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if mask is None and is_causal:
-            T, S = q.shape[2], k.shape[2]
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
         q, k, v, mask = _with_sink_key(q, k, v, mask, sinks, scale)
         is_causal = False
