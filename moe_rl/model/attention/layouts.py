@@ -91,23 +91,26 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None)
     return seen if window is None else seen & (k_pos > q_pos - window)
 
 
-# CUDA's fused SDPA kernels (flash, memory-efficient, cuDNN) take head dims up to 256. Above
-# that (MLA's absorbed latent head, kv_lora_rank + qk_rope_head_dim = 576 on DeepSeek-V3) SDPA
-# runs its math backend, which holds every (query head, query, key) score at once: 128 heads x
-# 8192 x 8192 fp32 is 34 GB. Such calls go in chunks of query rows that keep it under this.
+# SDPA's flash kernel takes head dims up to 256 on CUDA. Above that (MLA's absorbed latent head,
+# kv_lora_rank + qk_rope_head_dim = 576 on DeepSeek-V3, 128 query heads over one latent head)
+# the memory-efficient kernel takes no grouped K/V heads, so a causal call falls to the math
+# backend, which holds every (query head, query, key) score at once (128 x 8192 x 8192 fp32 is
+# 34 GB), and a masked one needs K/V repeated per query head. Such calls fold the query heads of
+# each kv group into the rows (one K/V head, an explicit mask: the memory-efficient kernel takes
+# it) and go in chunks of query rows that keep a call's scores, or its mask, under this.
 FUSED_HEAD_DIM_MAX = 256
 MATH_SCORES_BYTES = 1 << 30
 
 
 def math_backend_rows(q, n_keys: int) -> int | None:
-    """Query rows per SDPA call of q [B, Hq, T, D] over ``n_keys`` keys where SDPA would run its
-    math backend on the GPU, so that its fp32 scores stay under MATH_SCORES_BYTES; None where one
-    call is fine (a fused kernel takes D, the CPU's kernel is blocked, or all T rows fit)."""
+    """Query rows per SDPA call of q [B, Hq, T, D] over ``n_keys`` keys where the head is too wide
+    for flash on the GPU (folded, in chunks), so that a call's fp32 scores stay under
+    MATH_SCORES_BYTES even on the math backend; None where SDPA gets the call as it is (flash
+    takes D, or the CPU, whose kernel is blocked)."""
     B, Hq, T, D = q.shape
     if q.device.type != "cuda" or D <= FUSED_HEAD_DIM_MAX:
         return None
-    rows = max(1, MATH_SCORES_BYTES // (4 * B * Hq * n_keys))
-    return rows if rows < T else None
+    return max(1, MATH_SCORES_BYTES // (4 * B * Hq * n_keys))
 
 
 def _sdpa_in_row_chunks(q, k, v, mask, scale, rows: int):
@@ -134,7 +137,7 @@ def sdpa(q, k, v, mask=None, is_causal=False, scale=None, *, sinks=None, window=
     heads: query head h reads kv head h // (Hq / Hkv)). ``mask`` (bool, True: attend) or
     ``is_causal`` (query i sees keys j <= i); ``window`` narrows ``is_causal`` (an explicit mask
     carries its own, ``visible``); ``sinks`` [Hq]: see the module docstring. A head too wide for
-    SDPA's fused GPU kernels goes in chunks of query rows (``math_backend_rows``)."""
+    SDPA's flash kernel goes in chunks of query rows, query heads folded (``math_backend_rows``)."""
     T, S = q.shape[2], k.shape[2]
     if window is not None:
         if not is_causal:
