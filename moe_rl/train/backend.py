@@ -151,16 +151,23 @@ class DataParallelStep:
     def _clip(self, max_norm: float) -> torch.Tensor:
         """Global grad norm: expert grads are disjoint over the EP group, so their squares are
         summed there; dense grads are identical on every rank after the reduction."""
-        dev = self.dense_params[0].device
-        dense_sq = sum((p.grad.float().pow(2).sum() for p in self.dense_params), torch.zeros((), device=dev))
-        expert_sq = sum((p.grad.float().pow(2).sum() for p in self.expert_params), torch.zeros((), device=dev))
+        dev = (self.dense_params or self.expert_params)[0].device
+        dense_sq = _sum_of_squares([p.grad for p in self.dense_params], dev)
+        expert_sq = _sum_of_squares([p.grad for p in self.expert_params], dev)
         if self.ep_size > 1:
             dist.all_reduce(expert_sq, group=self._ep_group())
         norm = (dense_sq + expert_sq).sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.dense_params + self.expert_params:
-            p.grad.mul_(scale)
+        torch._foreach_mul_([p.grad for p in self.dense_params + self.expert_params], scale)
         return norm
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """The sum of every element's square over ``tensors``, 0-dim fp32 on ``device``: one
+    multi-tensor norm kernel (fp32 accumulation of bf16 grads), not three kernels per tensor."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
 class NativeBackend(DataParallelStep):
@@ -311,9 +318,6 @@ def all_reduce_sum(tensors: list[torch.Tensor], group) -> None:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
+    parts = flat.split([t.numel() for t in tensors])
+    torch._foreach_copy_(tensors, [part.view_as(t) for part, t in zip(parts, tensors)])
 
