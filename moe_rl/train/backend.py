@@ -21,6 +21,7 @@ from moe_rl.config import ConfigError
 from moe_rl.model import MoEArch, MoEForCausalLM, expert_owner, iter_local_hf_tensors, load_hf_weights
 from moe_rl.model.attention import longest_sequence
 from moe_rl.model.ops import TORCH, model_ops
+from moe_rl.train.main_params import MainParamsOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,9 @@ class DataParallelStep:
                                       token_loss, temperature, with_entropy)
 
     def _setup_optimizer(self) -> None:
-        """Splits expert from dense parameters (they reduce over different groups); AdamW.
+        """Splits expert from dense parameters (they reduce over different groups); AdamW, over
+        fp32 main copies where the trained weights are 16-bit (as megatron's distributed
+        optimizer: a bf16 weight takes most of AdamW's small updates as no change at all).
         With LoRA (``self.lora``) only the adapters train: the base weights are frozen."""
         cfg = self.cfg
         lora = getattr(self, "lora", None)
@@ -131,10 +134,12 @@ class DataParallelStep:
         self.expert_params = [p for n, p in named if ".experts." in n or "__experts__" in n]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for _, p in named if id(p) not in expert_ids]
-        self.optimizer = torch.optim.AdamW(
-            self.dense_params + self.expert_params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-            weight_decay=cfg.train.weight_decay,
-        )
+        params = self.dense_params + self.expert_params
+        adamw = dict(lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+        if any(p.dtype != torch.float32 for p in params):
+            self.optimizer = MainParamsOptimizer(params, **adamw)
+        else:
+            self.optimizer = torch.optim.AdamW(params, **adamw)
 
     def optimizer_step(self) -> dict[str, torch.Tensor]:
         for p in self.dense_params + self.expert_params:
@@ -158,7 +163,11 @@ class DataParallelStep:
             dist.all_reduce(expert_sq, group=self._ep_group())
         norm = (dense_sq + expert_sq).sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([p.grad for p in self.dense_params + self.expert_params], scale)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.dense_params + self.expert_params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for dtype, grads in by_dtype.items():  # a scale of another dtype sends CUDA's kernel one tensor at a time
+            torch._foreach_mul_(grads, scale.to(dtype))
         return norm
 
 

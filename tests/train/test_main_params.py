@@ -52,3 +52,52 @@ def test_state_dict_round_trip():
     opt2 = MainParamsOptimizer([q], **KW)
     opt2.load_state_dict(state)
     assert torch.equal(opt2.main_params[0], opt.main_params[0]) and torch.equal(q, p.detach())
+
+
+def _backend(dtype: str):
+    from moe_rl.config import load_config
+    from moe_rl.train.backend import NativeBackend
+
+    cfg = load_config(None, ["model.vocab_size=32", "model.hidden_size=32", "model.moe_intermediate_size=16",
+                             "model.num_hidden_layers=2", "model.num_experts=4", "model.num_experts_per_tok=2",
+                             f"model.dtype={dtype}", "train.device=cpu", "train.compile=false", "train.grad_clip=1e-3"])
+    return NativeBackend(cfg)
+
+
+def _one_step(backend, monkeypatch):
+    """One backward of a sum over the logits, then the backend's step (clipped: the norm is far
+    above 1e-3); returns the dtypes of the scales the clip multiplied the grads by."""
+    backend.model(torch.tensor([[1, 2, 3, 4, 5]])).float().square().mean().backward()
+    scales, mul = [], torch._foreach_mul_
+
+    def recording(tensors, scale):
+        scales.append((tensors[0].dtype, scale.dtype))
+        return mul(tensors, scale)
+
+    monkeypatch.setattr(torch, "_foreach_mul_", recording)
+    stats = backend.optimizer_step()
+    monkeypatch.undo()
+    assert float(stats["grad_norm"]) > 1e-3
+    return scales
+
+
+def test_a_bf16_native_backend_steps_fp32_main_params(monkeypatch):
+    """The native backend in bf16 keeps fp32 main parameters and Adam state (as the megatron
+    backend and megatron's own optimizer do): every weight's fp32 copy moves on the first step,
+    most by less than bf16 can show. The clip scales each dtype's grads by a scale of their own
+    dtype (another sends CUDA's multi-tensor kernel one tensor at a time)."""
+    backend = _backend("bfloat16")
+    assert isinstance(backend.optimizer, MainParamsOptimizer)
+    before = [m.detach().clone() for m in backend.optimizer.main_params]
+    scales = _one_step(backend, monkeypatch)
+    assert scales == [(torch.bfloat16, torch.bfloat16)]
+    moved = [bool((m != b).any()) for m, b in zip(backend.optimizer.main_params, before)]
+    assert all(moved), f"{moved.count(False)} of {len(moved)} fp32 main parameters did not move"
+    for p, m in zip(backend.optimizer.model_params, backend.optimizer.main_params):
+        assert torch.equal(p, m.detach().bfloat16())
+
+
+def test_an_fp32_native_backend_steps_its_weights_with_adamw(monkeypatch):
+    backend = _backend("float32")
+    assert type(backend.optimizer) is torch.optim.AdamW
+    assert _one_step(backend, monkeypatch) == [(torch.float32, torch.float32)]

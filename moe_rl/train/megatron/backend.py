@@ -22,7 +22,6 @@ from moe_rl.model import (MoEForCausalLM, PackedCausal, dequantize_mxfp4, hf_sta
                           parse_expert_name)
 from moe_rl.model.hf_io import _checkpoint_files
 from moe_rl.train.backend import DataParallelStep, all_reduce_sum
-from moe_rl.train.main_params import MainParamsOptimizer
 
 from .convert import MegatronLayout, hf_to_megatron, megatron_expert_owner, megatron_to_hf
 from .model import (
@@ -153,12 +152,7 @@ class MegatronBackend(DataParallelStep):
             self.lora = build_native_adapters(self.arch, cfg.lora, ep_group, self.device, self.dtype)
             self._megatron_lora = MegatronLora(self.model, self.lora, self.arch, self.layout)
 
-        self._setup_optimizer()
-        if self.dtype != torch.float32:
-            # as megatron's distributed optimizer: bf16 model and grads, fp32 main params and Adam state
-            t = cfg.train
-            self.optimizer = MainParamsOptimizer(self.dense_params + self.expert_params, lr=t.lr,
-                                                 betas=tuple(t.betas), weight_decay=t.weight_decay)
+        self._setup_optimizer()  # bf16: fp32 main params and Adam state, as megatron's distributed optimizer
 
     def experts_desc(self) -> str:
         """The expert module and, for ours, the grouped GEMM it runs (named in the log)."""
