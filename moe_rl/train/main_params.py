@@ -52,6 +52,14 @@ class MainParamsOptimizer:
         return {"optimizer": self.optimizer.state_dict(), "main_params": [m.detach().clone() for m in self.main_params]}
 
     def load_state_dict(self, state: dict) -> None:
+        """This wrapper's state, or a plain optimizer's over the same parameters (a checkpoint of
+        a 16-bit run stepped without main params): its moments go to fp32, the main params
+        start from the model's weights."""
+        if "main_params" not in state:
+            self.optimizer.load_state_dict(state)  # torch casts the moments to the fp32 params' dtype
+            with torch.no_grad():
+                torch._foreach_copy_(self.main_params, self.model_params)
+            return
         self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             for main, saved, p in zip(self.main_params, state["main_params"], self.model_params):

@@ -54,6 +54,22 @@ def test_state_dict_round_trip():
     assert torch.equal(opt2.main_params[0], opt.main_params[0]) and torch.equal(q, p.detach())
 
 
+def test_a_plain_adamw_state_of_the_same_params_loads():
+    """A checkpoint of a bf16 run stepped by plain AdamW: its moments come in as fp32, the main
+    params start from the model's weights, and the next step matches plain AdamW's in fp32."""
+    p = torch.randn(5).bfloat16().requires_grad_()
+    plain = torch.optim.AdamW([p], **KW)
+    p.grad = torch.randn(5).bfloat16()
+    plain.step()
+    q = p.detach().clone().requires_grad_()
+    opt = MainParamsOptimizer([q], **KW)
+    opt.load_state_dict(plain.state_dict())
+    moments = opt.optimizer.state[opt.main_params[0]]
+    assert moments["exp_avg"].dtype == torch.float32
+    assert torch.equal(moments["exp_avg"], plain.state[p]["exp_avg"].float())
+    assert torch.equal(opt.main_params[0], p.detach().float())
+
+
 def _backend(dtype: str):
     from moe_rl.config import load_config
     from moe_rl.train.backend import NativeBackend
