@@ -22,7 +22,8 @@
 # time cap ending the run is its normal end (rc 124), its figures read from metrics.jsonl. The train
 # stages' compile (train.compile, on by default on CUDA) counts against their caps; the bench runs
 # its rows in the order asked (megatron's first, the compiled native row after) and rewrites its
-# JSON after each row, so a stage stopped by its cap keeps the rows it finished. pytest gets a
+# JSON as each row fills (build, first step, timed figures), as the log-prob and engine benches do
+# after each figure, so a stage stopped by its cap keeps what it measured. pytest gets a
 # SIGINT 20 s before its cap, so a cut run still writes its JUnit report (the tests that ended).
 # Stages run in order of what a short lease must not miss (correctness, then the train, log-prob
 # and engine figures, then the main job), so a tight budget shortens gpu_1x first. By name only:
@@ -148,16 +149,19 @@ stages() {
   # measured yet). The stages before gpu_1x add up to 405 s of the 465 s budget (480 - RESERVE):
   #  stage          cap  expected
   #  install         30  25       wheels, editable build
-  #  pytest_gpu     105  ~95      60 GPU tests on 6 workers, 2 of them `moe-rl train` runs; the
+  #  pytest_gpu     100  ~95      55 GPU tests on 6 workers, 2 of them `moe-rl train` runs; the
   #                                exact kernels' and the Gated DeltaNet scan's Triton tests
-  #  train_medium    80  ~80      4 rows, each written when done; the native row's compile ~30 s
-  #  train_large     50  ~45      the compiled native row only (its MFU target); the rest by name
-  #  logprobs        45  45-90    the target rows first (fused, GEMM, fused loss, after the float64
+  #  train_medium    75  ~80      4 rows, each written as it fills (build, first step, timed); the
+  #                                native row's compile ~30 s
+  #  train_large     65  45-65    the compiled native row only (its MFU target; the rest by name):
+  #                                a CPU init of 2.7 B weights (~20 s), the compile, 8 steps
+  #  logprobs        40  45-90    the target rows first (fused, GEMM, fused loss, after the float64
   #                                checks), then eager, torch.compile and Liger, the JSON rewritten
   #                                after each row: a cut run keeps the targets
-  #  engine          20  ~20      the configured engine only (--variants none); graph capture
+  #  engine          25  ~25      the configured engine only (--variants none): graph capture of 36
+  #                                shapes, a cold Triton build; its JSON rewritten as figures come
   #  engine_bf16     15  ~15
-  #  on_policy       45  25-35    3 variants x 3 steps of the tiny model in bf16, graph capture of
+  #  on_policy       40  25-35    3 variants x 3 steps of the tiny model in bf16, graph capture of
   #                                3 engines, ~15 cold Triton builds of the exact kernels (pytest_gpu's
   #                                fp32 tests build other variants); its JSON comes at the end
   #  gated_delta     15  ~15      2k tokens, Triton scan vs torch (fla, 8k tokens: gated_delta_fla)
@@ -165,16 +169,16 @@ stages() {
   #                                (gpu_1x_compiled, by name, measures the compiled step)
   #  name             cap_s  command
   st install           30    'install'
-  st pytest_gpu       105    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
-  st train_medium      80    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
-  st train_large       50    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
-  st logprobs          45    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P --out \$J"
-  st engine            20    "$PY -m moe_rl.cli bench engine --json $engine --variants none > \$J"
+  st pytest_gpu       100    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
+  st train_medium      75    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
+  st train_large       65    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
+  st logprobs          40    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P --out \$J"
+  st engine            25    "$PY -m moe_rl.cli bench engine $engine --variants none --out \$J"
   # the engine in bf16 (its CUDA graphs, beside gpu_1x's fp32 engine)
-  st engine_bf16       15    "$PY -m moe_rl.cli bench engine --json $engine --variants none engine.dtype=bfloat16 > \$J"
+  st engine_bf16       15    "$PY -m moe_rl.cli bench engine $engine --variants none engine.dtype=bfloat16 --out \$J"
   # true_on_policy in bf16 with the exact kernels' Triton versions: its exactness checks and its
   # cost (engine tokens/s and train step, key on vs off)
-  st on_policy         45    "$PY -m moe_rl.cli bench on-policy --json $on_policy > \$J"
+  st on_policy         40    "$PY -m moe_rl.cli bench on-policy --json $on_policy > \$J"
   # the Gated DeltaNet chunk scan: Triton vs torch, checked against the float64 recurrence
   st gated_delta       15    "$PY -m moe_rl.cli bench gated-delta --json $gdn > \$J"
   st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false output_dir=\$W/gpu_1x logging.progress=false"
@@ -186,7 +190,7 @@ stages() {
   # Qwen3-Next and megatron's GatedDeltaNet take its kernels, which the suite's CPU comparisons with
   # them must not (and fla's import asks CUDA for the device's capability)
   st gated_delta_fla  120    "own_wheels fla fla && $PY -m moe_rl.cli bench gated-delta --json $gdn_fla > \$J"
-  st engine_variants   90    "$PY -m moe_rl.cli bench engine --json $engine --variants all engine.dtype=bfloat16 > \$J"
+  st engine_variants   90    "$PY -m moe_rl.cli bench engine $engine --variants all engine.dtype=bfloat16 --out \$J"
   st pytest_suite     540    "$pytest tests ${XDIST/6/8} --junitxml=\$J.xml"
   st sync_gpu         200    "$PY -m moe_rl.cli bench sync --gpu only --json > \$J"
   st fp32_error       120    "$PY scripts/fp32_logprob_error.py --device $DEVICE > \$J"

@@ -104,7 +104,8 @@ def read_train(path: Path) -> dict:
             out[b] = {"error": row["error"]}
             continue
         out[b] = {k: row.get(k) for k in ("tokens_per_s", "step_s", "cpu_s", "mfu", "model_tflops_per_s",
-                                          "peak_mem_gib", "compiled", "loss_path", "first_step_s", "compile_s")
+                                          "peak_mem_gib", "compiled", "loss_path", "first_step_s", "compile_s",
+                                          "build_s", "stopped")
                   if k in row}
     # against the eager native row too: it runs before the compiled one, which a cap may cut
     meg, eager = (out.get(b) or {} for b in ("megatron", "native_eager"))
@@ -145,6 +146,7 @@ def read_engine(path: Path) -> dict:
     return {"tokens_per_s_1": s.get("tokens_per_s_1"), "tokens_per_s_concurrent": s.get("tokens_per_s_concurrent"),
             "concurrency": s.get("concurrency"), "ttft_ms": s.get("ttft_ms"), "dtype": _get(r, "params", "dtype"),
             "engine_device": s.get("device"), "cuda_graph": s.get("cuda_graph"), "decode_graphs": s.get("decode_graphs"),
+            "start_s": s.get("start_s"), "capture_s": s.get("capture_s"), "stopped": s.get("stopped"),
             "variants": variants}
 
 

@@ -52,6 +52,35 @@ def test_bench_prints_its_summary(name):
         assert not checks["off_alone_equals_batched"] and not checks["off_decode_equals_prefill"]
 
 
+def test_bench_engine_out_keeps_what_a_stopped_run_measured(tmp_path, monkeypatch, capsys):
+    """`moe-rl bench engine --out FILE` rewrites its report as figures come: a run stopped (as a
+    time cap stops it) before its second variant keeps the configured engine's figures and says
+    what was under way; a finished run's file is what it prints."""
+    from moe_rl.bench import engine as bench_engine
+
+    out = tmp_path / "engine.json"
+    args = [*CASES["engine"][0], "--out", str(out)]
+    seen = []
+
+    def stopped():
+        seen.append(json.loads(out.read_text())["summary"])
+        raise SystemExit(124)
+
+    monkeypatch.setattr(bench_engine, "_free_device_memory", stopped)
+    with pytest.raises(SystemExit):
+        bench_engine.main([*args, "--variants", "static"])
+    s = json.loads(out.read_text())["summary"]
+    assert s == seen[0] and s["stopped"] == "during the static variant"
+    assert s["tokens_per_s_1"] > 0 and s["tokens_per_s_concurrent"] > 0 and s["ttft_ms"] > 0 and s["start_s"] > 0
+    assert list(s["variants"]) == ["dynamic"]
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert bench_engine.main([*args, "--variants", "none", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    assert "stopped" not in printed["summary"] and printed["summary"]["variants"].keys() == {"dynamic"}
+
+
 def test_bench_sync_round_trip_check_can_fail():
     """`moe-rl bench sync --gpu` reports bit_identical from this check (CPU, Triton interpreter):
     true for the right plans, false for an unpack plan whose offsets are off by one tensor."""

@@ -21,6 +21,11 @@ the summary; a mode that cannot run there says why (``skipped``).
 
 Every request samples (temperature 1, no stop tokens) exactly ``--max-new-tokens`` tokens
 from a ``--prompt-len`` prompt. Throughputs are the best of ``--repeats`` runs.
+
+``--out FILE`` writes the JSON report there after each figure of the configured engine (its
+start, with the graph capture; one request; concurrent; time to first token) and after each
+variant, ``summary.stopped`` saying what was under way until the last: a run stopped by a time
+cap keeps what it measured.
 """
 from __future__ import annotations
 
@@ -44,12 +49,20 @@ MODES = {"dynamic": {"static_decode": False, "cuda_graph": False},
          "cuda_graph": {"static_decode": True, "cuda_graph": True}}
 
 
-async def _bench(cfg, args, model=None, **mode) -> dict:
+async def _bench(cfg, args, model=None, progress=None, **mode) -> dict:
+    """One engine's figures; ``progress(figures)``, if given, gets them as they come."""
     from ..engine.client import EngineClient
     from ..engine.server import build_engine, start_server
 
+    progress = progress or (lambda figures: None)
+    t0 = time.perf_counter()
     engine = build_engine(cfg, model=model, device=args.device, **mode)
     runner, url = await start_server(engine, "127.0.0.1", 0)
+    dec = engine.static_decoder
+    got = {"concurrency": args.concurrency, "kv_slots": engine.max_running, "device": str(engine.device),
+           "static_decode": engine.static_decode, "cuda_graph": engine.cuda_graph,
+           "start_s": round(time.perf_counter() - t0, 2), "capture_s": round(dec.capture_s, 2) if dec else 0.0}
+    progress({**got, "stopped": "during the warm-up or one request at a time"})
     vocab = cfg.model.arch().vocab_size
     try:
         async with EngineClient(url, timeout_s=600) as c:
@@ -76,7 +89,11 @@ async def _bench(cfg, args, model=None, **mode) -> dict:
                 return tokens / (time.perf_counter() - t0)
 
             tps1 = max([await throughput(1, args.sequential_requests) for _ in range(args.repeats)])
+            got["tokens_per_s_1"] = round(tps1, 1)
+            progress({**got, "stopped": f"during {args.concurrency} concurrent requests"})
             tpsn = max([await throughput(args.concurrency, args.concurrency) for _ in range(args.repeats)])
+            got.update(tokens_per_s_concurrent=round(tpsn, 1), batching_speedup=round(tpsn / tps1, 2))
+            progress({**got, "stopped": "during the time-to-first-token requests"})
             ttfts = []
             for i in range(args.ttft_samples):
                 t0 = time.perf_counter()
@@ -86,33 +103,28 @@ async def _bench(cfg, args, model=None, **mode) -> dict:
     finally:
         await runner.cleanup()
         engine.stop()
-    dec = engine.static_decoder
     return {
-        "tokens_per_s_1": round(tps1, 1),
-        "tokens_per_s_concurrent": round(tpsn, 1),
-        "concurrency": args.concurrency,
-        "kv_slots": engine.max_running,
-        "device": str(engine.device),
+        **got,
         "ttft_ms": round(statistics.median(ttfts), 2),
-        "batching_speedup": round(tpsn / tps1, 2),
         "engine_steps": stats.get("steps"),
-        "static_decode": engine.static_decode,
-        "cuda_graph": engine.cuda_graph,
         "decode_static_steps": stats.get("decode_static_steps", 0),
         "decode_graph_steps": stats.get("decode_graph_steps", 0),
         "decode_graphs": stats.get("decode_graphs", 0),
-        "capture_s": round(dec.capture_s, 2) if dec is not None else 0.0,
     }
 
 
-async def _bench_modes(cfg, args) -> dict:
+async def _bench_modes(cfg, args, save=None) -> dict:
     """The configured engine, then every other mode of ``args.variants``, all on one model
-    (built once: a large random init takes seconds) unless the engine attaches LoRA to it."""
+    (built once: a large random init takes seconds) unless the engine attaches LoRA to it.
+    ``save(summary)``, if given, gets the summary as it fills."""
     from ..engine.server import build_model
 
+    save = save or (lambda summary: None)
+    save({"stopped": "while building the model"})
     shared = not (cfg.lora.enabled and cfg.lora.sync == "adapter")
     model = build_model(cfg).to(args.device) if shared else None
-    summary = await _bench(cfg, args, model)
+    save({"stopped": "while starting the engine (its graph capture)"})
+    summary = await _bench(cfg, args, model, save)
     configured = next(name for name, m in MODES.items()
                       if (m["static_decode"], m["cuda_graph"]) == (summary["static_decode"], summary["cuda_graph"]))
     variants = {configured: {k: summary[k] for k in VARIANT_KEYS}}
@@ -123,6 +135,7 @@ async def _bench_modes(cfg, args) -> dict:
     for name in names:
         if name in variants:
             continue
+        save({**summary, "variants": dict(variants), "stopped": f"during the {name} variant"})
         _free_device_memory()
         try:
             out = await _bench(cfg, args, model, **MODES[name])
@@ -134,7 +147,7 @@ async def _bench_modes(cfg, args) -> dict:
 
 
 VARIANT_KEYS = ("tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms", "batching_speedup", "engine_steps",
-                "decode_static_steps", "decode_graph_steps", "decode_graphs", "capture_s")
+                "decode_static_steps", "decode_graph_steps", "decode_graphs", "start_s", "capture_s")
 
 
 def _free_device_memory() -> None:
@@ -152,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="moe-rl bench engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--out", default=None, help="also write the JSON report to this file, rewritten as figures come")
     ap.add_argument("--config", default=str(DEFAULT_CONFIG))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default engine.threads, else torch's)")
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -183,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --variants {args.variants!r}: expected all, none or a comma list of {', '.join(MODES)}",
               file=sys.stderr)
         return 2
-    summary = asyncio.run(_bench_modes(cfg, args))
     report = {
         "bench": "engine",
         "config": args.config,
@@ -191,8 +204,16 @@ def main(argv: list[str] | None = None) -> int:
                    "concurrency": args.concurrency, "threads": torch.get_num_threads(), "dtype": cfg.engine.dtype},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
-        "summary": summary,
+        "summary": {},
     }
+
+    def save(summary: dict) -> None:
+        report["summary"] = summary
+        if args.out:
+            Path(args.out).write_text(json.dumps(report) + "\n")
+
+    summary = asyncio.run(_bench_modes(cfg, args, save))
+    save(summary)
     if args.json:
         print(json.dumps(report))
     else:

@@ -38,3 +38,34 @@ def test_rows_op_tables_and_a_failing_backend(tmp_path, monkeypatch):
     assert r["speedup"] == pytest.approx(r["megatron"]["tokens_per_s"] / r["native"]["tokens_per_s"])
     assert r["megatron_recompute"] == {"error": "AttributeError: 'functools.partial' object has no attribute 'module'"}
     assert "recompute_step_ratio" not in r and not (tmp_path / "p" / "megatron_recompute_ops.txt").exists()
+
+
+def test_a_row_is_saved_as_it_fills(tmp_path, monkeypatch):
+    """A time cap that stops the bench mid-row (here: in the profiled step) leaves that row's
+    build time, first step and timed figures in --out, saying where it stopped; a cap during the
+    build leaves a row saying so."""
+    out = tmp_path / "bench.json"
+    seen = []
+
+    def killed(*a, **k):
+        seen.append(json.loads(out.read_text())["native"])
+        raise SystemExit(124)
+
+    monkeypatch.setattr(bench, "_profile_top", killed)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--peak-tflops", "1",
+                    "--backends", "native", "--profile-dir", str(tmp_path / "p"), "--out", str(out)])
+    row = json.loads(out.read_text())["native"]
+    assert row == seen[0] and row["stopped"] == "during the profiled step"
+    assert row["build_s"] > 0 and row["first_step_s"] > 0 and row["step_s"] > 0 and row["tokens_per_s"] > 0
+
+    from moe_rl.train import backend as train_backend
+
+    def build_killed(cfg):
+        seen.append(json.loads(out.read_text())["native"])
+        raise SystemExit(124)
+
+    monkeypatch.setattr(train_backend, "NativeBackend", build_killed)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--preset", "tiny", "--backends", "native", "--out", str(out)])
+    assert json.loads(out.read_text())["native"] == seen[1] == {"stopped": "while building the model"}

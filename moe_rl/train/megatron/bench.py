@@ -134,7 +134,10 @@ def _batch(preset: dict):
 
 
 def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | None, profile: bool = False,
-             table: Path | None = None, loss_path: str = "general", algo=None) -> dict:
+             table: Path | None = None, loss_path: str = "general", algo=None, progress=None) -> dict:
+    """The row of one backend. ``progress(figures)``, if given, gets what is known so far: the
+    first step's time once it ends, then the timed figures before the profiled step (a run
+    stopped by a time cap keeps them)."""
     from moe_rl.algo import policy_loss
     from moe_rl.algo.token_loss import TokenLoss
 
@@ -173,6 +176,8 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
         sync()
         if i == 0:
             first = time.perf_counter() - t0
+            if progress is not None:
+                progress({"first_step_s": first, "stopped": "during the warm-up or timed steps"})
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, cpu_times = [], []
@@ -182,17 +187,20 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
         sync()
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
-    top = _profile_top(step, sync, cuda, table) if profile else None
     mean = sum(times) / len(times)
     # CPU seconds of this process: on a shared machine (other processes taking the cores) a
     # steadier measure of the work a CPU step does than wall time
     cpu_mean = sum(cpu_times) / len(cpu_times)
-    return dict(tokens_per_step=tokens, step_s=mean, step_s_min=min(times), tokens_per_s=tokens / mean,
-                cpu_s=cpu_mean, tokens_per_cpu_s=tokens / cpu_mean,
-                model_tflops_per_s=flops / mean / 1e12, mfu=flops / mean / (peak * 1e12) if peak else None,
-                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                first_step_s=first, loss_path=loss_path,
-                **({"profile_top_ops": top} if top is not None else {}))
+    row = dict(tokens_per_step=tokens, step_s=mean, step_s_min=min(times), tokens_per_s=tokens / mean,
+               cpu_s=cpu_mean, tokens_per_cpu_s=tokens / cpu_mean,
+               model_tflops_per_s=flops / mean / 1e12, mfu=flops / mean / (peak * 1e12) if peak else None,
+               peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+               first_step_s=first, loss_path=loss_path)
+    if profile:
+        if progress is not None:
+            progress(dict(row, stopped="during the profiled step"))
+        row["profile_top_ops"] = _profile_top(step, sync, cuda, table)
+    return row
 
 
 def _profile_top(step, sync, cuda: bool, table: Path | None = None, n: int = 15) -> list[dict]:
@@ -334,10 +342,23 @@ def main(argv=None) -> int:
     arch = _cfg(preset, "native", args.dtype, False, args.device).model.arch()
     hf = hf_state_dict(MoEForCausalLM(arch).init_weights(0)) if any(b.startswith("megatron") for b in backends) else None
 
+    def save() -> None:
+        if args.out:  # what is measured so far survives a run stopped by a time cap
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
     def run_backend(name: str) -> None:
         """Builds, measures and frees one backend; a failure is recorded in its row (and the exit
-        code) and the other backends are still measured."""
+        code) and the other backends are still measured. The row is saved as it fills: its build
+        time, its first step's, then the timed figures ("stopped" says where a cut run ended)."""
+        t0 = time.perf_counter()
+        partial = {"stopped": "while building the model"}
+
+        def progress(figures: dict) -> None:
+            result[name] = {**partial, **figures}
+            save()
+
         try:
+            progress({})
             if name in NATIVE_ROWS:
                 comp, loss_path = NATIVE_ROWS[name]
                 cfg = _cfg(preset, "native", args.dtype, False, args.device, compile_mode if comp is None else comp)
@@ -346,19 +367,25 @@ def main(argv=None) -> int:
                     with torch.no_grad():
                         for n, t in iter_local_hf_tensors(backend.model):
                             t.copy_(hf[n])
-                result[name] = dict(_measure(backend, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile,
-                                             table(name), loss_path, cfg.algo),
-                                    compiled=getattr(backend, "compiled", False))  # (--baseline: older backends)
-                first = result[name]["first_step_s"]
-                result[name]["compile_s"] = first - result[name]["step_s"] if result[name]["compiled"] and first else None
+                partial = {"build_s": time.perf_counter() - t0, "compiled": getattr(backend, "compiled", False)}
+                progress({"stopped": "during the first step"})
+                row = _measure(backend, mbs, args.steps, args.warmup, flops["flops"], peak, args.profile,
+                               table(name), loss_path, cfg.algo, progress)
+                row = dict(row, build_s=partial["build_s"], compiled=partial["compiled"])
+                first = row["first_step_s"]
+                row["compile_s"] = first - row["step_s"] if row["compiled"] and first else None
+                result[name] = row
             else:
                 with (cpu_forward_shims() if not cuda else contextlib.nullcontext()):
                     cfg = _cfg(preset, "megatron", args.dtype, name == "megatron_recompute", args.device)
                     backend = MegatronBackend(cfg, None, hf_state=hf)
                     result["megatron_spec"] = "te" if backend.opts.use_te else "local"
                     result["megatron_experts"] = backend.experts_desc()
-                    result[name] = _measure(backend, mbs, args.steps, args.warmup, flops["flops"], peak,
-                                            args.profile, table(name), "general", cfg.algo)
+                    partial = {"build_s": time.perf_counter() - t0}
+                    progress({"stopped": "during the first step"})
+                    row = _measure(backend, mbs, args.steps, args.warmup, flops["flops"], peak,
+                                   args.profile, table(name), "general", cfg.algo, progress)
+                    result[name] = dict(row, build_s=partial["build_s"])
         except Exception as exc:
             traceback.print_exc()
             result[name] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
@@ -383,8 +410,7 @@ def main(argv=None) -> int:
     for name in dict.fromkeys(backends):  # in the order asked: a time cap cuts the last rows
         run_backend(name)
         ratios()
-        if args.out:  # what is measured so far survives a run stopped by a time cap
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        save()
     ok = ratios()
 
     text = json.dumps(result, indent=2)
