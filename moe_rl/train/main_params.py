@@ -17,7 +17,6 @@ class MainParamsOptimizer:
         self.model_params = [p for p in params]
         self.main_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
         self.optimizer = optimizer_cls(self.main_params, **kwargs)
-        self._grads: dict[int, torch.Tensor] = {}  # fp32 gradient buffers by main-param index, made once
 
     @property
     def param_groups(self):
@@ -26,15 +25,14 @@ class MainParamsOptimizer:
     @torch.no_grad()
     def step(self):
         into, grads = [], []
-        for i, (p, main) in enumerate(zip(self.model_params, self.main_params)):
-            main.grad = None
+        for p, main in zip(self.model_params, self.main_params):
+            # fp32 gradients only for the step (zero_grad frees them): not held through the next
+            # forward and backward, where they would cost 4 bytes per parameter
+            main.grad = None if p.grad is None else torch.empty_like(main)
             if p.grad is not None:
-                if i not in self._grads:
-                    self._grads[i] = torch.empty_like(main)
-                main.grad = self._grads[i]
                 into.append(main.grad)
                 grads.append(p.grad)
-        if grads:  # one multi-tensor copy (it casts) into the fp32 buffers, not a cast per parameter
+        if grads:  # one multi-tensor copy (it casts), not a cast kernel per parameter
             torch._foreach_copy_(into, grads)
         self.optimizer.step()
         torch._foreach_copy_(self.model_params, self.main_params)  # rounds to the model's dtype
