@@ -40,3 +40,6 @@ def test_one_step_syncs_once(overrides):
     syncs = [w for w in seen if "synchronizing CUDA operation" in str(w.message)]
     assert metrics["train_tokens"] > 0 and metrics["routing_match"] == 1.0
     assert len(syncs) == 1, [f"{w.filename}:{w.lineno}" for w in syncs][:20]
+    # AdamW's fused CUDA kernel (over fp32 main params in bf16), syncs counted above
+    opt = trainer.backend.optimizer
+    assert getattr(opt, "optimizer", opt).defaults["fused"] is True
