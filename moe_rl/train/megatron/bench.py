@@ -7,7 +7,8 @@
 
 One step = forward (routing replayed from a fixed record), the trainer's policy loss
 (``policy_loss``, decoupled PPO with the proximal policy = this forward), backward over every
-micro-batch, then ``optimizer_step``. All backends start from the same weights (the native
+micro-batch, then ``optimizer_step`` (in bf16 both backends step fp32 main params with AdamW,
+fused on a GPU). All backends start from the same weights (the native
 seeded init) and see the same batch; each is built, warmed up, timed and freed in turn, and
 the JSON (``--out``) is rewritten after each, so a run stopped midway keeps the rows it has.
 Native rows: ``native`` (``train.compile`` as ``--compile`` says, default auto: compiled on
