@@ -10,7 +10,8 @@ One step = forward (routing replayed from a fixed record), the trainer's policy 
 micro-batch, then ``optimizer_step`` (in bf16 both backends step fp32 main params with AdamW,
 fused on a GPU). All backends start from the same weights (the native
 seeded init) and see the same batch; each is built, warmed up, timed and freed in turn, and
-the JSON (``--out``) is rewritten after each, so a run stopped midway keeps the rows it has.
+the JSON (``--out``) is rewritten as each row fills (``build_s``, ``first_step_s``, the timed
+figures; ``stopped`` says where a cut row ended), so a run stopped midway keeps what it measured.
 Native rows: ``native`` (``train.compile`` as ``--compile`` says, default auto: compiled on
 CUDA, eager on a CPU; the general loss path: log-probs, then the loss, then backward),
 ``native_eager`` (``train.compile=false``) and ``native_fused`` (``--compile``'s blocks and
