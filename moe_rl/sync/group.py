@@ -89,12 +89,14 @@ class SyncGroup:
         self.closed = False
         log.debug("weight-sync group %s: rank %d/%d (%s)", group_name, rank, world_size, backend)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0):
-        """Starts a broadcast from ``src``; returns the work handle (``wait_work`` it)."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, persistent: bool = False):
+        """Starts a broadcast from ``src``; returns the work handle (``wait_work`` it).
+        ``persistent``: the sender keeps ``tensor``'s buffer between syncs (the ipc backend then
+        shares it once; the others ignore it)."""
         if self.closed:
             raise RuntimeError(f"weight-sync group {self.group_name!r} is closed")
         if self.backend == "ipc":
-            return self.pg.broadcast(tensor, src)
+            return self.pg.broadcast(tensor, src, persistent)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0

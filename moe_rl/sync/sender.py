@@ -145,8 +145,11 @@ class WeightSender:
         self.skip_down_engines = skip_down_engines
         self.use_triton = use_triton
         # CPU: keep the two bucket buffers between syncs (fresh pages cost more than the copy);
-        # CUDA: torch's caching allocator already reuses them, and training wants the memory.
-        self.keep_buffers = (self.device.type == "cpu") if keep_buffers is None else keep_buffers
+        # CUDA: torch's caching allocator already reuses them, and training wants the memory,
+        # except over ipc, which shares a kept buffer once instead of every bucket of every sync
+        if keep_buffers is None:
+            keep_buffers = self.device.type == "cpu" or self.backend == "ipc"
+        self.keep_buffers = keep_buffers
         self._pool: list[torch.Tensor] = []
         self._views: dict[int, list[torch.Tensor]] = {}
         self._views_key = None
@@ -256,6 +259,10 @@ class WeightSender:
         buf = torch.empty(numel, dtype=dtype, device=self.device)
         self._mem.alloc(buf.numel() * buf.element_size())
         return buf
+
+    def _kept(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf``'s storage outlives this sync (a bound bucket, or the kept pool's)."""
+        return self.keep_buffers or (self._bound is not None and any(buf is b for b in self._bound))
 
     def _release(self, buf: torch.Tensor | None) -> None:
         if buf is None or (self._bound is not None and any(buf is b for b in self._bound)):
@@ -439,7 +446,7 @@ class WeightSender:
                     body["checksum"] = cs
                 calls = [asyncio.ensure_future(e.update_weights_from_distributed(**body)) for e in engines]
                 await asyncio.sleep(0)  # let the requests go out
-                work = self.group.broadcast(cur, src=0)
+                work = self.group.broadcast(cur, src=0, persistent=self._kept(cur))
                 faults.point("sync.bucket")  # a test run's crash with the engines mid-update
                 if i + 1 < n:
                     nxt = loop.run_in_executor(self._ep_exec, self._prepare, i + 1)

@@ -23,7 +23,10 @@ def _sync(model, ctl, version):
     sender = WeightSender(model, engines=[ctl], bucket_mb=H.BUCKET_MB, timeout_s=30, backend="ipc")
     try:
         assert len(sender.plan.buckets) > 2
-        return sender.sync(version)
+        stats = sender.sync(version)
+        # the kept pool (two buffers per dtype) is shared once per buffer, not once per bucket
+        assert sender.keep_buffers and 1 <= sender.group.pg.shares <= 2 < len(sender.plan.buckets)
+        return stats
     finally:
         sender.close()
 
@@ -72,3 +75,42 @@ def _cuda_receiver(port, q):
     g.wait_work(g.broadcast(buf, src=0))
     q.put(float(buf.sum()))
     g.close()
+
+
+def test_a_kept_buffer_is_shared_once_and_a_fresh_one_each_time():
+    """Rank 0 broadcasts views of one kept buffer (a bound or pooled bucket) three times with new
+    contents, and a fresh buffer twice: the kept one is shared and mapped once (its later
+    broadcasts name the mapping, and the receiver reads the new contents through it), each fresh
+    one anew. Sharing a kept buffer every time would grow torch's IPC records without bound."""
+    import threading
+
+    from moe_rl.sync.group import SyncGroup, free_port
+
+    port = free_port()
+    groups = {}
+    threads = [threading.Thread(target=lambda r=r: groups.__setitem__(
+        r, SyncGroup("127.0.0.1", port, r, 2, "ipc-once", "ipc", 30))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    sender, receiver = groups[0], groups[1]
+    kept = torch.zeros(1000)
+    try:
+        for i, (lo, n) in enumerate([(0, 600), (600, 400), (100, 300)]):
+            kept.copy_(torch.arange(1000, dtype=torch.float32) * (i + 1))
+            for buf, persistent in ((kept[lo:lo + n], True), (torch.full((50,), float(i)), False)):
+                got = torch.empty_like(buf)
+                recv = receiver.broadcast(got, src=0)
+                done = threading.Thread(target=receiver.wait_work, args=(recv,))
+                done.start()
+                sender.wait_work(sender.broadcast(buf, src=0, persistent=persistent))
+                done.join(30)
+                assert torch.equal(got, buf), (i, persistent)
+        assert (sender.pg.shares, receiver.pg.opens) == (1 + 3, 1 + 3)
+        assert len(sender.pg.shared) == len(receiver.pg.mapped) == 1
+    finally:
+        spg, rpg = sender.pg, receiver.pg
+        receiver.close()
+        sender.close()
+    assert not spg.shared and not rpg.mapped  # closing the group lets the mapped buffer go
