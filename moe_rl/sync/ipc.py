@@ -101,9 +101,17 @@ class IpcGroup:
             def send(timeout_s: float) -> bool:
                 self.store.set(key, self._describe(tensor, persistent))
                 deadline = time.monotonic() + timeout_s
+                left = [_left(r) for r in range(1, self.world_size)]
+                polls = 0
                 while self.store.add(ack, 0) < self.world_size - 1:
                     if time.monotonic() > deadline:
                         return False
+                    polls += 1
+                    # a rank that left the group (as gloo's peer closing its connection) fails
+                    # the broadcast now, not at its timeout
+                    if polls % 100 == 0 and self.store.check(left):
+                        gone = [r for r in range(1, self.world_size) if self.store.check([_left(r)])]
+                        raise RuntimeError(f"ipc weight-sync group: rank(s) {gone} left it during bucket {self.seq}")
                     time.sleep(0.0005)
                 self.store.delete_key(key)
                 self.store.delete_key(ack)
@@ -125,6 +133,16 @@ class IpcGroup:
         return _Work(receive)
 
     def shutdown(self) -> None:
-        """The group ends: the mapped storages are let go (rank 0's memory may then be freed)."""
+        """The group ends: the mapped storages are let go (rank 0's memory may then be freed),
+        and a rank other than 0 says it left, so that a broadcast rank 0 waits on fails now."""
         self.shared.clear()
         self.mapped.clear()
+        if self.rank != 0:
+            try:
+                self.store.set(_left(self.rank), "1")
+            except Exception:  # rank 0's store is gone: nobody waits on this rank any more
+                pass
+
+
+def _left(rank: int) -> str:
+    return f"ipc/left/{rank}"

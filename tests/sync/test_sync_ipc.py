@@ -114,3 +114,31 @@ def test_a_kept_buffer_is_shared_once_and_a_fresh_one_each_time():
         receiver.close()
         sender.close()
     assert not spg.shared and not rpg.mapped  # closing the group lets the mapped buffer go
+
+
+def test_a_rank_that_leaves_fails_the_broadcast_at_once():
+    """An engine that leaves the ipc group (as it does when it refuses a bucket it cannot read)
+    fails rank 0's broadcast within a fraction of a second, not at the group's timeout (30 s
+    here), as gloo's broadcast fails when its peer closes the connection."""
+    import threading
+    import time
+
+    from moe_rl.sync.group import SyncGroup, free_port
+
+    port = free_port()
+    groups = {}
+    threads = [threading.Thread(target=lambda r=r: groups.__setitem__(
+        r, SyncGroup("127.0.0.1", port, r, 2, "ipc-left", "ipc", 30))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    sender, receiver = groups[0], groups[1]
+    try:
+        receiver.close()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] left it during bucket 1"):
+            sender.wait_work(sender.broadcast(torch.ones(10), src=0))
+        assert time.monotonic() - t0 < 5
+    finally:
+        sender.close()
