@@ -151,6 +151,10 @@ def _launch(cfg, argv: list[str]) -> int:
                 r_role = "trainer" if Layout.from_config(cfg).role(r) == "trainer" else "engine host"
                 print(f"error: rank {r} ({r_role}): {why}", file=sys.stderr)
         return 1
+    except Exception as e:  # torchrun's agent itself failed (its traceback is above); its workers are stopped
+        print(f"error: the run failed: torchrun's agent raised {type(e).__name__}: {e}; the ranks' logs are "
+              f"above; resume=true continues from the latest checkpoint.", file=sys.stderr)
+        return 1
     return 0
 
 

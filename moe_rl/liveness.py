@@ -212,19 +212,29 @@ def describe(e: BaseException) -> str:
     return "; ".join([f"{type(e).__name__}: {e}", *getattr(e, "__notes__", [])])
 
 
+_recorded = threading.Lock()  # taken by the first failure this process records, never released
+
+
 def record_failure(message: str) -> None:
     """Writes why this rank fails where torchrun's agent reads it (torch elastic's error file,
-    ``TORCHELASTIC_ERROR_FILE``): the ``moe-rl train`` launcher prints it (moe_rl/cli.py)."""
+    ``TORCHELASTIC_ERROR_FILE``): the ``moe-rl train`` launcher prints it (moe_rl/cli.py).
+
+    The first failure of the process is the one recorded: the watch thread that ends the run
+    (``Liveness._fatal``) kills a frozen peer, and the main thread may then fail on that peer's
+    death while the watch thread exits the process. The file appears whole (written aside,
+    then renamed): the agent parses it, and a half-written one made its parse raise."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    if not path or not _recorded.acquire(blocking=False):
         return
     import json
     import traceback
 
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(path, "w") as f:
+        with open(tmp, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": {
                 "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}, f)
+        os.replace(tmp, path)
     except OSError as e:
         log.debug("could not record the failure in %s: %s", path, e)
 

@@ -102,3 +102,22 @@ def test_the_end_of_the_run_releases_engines_and_names_a_frozen_one(tmp_path):
             if p.is_alive():
                 p.kill()
     assert frozen.exitcode == -signal.SIGKILL and live.exitcode == 0
+
+
+def test_the_first_failure_is_recorded_whole(tmp_path, monkeypatch):
+    """torchrun's agent parses a failed rank's error file. The rank's watch thread records why it
+    ends the run and then exits the process, while the main thread may fail on the peer it just
+    killed: the first failure is the one recorded, and the file appears whole (written aside,
+    renamed), so an exit in the middle of a later write cannot leave it empty."""
+    import json
+    import threading
+
+    from moe_rl import liveness
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setattr(liveness, "_recorded", threading.Lock())
+    liveness.record_failure("FrozenPeerError: engine host rank 1 has sent no heartbeat")
+    liveness.record_failure("EngineError: connection refused")  # the main thread, after the kill
+    assert json.loads(path.read_text())["message"]["message"].startswith("FrozenPeerError")
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
