@@ -163,7 +163,7 @@ stages() {
   #  engine_bf16     15  ~15
   #  on_policy       40  25-35    3 variants x 3 steps of the tiny model in bf16, graph capture of
   #                                3 engines, ~15 cold Triton builds of the exact kernels (pytest_gpu's
-  #                                fp32 tests build other variants); its JSON comes at the end
+  #                                fp32 tests build other variants); its JSON saved after each round
   #  gated_delta     15  ~15      2k tokens, Triton scan vs torch (fla, 8k tokens: gated_delta_fla)
   #  gpu_1x        rest  >= 60    train.compile=false: its compile would take most of what is left
   #                                (gpu_1x_compiled, by name, measures the compiled step)
@@ -178,7 +178,7 @@ stages() {
   st engine_bf16       15    "$PY -m moe_rl.cli bench engine $engine --variants none engine.dtype=bfloat16 --out \$J"
   # true_on_policy in bf16 with the exact kernels' Triton versions: its exactness checks and its
   # cost (engine tokens/s and train step, key on vs off)
-  st on_policy         40    "$PY -m moe_rl.cli bench on-policy --json $on_policy > \$J"
+  st on_policy         40    "$PY -m moe_rl.cli bench on-policy $on_policy --out \$J"
   # the Gated DeltaNet chunk scan: Triton vs torch, checked against the float64 recurrence
   st gated_delta       15    "$PY -m moe_rl.cli bench gated-delta --json $gdn > \$J"
   st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false output_dir=\$W/gpu_1x logging.progress=false"

@@ -155,7 +155,8 @@ def read_on_policy(path: Path) -> dict:
     r = _load_json(path)
     s = r["summary"]
     variants = r.get("variants") or {}
-    return {"passed": s.get("passed"), "checks": s.get("checks"), "clock": s.get("clock"), "device": s.get("device"),
+    return {"passed": s.get("passed"), "checks": s.get("checks"), "stopped": s.get("stopped"),
+            "clock": s.get("clock"), "device": s.get("device"),
             "dtype": _get(s, "machine", "dtype"),
             **{k: s.get(k) for k in ("engine_time_on_vs_off", "train_step_on_vs_off", "train_step_on_forward_vs_off",
                                      "skip_saving")},

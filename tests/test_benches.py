@@ -81,6 +81,29 @@ def test_bench_engine_out_keeps_what_a_stopped_run_measured(tmp_path, monkeypatc
     assert "stopped" not in printed["summary"] and printed["summary"]["variants"].keys() == {"dynamic"}
 
 
+def test_bench_on_policy_out_keeps_the_rounds_of_a_stopped_run(tmp_path, monkeypatch):
+    """`moe-rl bench on-policy --out FILE` saves its report after each measured round: a run
+    stopped (as a time cap stops it) before the exactness checks keeps the rounds' figures and
+    the checks they decide (trainer = engine, the default's live mismatch), passed unknown."""
+    from moe_rl.bench import on_policy
+
+    out = tmp_path / "on_policy.json"
+    seen = []
+
+    def stopped(*a, **k):
+        seen.append(json.loads(out.read_text()))
+        raise SystemExit(124)
+
+    monkeypatch.setattr(on_policy, "exactness", stopped)
+    with pytest.raises(SystemExit):
+        on_policy.main(["--rounds", "2", "--out", str(out)])
+    r = json.loads(out.read_text())
+    s = r["summary"]
+    assert r == seen[0] and s["stopped"] == "after round 2 of 2, before the exactness checks"
+    assert s["checks"] == {"trainer_equals_engine": True, "off_mismatch_live": True} and s["passed"] is None
+    assert s["engine_time_on_vs_off"] > 0 and set(r["variants"]) == {"off", "on", "on_forward"}
+
+
 def test_bench_sync_round_trip_check_can_fail():
     """`moe-rl bench sync --gpu` reports bit_identical from this check (CPU, Triton interpreter):
     true for the right plans, false for an unpack plan whose offsets are off by one tensor."""

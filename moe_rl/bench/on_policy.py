@@ -41,7 +41,9 @@ comparison bit for bit, ``torch.equal``), each reported pass/fail in ``summary["
 * ``checks_can_fail``: the comparison flags a copy with one bit changed.
 
 Exit 1 unless ``summary["passed"]``: every exact check holds for both exact variants and the
-default shows its mismatch.
+default shows its mismatch. ``--out FILE`` writes the JSON after each measured round too
+(``summary.stopped`` says what was still to come, ``passed`` is null until the checks ran),
+so a run stopped by a time cap keeps its rounds and the checks they decide.
 
 The harness (``make_trainer``, ``rollout``, ``sync``) is also what tests/train compares the
 trainer's log-probs with the engine's through.
@@ -262,10 +264,12 @@ def exactness(engine, t, seed: int = 0) -> dict:
             "tokens": len(tokens)}
 
 
-def measure(config: str, overrides: list[str], rounds: int, minibatches: int) -> dict:
+def measure(config: str, overrides: list[str], rounds: int, minibatches: int, save=None) -> dict:
+    """Every variant's rounds, then the checks; ``save(report)``, if given, gets the report after
+    each measured round (``summary.stopped`` says what was still to come) and at the end."""
     from ..config import load_config
 
-    out = {}
+    save = save or (lambda report: None)
     with tempfile.TemporaryDirectory(prefix="moe-rl-bench-on-policy-") as tmp:
         runs = {}
         for name, (key, skip) in VARIANTS.items():
@@ -280,10 +284,24 @@ def measure(config: str, overrides: list[str], rounds: int, minibatches: int) ->
                     row = run.step()
                     if r:  # round 0 warms up
                         rows[name].append(row)
+                if r:
+                    partial = _report(rows, None, device)
+                    partial["summary"]["stopped"] = (f"after round {r} of {rounds}"
+                                                     + (", before the exactness checks" if r == rounds else ""))
+                    save(partial)
             checks = {name: exactness(run.engine, run.t) for name, run in runs.items()}
         finally:
             for run in runs.values():
                 run.engine.stop()
+    report = _report(rows, checks, device)
+    save(report)
+    return report
+
+
+def _report(rows: dict, checks: dict | None, device) -> dict:
+    """The variants' medians and the summary from the rounds so far; ``checks`` None: the
+    exactness checks have not run (the summary then holds the checks the rounds decide)."""
+    out = {}
     for name, rs in rows.items():
         out[name] = {
             "engine_tokens_per_s": round(statistics.median(x["tokens_per_s"] for x in rs), 1),
@@ -293,7 +311,7 @@ def measure(config: str, overrides: list[str], rounds: int, minibatches: int) ->
             "mismatch_k3_max": max(x["mismatch_k3"] for x in rs),
             "max_ratio_max": max(x["max_ratio"] for x in rs),
             "proximal_forwards_skipped_per_step": statistics.median(x["skipped"] for x in rs),
-            "checks": checks[name],
+            **({"checks": checks[name]} if checks is not None else {}),
         }
     on, off, fwd = out["on"], out["off"], out["on_forward"]
     # a GPU's work does not show in the process's CPU time: the wall clock there
@@ -302,16 +320,19 @@ def measure(config: str, overrides: list[str], rounds: int, minibatches: int) ->
                                                                                   "train_step_cpu_s")
     exact = all(x["mismatch_k3"] == 0.0 and x["max_ratio"] == 1.0 for v in EXACT_VARIANTS for x in rows[v])
     live = any(x["mismatch_k3"] > 0.0 for x in rows["off"])
-    ex = [checks[v] for v in EXACT_VARIANTS]
-    summary_checks = {
-        "trainer_equals_engine": exact,
-        "alone_equals_batched": all(c["alone_equals_batched"] for c in ex),
-        "decode_equals_prefill": all(c["decode_equals_prefill"] and c["decode_equals_forward"] for c in ex),
-        "off_mismatch_live": live,
-        "off_alone_equals_batched": checks["off"]["alone_equals_batched"],
-        "off_decode_equals_prefill": checks["off"]["decode_equals_prefill"] and checks["off"]["decode_equals_forward"],
-        "checks_can_fail": _self_test(),
-    }
+    summary_checks = {"trainer_equals_engine": exact, "off_mismatch_live": live}
+    if checks is not None:
+        ex = [checks[v] for v in EXACT_VARIANTS]
+        summary_checks = {
+            "trainer_equals_engine": exact,
+            "alone_equals_batched": all(c["alone_equals_batched"] for c in ex),
+            "decode_equals_prefill": all(c["decode_equals_prefill"] and c["decode_equals_forward"] for c in ex),
+            "off_mismatch_live": live,
+            "off_alone_equals_batched": checks["off"]["alone_equals_batched"],
+            "off_decode_equals_prefill": (checks["off"]["decode_equals_prefill"]
+                                          and checks["off"]["decode_equals_forward"]),
+            "checks_can_fail": _self_test(),
+        }
     required = ("trainer_equals_engine", "alone_equals_batched", "decode_equals_prefill", "off_mismatch_live",
                 "checks_can_fail")
     summary = {
@@ -326,7 +347,7 @@ def measure(config: str, overrides: list[str], rounds: int, minibatches: int) ->
         "exact": exact,
         "off_mismatch_live": live,
         "checks": summary_checks,
-        "passed": all(summary_checks[k] for k in required),
+        "passed": all(summary_checks[k] for k in required) if checks is not None else None,
     }
     return {"variants": out, "summary": summary}
 
@@ -355,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="model.dtype and engine.dtype of every variant (auto: bfloat16 on cuda, the config's on cpu)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--out", default=None, help="also write the JSON there, after each measured round (summary."
+                    "stopped: what was still to come) and at the end")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("moe-rl bench on-policy: --device cuda but no CUDA device is visible", file=sys.stderr)
@@ -362,12 +385,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     overrides = [f"engine.threads={a.threads}", f"train.threads={a.threads}", *device_overrides(a.device, a.dtype),
                  *a.overrides]
-    out = measure(a.config, overrides, a.rounds, a.minibatches)
+    machine = {"cpu": _cpu_name(), "cores": os.cpu_count(), "gpu": torch.cuda.get_device_name() if a.device == "cuda"
+               else None, "loadavg_1m": round(os.getloadavg()[0], 2), "threads": a.threads, "rounds": a.rounds,
+               "overrides": a.overrides, "minibatches": a.minibatches, "dtype": a.dtype}
+
+    def save(report: dict) -> None:
+        report["summary"]["machine"] = machine
+        if a.out:
+            Path(a.out).write_text(json.dumps(report) + "\n")
+
+    out = measure(a.config, overrides, a.rounds, a.minibatches, save)
     s = out["summary"]
-    s["machine"] = {"cpu": _cpu_name(), "cores": os.cpu_count(),
-                    "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
-                    "loadavg_1m": round(os.getloadavg()[0], 2), "threads": a.threads, "rounds": a.rounds,
-                    "overrides": a.overrides, "minibatches": a.minibatches, "dtype": a.dtype}
     if a.json:
         print(json.dumps(out))
     else:
