@@ -260,12 +260,16 @@ class WeightSender:
         self._mem.alloc(buf.numel() * buf.element_size())
         return buf
 
+    def _is_bound(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` is a bucket the parameters live in (``bind_params``)."""
+        return self._bound is not None and any(buf is b for b in self._bound)
+
     def _kept(self, buf: torch.Tensor) -> bool:
         """Whether ``buf``'s storage outlives this sync (a bound bucket, or the kept pool's)."""
-        return self.keep_buffers or (self._bound is not None and any(buf is b for b in self._bound))
+        return self.keep_buffers or self._is_bound(buf)
 
     def _release(self, buf: torch.Tensor | None) -> None:
-        if buf is None or (self._bound is not None and any(buf is b for b in self._bound)):
+        if buf is None or self._is_bound(buf):
             return
         if self.keep_buffers:
             base = buf if buf._base is None else buf._base

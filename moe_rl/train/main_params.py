@@ -28,8 +28,9 @@ class MainParamsOptimizer:
         for p, main in zip(self.model_params, self.main_params):
             # fp32 gradients only for the step (zero_grad frees them): not held through the next
             # forward and backward, where they would cost 4 bytes per parameter
-            main.grad = None if p.grad is None else torch.empty_like(main)
+            main.grad = None
             if p.grad is not None:
+                main.grad = torch.empty_like(main)
                 into.append(main.grad)
                 grads.append(p.grad)
         if grads:  # one multi-tensor copy (it casts), not a cast kernel per parameter

@@ -1,5 +1,8 @@
 """sync.backend=ipc: the receiver maps each bucket of the sender's memory (shared memory on CPU,
 CUDA IPC on a GPU) instead of receiving a broadcast; same staging, same atomic commit."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -77,24 +80,28 @@ def _cuda_receiver(port, q):
     g.close()
 
 
-def test_a_kept_buffer_is_shared_once_and_a_fresh_one_each_time():
-    """Rank 0 broadcasts views of one kept buffer (a bound or pooled bucket) three times with new
-    contents, and a fresh buffer twice: the kept one is shared and mapped once (its later
-    broadcasts name the mapping, and the receiver reads the new contents through it), each fresh
-    one anew. Sharing a kept buffer every time would grow torch's IPC records without bound."""
-    import threading
-
+def _ipc_pair(name: str):
+    """Ranks 0 and 1 of one ipc weight-sync group, both in this process (each made in a thread:
+    the store's rendezvous waits for both)."""
     from moe_rl.sync.group import SyncGroup, free_port
 
     port = free_port()
     groups = {}
     threads = [threading.Thread(target=lambda r=r: groups.__setitem__(
-        r, SyncGroup("127.0.0.1", port, r, 2, "ipc-once", "ipc", 30))) for r in (0, 1)]
+        r, SyncGroup("127.0.0.1", port, r, 2, name, "ipc", 30))) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    sender, receiver = groups[0], groups[1]
+    return groups[0], groups[1]
+
+
+def test_a_kept_buffer_is_shared_once_and_a_fresh_one_each_time():
+    """Rank 0 broadcasts views of one kept buffer (a bound or pooled bucket) three times with new
+    contents, and a fresh buffer twice: the kept one is shared and mapped once (its later
+    broadcasts name the mapping, and the receiver reads the new contents through it), each fresh
+    one anew. Sharing a kept buffer every time would grow torch's IPC records without bound."""
+    sender, receiver = _ipc_pair("ipc-once")
     kept = torch.zeros(1000)
     try:
         for i, (lo, n) in enumerate([(0, 600), (600, 400), (100, 300)]):
@@ -120,20 +127,7 @@ def test_a_rank_that_leaves_fails_the_broadcast_at_once():
     """An engine that leaves the ipc group (as it does when it refuses a bucket it cannot read)
     fails rank 0's broadcast within a fraction of a second, not at the group's timeout (30 s
     here), as gloo's broadcast fails when its peer closes the connection."""
-    import threading
-    import time
-
-    from moe_rl.sync.group import SyncGroup, free_port
-
-    port = free_port()
-    groups = {}
-    threads = [threading.Thread(target=lambda r=r: groups.__setitem__(
-        r, SyncGroup("127.0.0.1", port, r, 2, "ipc-left", "ipc", 30))) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    sender, receiver = groups[0], groups[1]
+    sender, receiver = _ipc_pair("ipc-left")
     try:
         receiver.close()
         t0 = time.monotonic()
