@@ -17,7 +17,11 @@ package_dir = {"moe_rl": "moe_rl", "moe_rl.kernels": "kernels"}
 ext_modules = []
 sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
 if sources:
-    from pybind11.setup_helpers import Pybind11Extension
+    from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
+
+    # one source per core (MAX_JOBS, as torch's extensions read it; every core by default): built
+    # serially, the nine sources take about a minute
+    ParallelCompile("MAX_JOBS").install()
 
     ext_modules.append(
         Pybind11Extension(

@@ -213,7 +213,7 @@ def round_(tmp_path, *stages, **env):
     work, out = tmp_path / "round", tmp_path / "out"
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_round.sh"), *stages], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, GPU_ROUND_DEVICE="cpu", GPU_ROUND_WORK=str(work),
-                                             OUT=str(out), PYTHON=sys.executable, **env))
+                                             OUT=str(out), **{"PYTHON": sys.executable, **env}))
     return r, json.loads((out / "gpu_summary.json").read_text())
 
 
@@ -265,7 +265,7 @@ def test_a_pytest_run_stopped_by_its_cap_still_gives_the_tests_that_ended(work, 
 
 
 def test_the_caps_of_all_leave_gpu_1x_its_minute():
-    """`all`'s stages before gpu_1x fit the round's budget with a minute left for gpu_1x, so the
+    """`all`'s stages between install and gpu_1x fit the round's budget with a minute left for gpu_1x, so the
     main job runs even when every other stage runs to its cap."""
     import re
 
@@ -274,6 +274,17 @@ def test_the_caps_of_all_leave_gpu_1x_its_minute():
     caps = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  st (\w+)\s+(\d+)\s", text, re.M)}
     budget = int(re.search(r"GPU_ROUND_BUDGET_S:-\$\(\((\d+) \* SCALE", text).group(1))
     reserve, min_stage = (int(re.search(rf"^{k}=(\d+)", text, re.M).group(1)) for k in ("RESERVE", "MIN_STAGE"))
-    assert stages[-1] == "gpu_1x" and set(stages) <= set(caps)
-    before = sum(caps[s] for s in stages[:-1])
+    assert stages[0] == "install" and stages[-1] == "gpu_1x" and set(stages) <= set(caps)
+    before = sum(caps[s] for s in stages[1:-1])          # the budget starts after the install
     assert before + min_stage <= budget - reserve, (before, budget, reserve)
+
+
+def test_a_failed_install_ends_the_round(tmp_path):
+    """Without the install nothing imports (moe_rl.kernels lives where the editable install maps
+    it): the stages after a failed install are skipped, not run to their errors."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/bash\ncase "$*" in *"-m pip"*|*"import moe_rl._C"*) exit 1;; esac\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    r, s = round_(tmp_path, "install", "engine", PYTHON=str(fake))
+    assert r.returncode == 1 and "engine: skipped, the install failed" in r.stdout, r.stdout + r.stderr
+    assert s["stage_rc"] == {"install": 1, "engine": None} and s["stages"]["engine"]["status"] == "skipped"
