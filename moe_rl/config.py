@@ -187,7 +187,8 @@ class SyncConfig(Strict):
                             "engines join (SGLang's group_name)")
     port: int = Field(0, ge=0, le=65535, description="rendezvous port of the weight-sync group; 0 = a free port")
     bind_params: bool = Field(True, description="train.ep_size=1: the trainer's parameters live in the bucket "
-                              "buffers, so a sync sends them without packing")
+                              "buffers, so a sync sends them without packing (not under a fused AdamW, fp32 on "
+                              "CUDA, which takes only dense parameters)")
     master_address: str = Field("127.0.0.1", description="address of trainer rank 0 as the engines reach it "
                                 "(the weight-sync group's rendezvous); set it for engines on other machines")
     timeout_s: float = Field(120.0, gt=0, description="seconds the weight-sync group's setup and each "

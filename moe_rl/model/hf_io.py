@@ -169,13 +169,16 @@ def _binding_anchors(model: MoEForCausalLM) -> list[str]:
     return names
 
 
-def bind_hf_views(model: MoEForCausalLM, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+def bind_hf_views(model: MoEForCausalLM, views: dict[str, torch.Tensor],
+                  dense: bool = False) -> dict[str, torch.Tensor] | None:
     """Re-points every parameter of ``model`` at the memory of ``views`` (HF name -> tensor,
     e.g. views into weight-sync buckets), so those buffers become the model's storage without a
     copy. A stacked expert parameter becomes a strided view over its experts' HF tensors, which
     needs them in one buffer at a uniform stride (one layer's experts in one bucket, in HF
     order). All or nothing: returns None, changing nothing, if any parameter cannot be bound;
-    else the new (HF name -> live tensor) map, which is ``views`` itself.
+    else the new (HF name -> live tensor) map, which is ``views`` itself. ``dense``: every
+    parameter must stay non-overlapping and dense, so a stack binds only over experts that lie
+    back to back (fused AdamW takes no other layout; HF order interleaves gate, up and down).
 
     The binding of a given set of buffers is remembered (a few sets: weight sync alternates
     two), so binding thousands of small experts again costs one look-up per parameter."""
@@ -184,7 +187,7 @@ def bind_hf_views(model: MoEForCausalLM, views: dict[str, torch.Tensor]) -> dict
     if anchors is None:
         anchors = model.__dict__["_hf_bind_anchors"] = _binding_anchors(model)
     if all(n in views for n in anchors):
-        key = tuple(views[n].data_ptr() for n in anchors)
+        key = (dense, *(views[n].data_ptr() for n in anchors))
         plan = cache.get(key)
         if plan is not None:
             for p, new in plan:
@@ -202,7 +205,7 @@ def bind_hf_views(model: MoEForCausalLM, views: dict[str, torch.Tensor]) -> dict
             storage = vs[0].untyped_storage().data_ptr()
             step = vs[1].storage_offset() - vs[0].storage_offset() if len(vs) > 1 else vs[0].numel()
             if any(v.untyped_storage().data_ptr() != storage or v.storage_offset() != vs[0].storage_offset() + e * step
-                   for e, v in enumerate(vs)) or step < vs[0].numel():
+                   for e, v in enumerate(vs)) or step < vs[0].numel() or (dense and step != vs[0].numel()):
                 return None
             new = vs[0].as_strided(tuple(p.shape), (step,) + tuple(vs[0].stride()), vs[0].storage_offset())
         else:

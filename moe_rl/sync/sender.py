@@ -120,6 +120,7 @@ class WeightSender:
         use_triton: bool | None = None,
         keep_buffers: bool | None = None,
         bind_params: bool = False,
+        dense_params: bool = False,
         skip_down_engines: bool = True,
     ):
         # ``model``: the native model, or a weights source (moe_rl.sync.source) of any backend
@@ -164,13 +165,14 @@ class WeightSender:
         self._layout = [self._bucket_layout(b) for b in self.plan.buckets]
         self._bound: list[torch.Tensor] | None = None
         if bind_params:
-            self._bind_params()
+            self._bind_params(dense_params)
 
-    def _bind_params(self) -> None:
+    def _bind_params(self, dense: bool) -> None:
         """EP=1 native model, no dtype cast on the wire: moves the parameters into the bucket
         buffers (one copy, now), so every later sync broadcasts them as they are, with no pack.
-        Needs each layer's experts inside one bucket (see plan_buckets); otherwise says so and
-        packs each sync."""
+        Needs each layer's experts inside one bucket (see plan_buckets), and with ``dense`` (the
+        trainer's fused AdamW) each expert stack back to back; otherwise says so and packs each
+        sync."""
         if self.ep_size != 1 or not isinstance(self.source, ModelSource) or not self.is_source:
             return
         model = self.source.model
@@ -187,9 +189,11 @@ class WeightSender:
                 views[name] = v
             bufs.append(buf)
         with torch.no_grad():
-            if bind_hf_views(model, views) is None:
-                log.info("weight sync: a layer's experts span buckets (sync.bucket_mb=%.0f), so the parameters "
-                         "cannot live in the buckets; packing every sync", self.plan.bucket_bytes / 2**20)
+            if bind_hf_views(model, views, dense=dense) is None:
+                why = ("the optimizer's fused AdamW takes only dense parameters and HF order interleaves each "
+                       "expert's projections" if dense else
+                       f"a layer's experts span buckets (sync.bucket_mb={self.plan.bucket_bytes / 2**20:.0f})")
+                log.info("weight sync: %s, so the parameters cannot live in the buckets; packing every sync", why)
                 return
         self._bound = bufs
         log.info("weight sync: parameters live in %d bucket buffers; syncs send them without packing", len(bufs))

@@ -109,6 +109,7 @@ class DataParallelStep:
     (``TORCH``), or the exact linear and log-softmax of ``true_on_policy`` (``EXACT``)."""
 
     ops = TORCH
+    needs_dense_params = False  # set by _setup_optimizer: fused AdamW steps the parameters themselves
     equal_tokens_per_ep_rank = False  # the native EP exchange sends each rank's own token counts
 
     def logprobs(self, mb, temperature, with_entropy=False, record=None):
@@ -138,11 +139,14 @@ class DataParallelStep:
         # on a GPU the fused kernel: one launch for the step, and none of the foreach form's
         # temporaries (a full fp32 copy of the second moments, 11 GB on the large train preset)
         adamw = dict(lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay,
-                     fused=True if params and params[0].is_cuda else None)
+                     fused=fused_adamw(params))
         if any(p.dtype != torch.float32 for p in params):
-            self.optimizer = MainParamsOptimizer(params, **adamw)
+            self.optimizer = MainParamsOptimizer(params, **adamw)  # steps dense fp32 copies
         else:
             self.optimizer = torch.optim.AdamW(params, **adamw)
+            # its fused kernel takes no strided parameter (as an expert stack over interleaved
+            # HF tensors, in weight-sync buckets, would be: sync.bind_params)
+            self.needs_dense_params = bool(adamw["fused"])
 
     def optimizer_step(self) -> dict[str, torch.Tensor]:
         for p in self.dense_params + self.expert_params:
@@ -172,6 +176,11 @@ class DataParallelStep:
         for dtype, grads in by_dtype.items():  # a scale of another dtype sends CUDA's kernel one tensor at a time
             torch._foreach_mul_(grads, scale.to(dtype))
         return norm
+
+
+def fused_adamw(params: list[torch.Tensor]) -> bool | None:
+    """AdamW's fused kernel on a GPU (None: torch's default form elsewhere)."""
+    return True if params and params[0].is_cuda else None
 
 
 def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:

@@ -299,7 +299,8 @@ class Trainer:
                                           api_key=cfg.engine.api_key, timeout_s=cfg.sync.timeout_s)
         else:
             self.sender = WeightSender.from_config(self.backend.hf_source(), cfg.sync, self.groups,
-                                                  engines=self.urls if self.lead else (), wire_dtype=wire)
+                                                  engines=self.urls if self.lead else (), wire_dtype=wire,
+                                                  dense_params=self.backend.needs_dense_params)
         if self.record_routing:
             if self.lead:  # a fresh start's log is empty: moe_rl.rundir refused or deleted an old one
                 self.writer = ReplayLog(self.replay_dir, len(self.arch.moe_layers), self.arch.num_experts_per_tok,

@@ -117,3 +117,32 @@ def test_an_fp32_native_backend_steps_its_weights_with_adamw(monkeypatch):
     backend = _backend("float32")
     assert type(backend.optimizer) is torch.optim.AdamW
     assert _one_step(backend, monkeypatch) == [(torch.float32, torch.float32)]
+
+
+def test_a_fused_adamw_keeps_the_trainers_parameters_dense_in_the_sync_buckets(monkeypatch):
+    """CUDA's fused AdamW takes only parameters that are non-overlapping and dense, with grads of
+    the same strides. The weight sync's buckets hold HF tensors in HF order (each expert's gate,
+    up and down back to back), so an expert stack bound there is strided: a trainer whose AdamW
+    is fused keeps its own storage (the sync packs), one whose AdamW is not binds as before."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    import moe_rl.train.backend as backend_mod
+    from moe_rl.sync.sender import WeightSender
+
+    def layout_ok(model):
+        return all(dense(p) and (p.grad is None or p.grad.stride() == p.stride()) for p in model.parameters())
+
+    plain = _backend("float32")
+    assert not plain.needs_dense_params
+    WeightSender(plain.model, engines=[], bucket_mb=1, bind_params=True, dense_params=plain.needs_dense_params)
+    assert not layout_ok(plain.model)  # bound: the expert stacks step over three HF tensors
+
+    monkeypatch.setattr(backend_mod, "fused_adamw", lambda params: True)  # CUDA's choice, on a CPU
+    fused = _backend("float32")
+    assert fused.needs_dense_params and fused.optimizer.param_groups[0]["fused"]
+    sender = WeightSender(fused.model, engines=[], bucket_mb=1, bind_params=True,
+                          dense_params=fused.needs_dense_params)
+    assert sender._bound is None
+    fused.model(torch.tensor([[1, 2, 3, 4, 5]])).float().square().mean().backward()
+    assert layout_ok(fused.model)
+    fused.optimizer_step()
