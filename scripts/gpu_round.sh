@@ -26,7 +26,8 @@
 # its rows in the order asked (megatron's first, the compiled native row after) and rewrites its
 # JSON as each row fills (build, first step, timed figures), as the log-prob and engine benches do
 # after each figure, so a stage stopped by its cap keeps what it measured. pytest gets a
-# SIGINT 20 s before its cap, so a cut run still writes its JUnit report (the tests that ended).
+# SIGINT 25 s before its cap, so a cut run still writes its JUnit report (the tests that ended);
+# each failure's traceback is printed to its log as it comes.
 # Stages run in order of what a short lease must not miss (correctness, then the train, log-prob
 # and engine figures, then the main job), so a tight budget shortens gpu_1x first. By name only:
 # train_fused (the fused-loss train rows), train_large_megatron (the large preset's megatron,
@@ -149,17 +150,17 @@ stages() {
     gdn="--device cpu --reps 1 --providers triton,torch"    # triton: a row saying it needs CUDA
     gdn_fla="--device cpu --reps 1"
   fi
-  # pytest: SIGINT to pytest alone (xdist's controller) 20 s before the cap; it stops its workers
+  # pytest: SIGINT to pytest alone (xdist's controller) 25 s before the cap (KILL 15 s later); it stops its workers
   # and writes the JUnit report of the tests that ended (through a wrapper that takes SIGINT even
   # where the round was started with it ignored, as a background job)
-  local pytest="timeout --foreground -s INT -k 10 \$((CAP - 20)) $PY scripts/pytest_interruptible.py -q -p no:cacheprovider"
+  local pytest="timeout --foreground -s INT -k 15 \$((CAP - 25)) $PY scripts/pytest_interruptible.py -q -p no:cacheprovider"
   # Caps, and what each stage is expected to take on one H100/H200 (the H200 round of 2026-11-26
   # plus estimates for what came since: compiles ~20-40 s per graph kind, graph capture; nothing
   # measured yet). The stages before gpu_1x add up to 405 s of the 465 s budget (480 - RESERVE):
   #  stage          cap  expected
   #  install         90  25-60    wheels, editable build (C++ sources one per core); outside the
   #                                480 s budget, which starts after it; the rest skipped if it fails
-  #  pytest_gpu     100  ~95      55 GPU tests on 6 workers, 2 of them `moe-rl train` runs; the
+  #  pytest_gpu     115  ~95      55 GPU tests on 6 workers, 2 of them `moe-rl train` runs; the
   #                                exact kernels' and the Gated DeltaNet scan's Triton tests
   #  train_medium    75  ~80      4 rows, each written as it fills (build, first step, timed); the
   #                                native row's compile ~30 s
@@ -179,7 +180,7 @@ stages() {
   #                                (gpu_1x_compiled, by name, measures the compiled step)
   #  name             cap_s  command
   st install           90    'install'
-  st pytest_gpu       100    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
+  st pytest_gpu       115    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
   st train_medium      75    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
   st train_large       65    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
   st logprobs          40    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P --out \$J"
