@@ -30,11 +30,15 @@ ARCHIVE_SUFFIXES = (".json", ".jsonl", ".log", ".txt", ".xml", ".csv", ".yaml")
 
 # --- the commit -----------------------------------------------------------------------------
 def commit_info(root: Path = ROOT) -> dict:
-    """The commit the round ran: GPU_ROUND_COMMIT, else git, else .whl/COMMIT written by
-    `gpu_round.sh fetch`, checked against the tracked files' hashes it recorded (a device copy of
-    the tree has no .git)."""
+    """The commit the round ran: GPU_ROUND_COMMIT, else .whl/COMMIT written by `gpu_round.sh
+    fetch` where the tracked files still match the hashes it recorded, else git, else .whl/COMMIT
+    with what differs. The recorded commit comes before git: a device copy of the tree may bring
+    a .git older than its files (one said ebcff73 for a round of dbc0087)."""
     if os.environ.get("GPU_ROUND_COMMIT"):
         return {"commit": os.environ["GPU_ROUND_COMMIT"], "commit_source": "GPU_ROUND_COMMIT"}
+    recorded = _recorded_commit(root)
+    if recorded and recorded["tree_matches_commit"]:
+        return recorded
     try:
         desc = subprocess.run(["git", "describe", "--always", "--abbrev=12", "HEAD"], cwd=root, capture_output=True,
                               text=True, check=True).stdout.strip()
@@ -43,10 +47,15 @@ def commit_info(root: Path = ROOT) -> dict:
         return {"commit": desc + ("+local-changes" if dirty else ""), "commit_source": "git"}
     except (OSError, subprocess.CalledProcessError):
         pass
+    return recorded or {"commit": None, "commit_source": "unknown: no .git, no GPU_ROUND_COMMIT, no .whl/COMMIT "
+                                                         "(run `bash scripts/gpu_round.sh fetch` and carry .whl)"}
+
+
+def _recorded_commit(root: Path) -> dict | None:
+    """.whl/COMMIT, checked against .whl/tree.sha256; None where fetch left no COMMIT."""
     recorded = root / ".whl" / "COMMIT"
     if not recorded.exists():
-        return {"commit": None, "commit_source": "unknown: no .git, no GPU_ROUND_COMMIT, no .whl/COMMIT "
-                                                 "(run `bash scripts/gpu_round.sh fetch` and carry .whl)"}
+        return None
     changed = []
     lines = (root / ".whl" / "tree.sha256").read_text().splitlines() if (root / ".whl" / "tree.sha256").exists() else []
     for line in lines:
