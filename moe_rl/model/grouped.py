@@ -148,12 +148,67 @@ def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> t
 
 def permute(x: torch.Tensor, d: Dispatch, k: int = 1) -> torch.Tensor:
     """The padded, expert-grouped rows of a flat list whose row f is x[f // k] -> [d.rows, H]."""
-    src = x.index_select(0, d.order // k if k > 1 else d.order)
-    if d.rows == d.order.shape[0]:
-        return src
-    return x.new_zeros(d.rows, x.shape[1]).index_copy(0, d.slot[d.order], src)
+    return permute_rows(x, d.order, d.slot, d.rows, k)
 
 
 def unpermute(y: torch.Tensor, d: Dispatch) -> torch.Tensor:
     """Grouped rows [d.rows, H] back in the flat order [M, H] (padding dropped)."""
-    return y.index_select(0, d.slot)
+    return unpermute_rows(y, d.order, d.slot)
+
+
+def permute_rows(x: torch.Tensor, order: torch.Tensor, slot: torch.Tensor, rows: int, k: int = 1) -> torch.Tensor:
+    """``permute`` by its parts: flat row f is x[f // k], sorted row i is flat row order[i] and
+    lands in row slot[order[i]] of a [rows, H] buffer (slot: order's inverse, plus padding)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Permute.apply(x, order, slot, rows, k)
+    return _permute(x, order, slot, rows, k)
+
+
+def unpermute_rows(y: torch.Tensor, order: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``unpermute`` by its parts: flat row f is y[slot[f]]."""
+    if torch.is_grad_enabled() and y.requires_grad:
+        return _Unpermute.apply(y, order, slot)
+    return y.index_select(0, slot)
+
+
+def _permute(x, order, slot, rows: int, k: int) -> torch.Tensor:
+    src = x.index_select(0, order // k if k > 1 else order)
+    if rows == order.shape[0]:
+        return src
+    return x.new_zeros(rows, x.shape[1]).index_copy(0, slot[order], src)
+
+
+# Both backwards are gathers (and a sum over each token's k rows), where autograd would give
+# index_select's backward as an index_add: atomic adds, bf16 ones on a GPU, which took 10% of
+# the large train preset's step on an H100. The forwards are the plain ops, so a forward with
+# or without grad (trainer, engine) computes the same bits.
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, order, slot, rows: int, k: int):
+        ctx.save_for_backward(slot)
+        ctx.k = k
+        return _permute(x, order, slot, rows, k)
+
+    @staticmethod
+    def backward(ctx, g):
+        (slot,) = ctx.saved_tensors
+        gx = g.index_select(0, slot)  # each flat row's grouped row: [M, H], M = tokens * k
+        if ctx.k > 1:
+            gx = gx.view(-1, ctx.k, gx.shape[1]).sum(1)  # fp32 accumulation of 16-bit grads
+        return gx, None, None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, order, slot):
+        ctx.save_for_backward(order, slot)
+        ctx.rows = y.shape[0]
+        return y.index_select(0, slot)
+
+    @staticmethod
+    def backward(ctx, g):
+        order, slot = ctx.saved_tensors
+        if ctx.rows == slot.shape[0]:  # no padding: slot is order's inverse
+            return g.index_select(0, order), None, None
+        # padding rows (and the tail in no group) get a zero grad; slot's rows are distinct
+        return g.new_zeros(ctx.rows, g.shape[1]).index_copy(0, slot, g), None, None

@@ -33,7 +33,7 @@ from torch import nn
 from .arch import MoEArch
 from .attention import Attention, PackedCausal, PaddedCausal, mixer_class, packed_positions
 from .attention.layouts import ExactPacked
-from .grouped import dispatch, group_align, grouped_mm, permute, unpermute
+from .grouped import dispatch, group_align, grouped_mm, permute, permute_rows, unpermute, unpermute_rows
 from .norm import RMSNorm
 from .ops import TORCH, Linear
 
@@ -401,14 +401,15 @@ class SparseMoE(nn.Module):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.ep_group)
         send, recv = send.tolist(), recv.tolist()
-        remote_rows = _AllToAll.apply(x.index_select(0, order // k), recv, send, self.ep_group)
+        M = order.shape[0]
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(M, device=order.device))
+        remote_rows = _AllToAll.apply(permute_rows(x, order, inverse, M, k), recv, send, self.ep_group)
         remote_ids = sorted_ids.new_empty(sum(recv))
         dist.all_to_all_single(remote_ids, sorted_ids.contiguous(), recv, send, group=self.ep_group)
         d = dispatch(remote_ids - self.ep_rank * self.num_local, self.num_local, group_align(x))
         computed = unpermute(self.experts(permute(remote_rows, d), d.offs), d)
         back = _AllToAll.apply(computed, send, recv, self.ep_group)  # in `order`'s order
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
-        return back.index_select(0, inverse)
+        return unpermute_rows(back, order, inverse)
 
 
 def decoder_norm(arch: MoEArch) -> RMSNorm:

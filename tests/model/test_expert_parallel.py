@@ -72,7 +72,9 @@ def _ep_equals_reference(rank, world, use_replay, arch):
             want = ref_named[name]
             if expert_owner(name, ARCH, world) is None:  # replicated: sum the data-parallel parts
                 dist.all_reduce(grad)
-        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        # rtol: a few fp32 ulps (the two paths sum a token's k expert rows, and the ranks' parts,
+        # in other orders; the Gated DeltaNet conv's grads reach ~20)
+        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=2e-6, msg=lambda m: f"{name}: {m}")
         assert torch.equal(t, want)
         checked += 1
     assert checked > 0
