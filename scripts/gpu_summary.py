@@ -156,7 +156,19 @@ def read_engine(path: Path) -> dict:
             "concurrency": s.get("concurrency"), "ttft_ms": s.get("ttft_ms"), "dtype": _get(r, "params", "dtype"),
             "engine_device": s.get("device"), "cuda_graph": s.get("cuda_graph"), "decode_graphs": s.get("decode_graphs"),
             "start_s": s.get("start_s"), "capture_s": s.get("capture_s"), "stopped": s.get("stopped"),
-            "variants": variants}
+            "variants": variants, "profile": _engine_profile(s.get("profile"))}
+
+
+def _engine_profile(prof: dict | None) -> dict | None:
+    """The profiled request of ``bench engine --profile``: ms per token, engine steps, the top
+    five ops by device time (CPU time on a CPU) and by CPU time."""
+    if not prof:
+        return None
+    out = {k: prof.get(k) for k in ("ms_per_token", "steps", "tokens")}
+    for side in ("device", "cpu"):
+        if prof.get(side):
+            out[f"top_{side}"] = [(row["op"][:80], round(row["self_ms"], 3), row["calls"]) for row in prof[side][:5]]
+    return out
 
 
 def read_on_policy(path: Path) -> dict:
@@ -330,6 +342,7 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "engine_tokens_per_s_concurrent": en.get("tokens_per_s_concurrent"),
         "engine_concurrency": en.get("concurrency"),
         "engine_cuda_graph": en.get("cuda_graph"),
+        "engine_profile": en.get("profile"),
         "engine_bf16_tokens_per_s_1": eb.get("tokens_per_s_1"),
         "engine_bf16_tokens_per_s_concurrent": eb.get("tokens_per_s_concurrent"),
         "engine_bf16_cuda_graph": eb.get("cuda_graph"),

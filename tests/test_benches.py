@@ -75,10 +75,14 @@ def test_bench_engine_out_keeps_what_a_stopped_run_measured(tmp_path, monkeypatc
     assert list(s["variants"]) == ["dynamic"]
     monkeypatch.undo()
     capsys.readouterr()
-    assert bench_engine.main([*args, "--variants", "none", "--json"]) == 0
+    assert bench_engine.main([*args, "--variants", "none", "--json", "--profile", str(tmp_path / "prof")]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text())
     assert "stopped" not in printed["summary"] and printed["summary"]["variants"].keys() == {"dynamic"}
+    # --profile: one more request between /start_profile and /stop_profile
+    prof = printed["summary"]["profile"]
+    assert prof["ms_per_token"] > 0 and prof["steps"] >= prof["tokens"] > 0 and prof["cpu"][0]["self_ms"] > 0
+    assert sorted(p.name.split("-TP-0")[1] for p in (tmp_path / "prof").iterdir()) == [".ops.txt", ".trace.json.gz"]
 
 
 def test_bench_on_policy_out_keeps_the_rounds_of_a_stopped_run(tmp_path, monkeypatch):

@@ -22,6 +22,11 @@ the summary; a mode that cannot run there says why (``skipped``).
 Every request samples (temperature 1, no stop tokens) exactly ``--max-new-tokens`` tokens
 from a ``--prompt-len`` prompt. Throughputs are the best of ``--repeats`` runs.
 
+``--profile DIR`` then runs one more request between the engine's ``/start_profile`` and
+``/stop_profile`` (torch.profiler over the engine loop's steps, the GPU's kernels too):
+``summary.profile`` gives its time per output token, its engine steps and top ops, and the
+files in DIR (a Chrome trace and torch's op tables, ``*-TP-0.ops.txt``).
+
 ``--out FILE`` writes the JSON report there after each figure of the configured engine (its
 start, with the graph capture; one request; concurrent; time to first token) and after each
 variant, ``summary.stopped`` saying what was under way until the last: a run stopped by a time
@@ -49,8 +54,9 @@ MODES = {"dynamic": {"static_decode": False, "cuda_graph": False},
          "cuda_graph": {"static_decode": True, "cuda_graph": True}}
 
 
-async def _bench(cfg, args, model=None, progress=None, **mode) -> dict:
-    """One engine's figures; ``progress(figures)``, if given, gets them as they come."""
+async def _bench(cfg, args, model=None, progress=None, profile_dir: Path | None = None, **mode) -> dict:
+    """One engine's figures; ``progress(figures)``, if given, gets them as they come;
+    ``profile_dir``: then one request under torch.profiler (``_profile_request``)."""
     from ..engine.client import EngineClient
     from ..engine.server import build_engine, start_server
 
@@ -99,6 +105,9 @@ async def _bench(cfg, args, model=None, progress=None, **mode) -> dict:
                 t0 = time.perf_counter()
                 await one(i, 1)
                 ttfts.append((time.perf_counter() - t0) * 1e3)
+            if profile_dir is not None:
+                progress({**got, "stopped": "during the profiled request"})
+                got["profile"] = await _profile_request(c, one, engine, profile_dir)
             stats = (await c.get_model_info())["stats"]
     finally:
         await runner.cleanup()
@@ -113,6 +122,20 @@ async def _bench(cfg, args, model=None, progress=None, **mode) -> dict:
     }
 
 
+async def _profile_request(c, one, engine, out_dir: Path) -> dict:
+    """One request of ``--max-new-tokens`` tokens between the engine's ``/start_profile`` and
+    ``/stop_profile`` (SGLang's endpoints: torch.profiler over the engine loop's steps, the GPU's
+    kernels too): its time per output token, the profile's files and its top ops."""
+    await c.request("POST", "/start_profile", payload={"output_dir": str(out_dir)})
+    t0 = time.perf_counter()
+    tokens = await one(0)
+    wall = time.perf_counter() - t0
+    answer = await c.request("POST", "/stop_profile", payload={})
+    files = [line for line in str(answer).splitlines()[1:] if line]
+    return {"tokens": tokens, "ms_per_token": round(wall * 1e3 / tokens, 3), "files": files,
+            **(engine.step_profiler.top or {})}
+
+
 async def _bench_modes(cfg, args, save=None) -> dict:
     """The configured engine, then every other mode of ``args.variants``, all on one model
     (built once: a large random init takes seconds) unless the engine attaches LoRA to it.
@@ -124,7 +147,7 @@ async def _bench_modes(cfg, args, save=None) -> dict:
     shared = not (cfg.lora.enabled and cfg.lora.sync == "adapter")
     model = build_model(cfg).to(args.device) if shared else None
     save({"stopped": "while starting the engine (its graph capture)"})
-    summary = await _bench(cfg, args, model, save)
+    summary = await _bench(cfg, args, model, save, profile_dir=args.profile)
     configured = next(name for name, m in MODES.items()
                       if (m["static_decode"], m["cuda_graph"]) == (summary["static_decode"], summary["cuda_graph"]))
     variants = {configured: {k: summary[k] for k in VARIANT_KEYS}}
@@ -175,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequential-requests", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ttft-samples", type=int, default=7)
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="also profile one request of the configured engine (/start_profile, /stop_profile): "
+                         "a Chrome trace and op tables in DIR, its time per token and top ops in summary.profile")
     ap.add_argument("--variants", default="all",
                     help="decode modes measured besides the configured one: all (dynamic, static and, on cuda, "
                          "cuda_graph), none, or a comma list of them")
@@ -224,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {1:>12} {summary['tokens_per_s_1']:>10.1f}")
         print(f"  {args.concurrency:>12} {summary['tokens_per_s_concurrent']:>10.1f}   ({summary['batching_speedup']:.1f}x)")
         print(f"  time to first token: {summary['ttft_ms']:.1f} ms")
+        if "profile" in summary:
+            prof = summary["profile"]
+            print(f"  profiled request: {prof['ms_per_token']:.2f} ms per token over {prof.get('steps')} engine steps; "
+                  f"profile in {', '.join(prof['files'])}")
         for name, v in summary["variants"].items():
             if "skipped" in v:
                 print(f"  {name:>10}: skipped ({v['skipped']})")

@@ -50,6 +50,7 @@ from moe_rl.model.attention import Scan, Sequences, Steps, sdpa, state_specs, vi
 from moe_rl.model.ops import tempered
 
 from .decode import CudaGraphs, DecodeAttention, ExactStepAttention, StaticDecoder
+from .step_profiler import StepProfiler
 from .protocol import GenerateRequest, RequestError
 from .sampling import apply_penalties, sample_seeded, sample_tokens
 
@@ -235,6 +236,7 @@ class Engine:
         # the tokenizer's decode (set by the server when model.path has one): stop strings
         self.decode: Callable[[list[int]], str] | None = None
         self._thread: threading.Thread | None = None
+        self.step_profiler = StepProfiler(cuda=on_gpu)  # /start_profile, /stop_profile
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -398,6 +400,32 @@ class Engine:
                 "stats": dict(self.stats),
             }
 
+    # --- profiling (SGLang's /start_profile, /stop_profile) --------------------------------
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
+                      activities=("CPU", "GPU")) -> None:
+        """Profiles the engine's steps from the next one (``moe_rl.engine.step_profiler``), all
+        of them until ``stop_profile`` or the first ``num_steps``. ValueError: one is running,
+        or the arguments are not valid."""
+        with self.cond:
+            self.step_profiler.request_start(output_dir, num_steps, activities)
+            self.cond.notify_all()
+
+    def stop_profile(self, timeout_s: float = 120.0) -> list[str]:
+        """Ends the running profile at the next step boundary (at once when idle) and returns
+        the files written; a profile of ``num_steps`` that already ended returns its files."""
+        prof = self.step_profiler
+        with self.cond:
+            if prof.running:
+                prof.request_stop()
+                self.cond.notify_all()
+            elif prof.files is None:
+                raise ValueError("no profile is running: /start_profile first")
+            if not self.cond.wait_for(lambda: not prof.running or self.error is not None, timeout=timeout_s):
+                raise TimeoutError(f"the engine did not end its profile within {timeout_s:.0f} s")
+        if prof.error:
+            raise RuntimeError(f"the profile could not be written: {prof.error}")
+        return list(prof.files or [])
+
     # --- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         if self.threads:
@@ -405,15 +433,25 @@ class Engine:
         try:
             with torch.inference_mode():
                 while True:
+                    prof = self.step_profiler
                     with self.cond:
-                        while not self._stop and (self.paused or not (self.waiting or self.running)):
+                        while not self._stop and not prof.due() and (self.paused or not (self.waiting or self.running)):
                             self.cond.wait()
                         if self._stop:
+                            prof.close()  # a profile still running is written
                             return
-                        segments = self._schedule_locked()
-                        self.in_step = True
+                        work = not self.paused and bool(self.waiting or self.running)
+                        segments = self._schedule_locked() if work else None
+                        self.in_step = work
+                    if prof.due():
+                        prof.turn()
+                        with self.cond:
+                            self.cond.notify_all()  # a /stop_profile waits for its files
+                    if segments is None:
+                        continue
                     try:
                         self._step(segments)
+                        prof.count_step()
                     except Exception as e:  # fail this step's requests, keep serving
                         log.exception("engine step failed")
                         with self.cond:

@@ -145,6 +145,8 @@ class EngineServer:
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
         r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_route("*", "/start_profile", self.start_profile)
+        r.add_route("*", "/stop_profile", self.stop_profile)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/begin_weight_update", self.begin_weight_update)
@@ -277,6 +279,31 @@ class EngineServer:
     async def flush_cache(self, request: web.Request) -> web.Response:
         # No prefix cache to flush: KV slots are freed when a request finishes.
         return web.Response(text="Cache flushed.\n")
+
+    # --- profiling (SGLang's endpoints; moe_rl.engine.step_profiler) -------------------------
+    async def start_profile(self, request: web.Request) -> web.Response:
+        body = await _json(request, optional=True) or {}
+        if not isinstance(body, dict):
+            raise RequestError("body", "expected a JSON object")
+        num_steps, activities = body.get("num_steps"), body.get("activities") or ["CPU", "GPU"]
+        if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool)):
+            raise RequestError("num_steps", f"expected an integer, got {num_steps!r}")
+        if not isinstance(activities, list):
+            raise RequestError("activities", f"expected a list, got {activities!r}")
+        try:
+            self.engine.start_profile(body.get("output_dir"), num_steps, activities)
+        except ValueError as e:
+            raise RequestError("start_profile", str(e)) from None
+        return web.Response(text="Start profiling.\n")
+
+    async def stop_profile(self, request: web.Request) -> web.Response:
+        try:
+            files = await asyncio.to_thread(self.engine.stop_profile)
+        except ValueError as e:
+            raise RequestError("stop_profile", str(e)) from None
+        except (RuntimeError, TimeoutError) as e:
+            return _error(500, str(e))
+        return web.Response(text="Stop profiling. This will take some time.\n" + "".join(f"{f}\n" for f in files))
 
     # --- weights ---------------------------------------------------------------------------
     def _weight_receiver(self):

@@ -161,7 +161,7 @@ GARBAGE = [b"{not json", b"[" * 20000, b"9" * 60000, _nested(990), b"[]", b"null
 
 def test_no_route_answers_5xx_to_garbage(srv):
     routes = sorted({(r.method, r.resource.canonical) for r in srv.runner.app.router.routes()
-                     if r.method not in ("HEAD", "*")} | {("POST", "/flush_cache"), ("GET", "/no_such_route")})
+                     if r.method not in ("HEAD", "*")} | {("POST", "/flush_cache"), ("POST", "/stop_profile"), ("GET", "/no_such_route")})
     assert len(routes) > 20
     answers = {}
     for method, path in routes:

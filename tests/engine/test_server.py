@@ -295,3 +295,50 @@ def test_batched_generate_errors_name_the_prompt(server):
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400
     assert "prompt 1: input_ids" in e.value.read().decode()
+
+
+def _profile_files(text: str) -> list[str]:
+    head, *files = text.splitlines()
+    assert head == "Stop profiling. This will take some time."
+    return files
+
+
+def test_start_and_stop_profile_write_a_trace_and_op_tables(server, tmp_path):
+    """SGLang's /start_profile and /stop_profile: torch.profiler over the engine loop's steps,
+    a gzipped Chrome trace and torch's op tables written into output_dir."""
+    import gzip
+
+    async def main():
+        async with EngineClient(server.url) as c:
+            errors = []
+            for endpoint, body in (("/stop_profile", {}), ("/start_profile", {"activities": ["MEM"]}),
+                                   ("/start_profile", {"num_steps": 0}), ("/start_profile", {"num_steps": "3"})):
+                with pytest.raises(EngineHTTPError) as e:
+                    await c.request("POST", endpoint, payload=body)
+                errors.append(e.value.status)
+            await c.request("POST", "/start_profile", payload={"output_dir": str(tmp_path), "activities": ["CPU", "GPU"]})
+            with pytest.raises(EngineHTTPError) as e:  # one at a time
+                await c.request("POST", "/start_profile", payload={"output_dir": str(tmp_path)})
+            errors.append(e.value.status)
+            out = await c.generate([1, 2, 3], {"max_new_tokens": 6})
+            return errors, out, await c.request("POST", "/stop_profile", payload={})
+
+    errors, out, text = run(main())
+    assert errors == [400] * 5 and len(out["output_ids"]) == 6
+    trace, ops = _profile_files(text)
+    assert trace.startswith(str(tmp_path)) and trace.endswith("-TP-0.trace.json.gz") and ops.endswith("-TP-0.ops.txt")
+    events = json.loads(gzip.open(trace).read())["traceEvents"]
+    assert any(ev.get("name") == "aten::_grouped_mm" for ev in events)  # the engine thread's ops
+    assert "aten::_grouped_mm" in open(ops).read()
+
+
+def test_a_profile_of_num_steps_ends_by_itself(server, tmp_path):
+    async def main():
+        async with EngineClient(server.url) as c:
+            await c.request("POST", "/start_profile", payload={"output_dir": str(tmp_path), "num_steps": 2})
+            await c.generate([4, 5, 6], {"max_new_tokens": 8})
+            written = sorted(p.name for p in tmp_path.iterdir())  # before any /stop_profile
+            return written, await c.request("POST", "/stop_profile", payload={})
+
+    written, text = run(main())
+    assert len(written) == 2 and sorted(f.rsplit("/", 1)[1] for f in _profile_files(text)) == written

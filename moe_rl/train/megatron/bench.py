@@ -208,21 +208,17 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
 def _profile_top(step, sync, cuda: bool, table: Path | None = None, n: int = 15) -> list[dict]:
     """One more step under torch.profiler: the ``n`` aten ops with the most self time (device
     time on CUDA, CPU time otherwise), to see where a step goes; ``table``: also torch's op
-    table of the step (60 rows, same order) in that file."""
-    from torch.profiler import ProfilerActivity, profile
+    table of the step in that file."""
+    from torch.profiler import profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    from moe_rl.profiling import activities, top_ops, write_ops_table
+
+    with profile(activities=activities(cuda)) as prof:
         step()
         sync()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
     if table is not None:
-        table.parent.mkdir(parents=True, exist_ok=True)
-        table.write_text(prof.key_averages().table(sort_by=key, row_limit=60) + "\n")
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-    total = sum(getattr(e, key) for e in events) or 1.0
-    return [dict(op=e.key, self_ms=getattr(e, key) / 1e3, share=getattr(e, key) / total, calls=e.count)
-            for e in events[:n]]
+        write_ops_table(prof, cuda, table)
+    return top_ops(prof, cuda, n)
 
 
 def _compare(args) -> int:
