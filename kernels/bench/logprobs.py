@@ -600,6 +600,21 @@ def _summary(rows, device, dtype):
     return out
 
 
+def tuned_configs() -> dict:
+    """The config each autotuned LM-head kernel chose, per tuning key (empty before a GPU run)."""
+    from .. import fused_logprobs, fused_token_loss
+
+    launches = {"fwd": getattr(fused_logprobs, "_fwd_launch", None),
+                "dlogits": getattr(fused_logprobs, "_dlogits_launch", None),
+                "probs": getattr(fused_token_loss, "_probs_launch", None)}
+    try:
+        from triton.runtime import Autotuner
+    except Exception:  # no Triton: nothing tuned
+        return {}
+    return {name: {str(key): str(cfg) for key, cfg in launch.cache.items()}
+            for name, launch in launches.items() if isinstance(launch, Autotuner) and launch.cache}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-rl bench logprobs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -650,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"device": _device_name(device),
                 "software": {"torch": torch.__version__, "python": platform.python_version(),
                              "triton": _triton_version(), "liger_kernel": _liger_version()},
-                "rows": rows, "summary": _summary(rows, device, dtype)}
+                "rows": rows, "summary": _summary(rows, device, dtype), "tuned_configs": tuned_configs()}
 
     def on_row(row) -> None:
         rows.append(row)

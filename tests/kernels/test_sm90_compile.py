@@ -32,8 +32,10 @@ GEMMS = {"_fwd_launch", "_dlogits_launch", "_probs_launch", "_gmm_kernel", "_gmm
 KERNELS |= {"_exact_linear_kernel", "_exact_rms_norm_kernel", "_exact_softmax_kernel", "_exact_attention_kernel",
             "_exact_combine_kernel"}
 GEMMS |= {"_exact_linear_kernel"}
-# Known spills, bytes of stack per thread at most (none at present): a spill in any kernel fails.
-KNOWN_SPILLS: dict[str, int] = {}
+# Known spills, bytes of stack per thread at most: a spill in any other kernel fails. The
+# forward's 128 x 128 bf16 tiles keep 8 bytes on the stack with Triton 3.9 (CI's), none with 3.6
+# (the GPU image's).
+KNOWN_SPILLS: dict[str, int] = {"_fwd_launch": 8}
 
 
 def _nvidia_backend() -> bool:
