@@ -211,7 +211,7 @@ stages() {
   # machine's CPU cores (the configs' device, cpu): what the agent's own client costs when it has
   # cores of its own. Where openai does not import, its wheels (.whl/agent) go to a folder of their
   # own, on this stage's path only, so that no other stage sees their versions of anyio, h11, idna.
-  st agent_api        420    "own_wheels openai agent && $PY examples/openai_agent/bench.py --pairs 3 --steps 20 --cpu --arm workers2=env.agent_workers=2 --json \$J"
+  st agent_api        420    "own_wheels openai agent && $PY examples/openai_agent/bench.py --pairs 3 --steps 20 --cpu --json \$J"
 }
 # own_wheels MODULE DIR: where MODULE does not import, .whl/DIR's wheels go to /tmp/site_DIR, on the
 # calling stage's path alone (their versions of shared dependencies must not reach other stages)

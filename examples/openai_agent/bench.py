@@ -11,7 +11,7 @@ average before it. Prints every run, then per arm the median samples/s and the m
 pair-by-pair ratios to the token-level arm. ``--arm`` adds arms (e.g. ``workers0=env.agent_workers=0``,
 or ``raw=env.openai_agent=raw_agent:play``: the same agent without the openai SDK, to tell the SDK's
 CPU from the rest of the agent path); ``--cpu`` prints each process's CPU time per step (Linux /proc;
-steps 6 to S-2) after every run; ``--json FILE`` writes the figures (the GPU round's ``agent_api``
+steps 6 to S-2) after every run; ``--json FILE`` writes the figures after every pair (the GPU round's ``agent_api``
 stage: the same pairs on the GPU machine's cores).
 
 The learning check (minutes, so a benchmark and not a test):
@@ -175,20 +175,29 @@ def main() -> None:
                 rates[name].append(rate)
                 cpu[name].append(per)
                 print(f"pair {i + 1} {name}: {rate:.1f} samples/s (load {loads[-1]:.1f})", flush=True)
+            if a.json:  # after every pair: a run stopped by a time cap keeps the pairs it finished
+                a.json.write_text(json.dumps(figures(arms, rates, cpu, loads, a), indent=1) + "\n")
+    for name, arm in figures(arms, rates, cpu, loads, a)["arms"].items():
+        print(f"{name}: median {arm['median_samples_per_s']:.1f} samples/s "
+              f"({', '.join(f'{x:.1f}' for x in arm['samples_per_s'])}); ratio to token-level median "
+              f"{arm['ratio_median']:.2f} ({', '.join(f'{x:.2f}' for x in arm['ratios_to_token_level'])})")
+
+
+def figures(arms: dict, rates: dict, cpu: dict, loads: list, a) -> dict:
+    """Machine, pairs done, and per arm its rates, their median, the ratios to token-level."""
     base = rates["token-level"]
+    done = len(base)
     result = {"machine": {"cpus": os.cpu_count(), "load_1min": [min(loads), max(loads)]},
-              "pairs": a.pairs, "steps": a.steps, "arms": {}}
+              "pairs": a.pairs, "pairs_done": done, "steps": a.steps, "arms": {}}
     for name, r in rates.items():
+        r = r[:done]
         ratios = [x / b for x, b in zip(r, base)]
-        print(f"{name}: median {statistics.median(r):.1f} samples/s ({', '.join(f'{x:.1f}' for x in r)}); "
-              f"ratio to token-level median {statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})")
         result["arms"][name] = {
             "overrides": arms[name], "samples_per_s": r, "median_samples_per_s": statistics.median(r),
             "ratios_to_token_level": ratios, "ratio_median": statistics.median(ratios),
-            "cpu_ms_per_step": {k: round(1000 * statistics.median(p[k] for p in cpu[name] if k in p), 1)
-                                for k in sorted({k for p in cpu[name] for k in p})}}
-    if a.json:
-        a.json.write_text(json.dumps(result, indent=1) + "\n")
+            "cpu_ms_per_step": {k: round(1000 * statistics.median(p[k] for p in cpu[name][:done] if k in p), 1)
+                                for k in sorted({k for p in cpu[name][:done] for k in p})}}
+    return result
 
 
 if __name__ == "__main__":
