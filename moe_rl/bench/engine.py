@@ -125,7 +125,9 @@ async def _bench(cfg, args, model=None, progress=None, profile_dir: Path | None 
 async def _profile_request(c, one, engine, out_dir: Path) -> dict:
     """One request of ``--max-new-tokens`` tokens between the engine's ``/start_profile`` and
     ``/stop_profile`` (SGLang's endpoints: torch.profiler over the engine loop's steps, the GPU's
-    kernels too): its time per output token, the profile's files and its top ops."""
+    kernels too): its time per output token, the profile's files and its top ops. The profiler
+    costs time of its own (on a CPU most of it): the speed is ``tokens_per_s_1``, the profile
+    says where a step's time goes."""
     await c.request("POST", "/start_profile", payload={"output_dir": str(out_dir)})
     t0 = time.perf_counter()
     tokens = await one(0)

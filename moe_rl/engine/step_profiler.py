@@ -61,16 +61,24 @@ class StepProfiler:
     def turn(self) -> None:
         """Starts an asked profile, or stops one that is done; a start and a stop asked while the
         engine was idle make an empty profile."""
+        # a start request is cleared only once its profiler runs, a profile only once its files
+        # are written, so the server's checks (``running``) never fall between the two
         if self._asked is not None:
             from torch.profiler import ProfilerActivity, profile
 
-            run, self._asked = self._asked, None
+            run = self._asked
             acts = [ProfilerActivity.CPU] if "CPU" in run["activities"] else []
             if "GPU" in run["activities"] and self.cuda:
                 acts.append(ProfilerActivity.CUDA)
-            self._prof = profile(activities=acts or [ProfilerActivity.CPU])
-            self._prof.__enter__()
+            try:
+                prof = profile(activities=acts or [ProfilerActivity.CPU])
+                prof.__enter__()
+            except Exception as e:  # the engine keeps serving; /stop_profile reports it
+                self.error, self.files, self._asked, self._stop_asked = f"{type(e).__name__}: {e}", [], None, False
+                return
             self._run = {**run, "steps": 0}
+            self._prof = prof
+            self._asked = None
         if self._prof is not None and self._stop_asked:
             self._finish()
 
@@ -87,7 +95,6 @@ class StepProfiler:
 
     def _finish(self) -> None:
         prof, run = self._prof, self._run
-        self._prof, self._run, self._stop_asked = None, None, False
         try:
             if self.cuda:
                 import torch
@@ -112,3 +119,5 @@ class StepProfiler:
         except Exception as e:  # the engine keeps serving; /stop_profile reports it
             self.error = f"{type(e).__name__}: {e}"
             self.files = []
+        finally:
+            self._prof, self._run, self._stop_asked = None, None, False
