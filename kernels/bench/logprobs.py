@@ -225,7 +225,8 @@ def _providers(hidden, weight, labels, temperature, device, use_compile, use_lig
         return torch.autograd.grad(loss, [hg, wg])
 
     # in the order they run: the targets' rows first (fused and fused loss against the GEMMs),
-    # then the baselines, torch.compile's and Liger's compiles last (a run cut short keeps the rest)
+    # then the baselines, Liger's (Triton builds of seconds) before torch.compile's (its compiles
+    # took the rest of a 40 s stage on an H100): a run cut short keeps what ran
     provs = {
         "fused": {"fwd": lambda: fused(hidden, weight, labels, temperature),
                   "fwd_bwd": fwd_bwd_of(fused)},
@@ -234,13 +235,13 @@ def _providers(hidden, weight, labels, temperature, device, use_compile, use_lig
         "eager": {"fwd": lambda: eager_logprobs(hidden, weight, labels, temperature),
                   "fwd_bwd": fwd_bwd_of(eager_logprobs)},
     }
+    if use_liger:
+        provs["liger"] = {p: f for p, f in _liger_flce(hidden, weight, hg, wg, labels, device).items()}
+        provs["liger_grpo"] = {"fwd_bwd": _liger_grpo(hg, wg, labels, temperature, li)}
     if use_compile:
         compiled = torch.compile(eager_logprobs, dynamic=False)
         provs["compile"] = {"fwd": lambda: compiled(hidden, weight, labels, temperature),
                             "fwd_bwd": fwd_bwd_of(compiled)}
-    if use_liger:
-        provs["liger"] = {p: f for p, f in _liger_flce(hidden, weight, hg, wg, labels, device).items()}
-        provs["liger_grpo"] = {"fwd_bwd": _liger_grpo(hg, wg, labels, temperature, li)}
     return provs
 
 
