@@ -13,9 +13,9 @@ one traceable, sync-free call:
 * ``impl="triton"`` (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``): MegaBlocks' /
   ScatterMoE's static tiling. Group g's rows are cut into ``ceil(count_g / BLOCK_M)`` row tiles;
   the launch grid has a static ``ceil(rows / BLOCK_M) + E`` tiles (the most any split of the
-  rows can need), each program finds its group and first row in a small table made on the
-  device (``tile_plan``: a cumsum and a searchsorted), and programs past the last used tile
-  exit. The weight gradient (``dW[g] = dY_g^T X_g``) is a second kernel on a static
+  rows can need), each program works out its group and first row from the group ends (every
+  group's tile count and their running sum, in registers: ``_tile_of``, the in-kernel form of
+  ``tile_plan``), and programs past the last used tile exit. The weight gradient (``dW[g] = dY_g^T X_g``) is a second kernel on a static
   ``E x N-tiles x K-tiles`` grid, each program looping over its group's rows (the loop bound
   is read on the device). The input gradient is the first kernel on ``w`` transposed (strides
   only). Float32 dots are exact IEEE products unless ``torch.backends.cuda.matmul.allow_tf32``
@@ -81,17 +81,33 @@ def triton_cdiv(a: int, b: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _gmm_kernel(x_ptr, w_ptr, y_ptr, tile_group_ptr, tile_row_ptr, offs_ptr, N, K, E,
+    def _tile_of(t, offs_ptr, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
+        """(group, first row, group end) of row tile ``t``, as :func:`tile_plan` gives them,
+        worked out by the program itself from the group ends: every group's tile count and their
+        running sum in registers (``E_P2`` >= E lanes). A separate plan cost ~22 small kernels
+        per GEMM call, more launches than the rest of a one-token decode step. Group E: past
+        the last tile."""
+        e = tl.arange(0, E_P2)
+        ends = tl.load(offs_ptr + e, mask=e < E, other=0)
+        starts = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+        tiles = tl.where(e < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        tile_end = tl.cumsum(tiles, 0)
+        g = tl.sum((tile_end <= t).to(tl.int32), 0)  # the first group whose tiles end after t
+        here = e == g
+        row0 = tl.sum(tl.where(here, starts + (t - (tile_end - tiles)) * BLOCK_M, 0), 0)
+        end = tl.sum(tl.where(here, ends, 0), 0)
+        return g, row0, end
+
+    @triton.jit
+    def _gmm_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, N, K, E,
                     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_P2: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-        """One (row tile, column tile) of y = x @ w[g].T; tiles past the plan exit."""
+        """One (row tile, column tile) of y = x @ w[g].T; tiles past the last group's exit."""
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
-        g = tl.load(tile_group_ptr + t)
+        g, row0, end = _tile_of(t, offs_ptr, E, BLOCK_M, E_P2)
         if g < E:
-            row0 = tl.load(tile_row_ptr + t)
-            end = tl.load(offs_ptr + g)
             offs_m = row0 + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             m_mask = offs_m < end
@@ -157,12 +173,12 @@ def _gmm_triton(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     if rows == 0 or N == 0:
         return y
     bm, bn, bk, warps = _blocks(x.dtype)
-    group, row0 = tile_plan(offs, rows, bm)
-    grid = (group.shape[0], triton_cdiv(N, bn))
+    grid = (triton_cdiv(rows, bm) + E, triton_cdiv(N, bn))  # the most row tiles any split needs
     with on_device_of(x):  # the engine's forward runs in its step thread
-        _gmm_kernel[grid](x, w, y, group, row0, offs, N, K, E, x.stride(0), x.stride(1), w.stride(0),
+        _gmm_kernel[grid](x, w, y, offs, N, K, E, x.stride(0), x.stride(1), w.stride(0),
                           w.stride(1), w.stride(2), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                          PRECISION=_precision(x.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
+                          E_P2=triton.next_power_of_2(E), PRECISION=_precision(x.dtype),
+                          DOT_FP32=TRITON_INTERPRET, num_warps=warps)
     return y
 
 
