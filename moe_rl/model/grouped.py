@@ -44,9 +44,11 @@ class Dispatch:
 
 
 def group_align(x: torch.Tensor) -> int:
-    """Rows per group a multiple of this: CUTLASS's grouped GEMM wants 16-byte aligned group
-    starts, also along the token dim that the weight gradient contracts over. CPU needs none."""
-    return 16 // x.element_size() if x.device.type == "cuda" else 1
+    """Rows per group a multiple of this: CUTLASS's grouped GEMM (``grouped_kernel``: bf16 on
+    sm_90/sm_100) wants 16-byte aligned group starts, also along the token dim that the weight
+    gradient contracts over. The Triton kernel and the CPU take groups starting anywhere: 1, no
+    padding (a padded dispatch costs ~10 more small kernels per MoE layer)."""
+    return 16 // x.element_size() if grouped_kernel(x) == "cutlass" else 1
 
 
 def dispatch(ids: torch.Tensor, num_experts: int, align: int = 1) -> Dispatch:

@@ -100,6 +100,22 @@ def test_cutlass_only_where_torch_builds_it(monkeypatch):
         assert grouped_ops.grouped_kernel(SimpleNamespace(dtype=torch.float32, device=x.device)) == "triton"
 
 
+def test_groups_are_padded_for_cutlass_only(monkeypatch):
+    """CUTLASS (bf16 on sm_90/sm_100) wants 16-byte aligned group starts; the Triton kernel (fp32,
+    fp16, other GPUs) and the CPU take any start, so their dispatch pads nothing."""
+    from types import SimpleNamespace
+
+    def tensor(dtype, device):
+        return SimpleNamespace(dtype=dtype, device=torch.device(device),
+                               element_size=lambda: torch.empty((), dtype=dtype).element_size())
+
+    for cap, dtype, want in (((9, 0), torch.bfloat16, 8), ((10, 0), torch.bfloat16, 8), ((9, 0), torch.float32, 1),
+                             ((9, 0), torch.float16, 1), ((8, 0), torch.bfloat16, 1)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert grouped_ops.group_align(tensor(dtype, "cuda")) == want, (cap, dtype)
+    assert grouped_ops.group_align(torch.zeros(2, dtype=torch.bfloat16)) == 1
+
+
 def test_float64_takes_the_padded_path():
     """torch._grouped_mm's CPU kernel refuses float64; grouped_mm then pads, with the same result
     as a per-group matmul. float32 takes torch's CPU kernel behind moe_rl's custom op."""
