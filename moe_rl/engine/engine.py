@@ -402,13 +402,21 @@ class Engine:
 
     # --- profiling (SGLang's /start_profile, /stop_profile) --------------------------------
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
-                      activities=("CPU", "GPU")) -> None:
+                      activities=("CPU", "GPU"), timeout_s: float = 120.0) -> None:
         """Profiles the engine's steps from the next one (``moe_rl.engine.step_profiler``), all
-        of them until ``stop_profile`` or the first ``num_steps``. ValueError: one is running,
-        or the arguments are not valid."""
+        of them until ``stop_profile`` or the first ``num_steps``. Returns once the engine
+        thread has started the profiler (at once when idle, else after the step under way), as
+        SGLang's returns once its scheduler has: the profiler's own start-up (seconds, the first
+        time on a GPU) is then not in the steps that follow. ValueError: one is running, or the
+        arguments are not valid."""
+        prof = self.step_profiler
         with self.cond:
-            self.step_profiler.request_start(output_dir, num_steps, activities)
+            prof.request_start(output_dir, num_steps, activities)
             self.cond.notify_all()
+            if not self.cond.wait_for(lambda: not prof.starting or self.error is not None, timeout=timeout_s):
+                raise TimeoutError(f"the engine did not start its profile within {timeout_s:.0f} s")
+        if prof.error:
+            raise RuntimeError(f"the profiler could not start: {prof.error}")
 
     def stop_profile(self, timeout_s: float = 120.0) -> list[str]:
         """Ends the running profile at the next step boundary (at once when idle) and returns

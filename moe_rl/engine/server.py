@@ -291,9 +291,11 @@ class EngineServer:
         if not isinstance(activities, list):
             raise RequestError("activities", f"expected a list, got {activities!r}")
         try:
-            self.engine.start_profile(body.get("output_dir"), num_steps, activities)
+            await asyncio.to_thread(self.engine.start_profile, body.get("output_dir"), num_steps, activities)
         except ValueError as e:
             raise RequestError("start_profile", str(e)) from None
+        except (RuntimeError, TimeoutError) as e:
+            return _error(500, str(e))
         return web.Response(text="Start profiling.\n")
 
     async def stop_profile(self, request: web.Request) -> web.Response:

@@ -50,6 +50,11 @@ class StepProfiler:
         self._stop_asked = True
 
     @property
+    def starting(self) -> bool:
+        """A start asked and not yet made by the engine thread."""
+        return self._asked is not None
+
+    @property
     def running(self) -> bool:
         return self._asked is not None or self._prof is not None
 
