@@ -166,18 +166,19 @@ stages() {
   #                                exact kernels' and the Gated DeltaNet scan's Triton tests
   #  train_medium   100  >75      4 rows, each written as it fills (build, first step, timed); the
   #                                native row's compile over 30 s (cut there at 75 s on the H100)
-  #  train_large     65  ~58     the compiled native row only (its MFU target; the rest by name):
+  #  train_large     65  ~58      the compiled native row only (its MFU target; the rest by name):
   #                                a CPU init of 2.7 B weights (~20 s), the compile, 8 steps
-  #  logprobs        40  >40     the target rows first (fused, GEMM, fused loss, after the float64
-  #                                checks), then eager, torch.compile and Liger, the JSON rewritten
+  #  logprobs        40  >40      the target rows first (fused, GEMM, fused loss, after the float64
+  #                                checks), then eager, Liger and torch.compile, the JSON rewritten
   #                                after each row: a cut run keeps the targets
-  #  engine          35  ~22+     (and one profiled request: --profile)      the configured engine only (--variants none): graph capture of 36
-  #                                shapes, a cold Triton build; its JSON rewritten as figures come
+  #  engine          35  ~22+     the configured engine only (--variants none): graph capture of 36
+  #                                shapes, a cold Triton build, then one profiled request
+  #                                (--profile); its JSON rewritten as figures come
   #  engine_bf16     25  >15      (cut at 15 s in its start, the bf16 Triton builds)
-  #  on_policy       30  ~20     3 variants x 3 steps of the tiny model in bf16, graph capture of
+  #  on_policy       30  ~20      3 variants x 3 steps of the tiny model in bf16, graph capture of
   #                                3 engines, ~15 cold Triton builds of the exact kernels (pytest_gpu's
   #                                fp32 tests build other variants); its JSON saved after each round
-  #  gated_delta     25  >15       2k tokens, Triton scan vs torch (fla, 8k tokens: gated_delta_fla)
+  #  gated_delta     25  >15      2k tokens, Triton scan vs torch (fla, 8k tokens: gated_delta_fla)
   #  gpu_1x        rest  >= 60    train.compile=false: its compile would take most of what is left
   #                                (gpu_1x_compiled, by name, measures the compiled step)
   #  name             cap_s  command

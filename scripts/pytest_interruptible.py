@@ -16,8 +16,8 @@ class PrintFailures:
     def pytest_runtest_logreport(self, report):
         if report.failed:
             text = report.longreprtext
-            cut = f"\n... ({len(text) - LIMIT} characters more)" if len(text) > LIMIT else ""
-            print(f"\n=== FAILED {report.nodeid} ({report.when})\n{text[-LIMIT:]}{cut}\n===", flush=True)
+            cut = f"({len(text) - LIMIT} characters before these left out)\n" if len(text) > LIMIT else ""
+            print(f"\n=== FAILED {report.nodeid} ({report.when})\n{cut}{text[-LIMIT:]}\n===", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,14 @@ request's ``output_dir`` (default ``$SGLANG_TORCH_PROFILER_DIR``, else /tmp):
 """
 from __future__ import annotations
 
-import gzip
 import os
-import shutil
 import time
 from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moe_rl.profiling import top_ops, write_ops_table
 
 ACTIVITIES = ("CPU", "GPU")  # SGLang's names; its MEM, CUDA_PROFILER and RPD are not offered here
 
@@ -32,7 +35,7 @@ class StepProfiler:
 
     # --- asked by the server (the engine's lock held) ----------------------------------------
     def request_start(self, output_dir: str | None, num_steps: int | None, activities) -> None:
-        if self._asked is not None or self._prof is not None:
+        if self.running:
             raise ValueError("a profile is already running: /stop_profile first")
         unknown = [a for a in activities if a not in ACTIVITIES]
         if unknown:
@@ -45,7 +48,7 @@ class StepProfiler:
         self.files, self.error, self.top = None, None, None
 
     def request_stop(self) -> None:
-        if self._asked is None and self._prof is None:
+        if not self.running:
             raise ValueError("no profile is running: /start_profile first")
         self._stop_asked = True
 
@@ -69,8 +72,6 @@ class StepProfiler:
         # a start request is cleared only once its profiler runs, a profile only once its files
         # are written, so the server's checks (``running``) never fall between the two
         if self._asked is not None:
-            from torch.profiler import ProfilerActivity, profile
-
             run = self._asked
             acts = [ProfilerActivity.CPU] if "CPU" in run["activities"] else []
             if "GPU" in run["activities"] and self.cuda:
@@ -102,25 +103,18 @@ class StepProfiler:
         prof, run = self._prof, self._run
         try:
             if self.cuda:
-                import torch
-
                 torch.cuda.synchronize()
             prof.__exit__(None, None, None)
             out = Path(run["output_dir"])
             out.mkdir(parents=True, exist_ok=True)
             stem = out / f"{run['profile_id']}-TP-0"
-            trace = stem.with_name(stem.name + ".trace.json")
-            prof.export_chrome_trace(str(trace))
-            with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            trace.unlink()
-            from moe_rl.profiling import top_ops, write_ops_table
-
-            ops = stem.with_name(stem.name + ".ops.txt")
+            trace = f"{stem}.trace.json.gz"
+            prof.export_chrome_trace(trace)  # torch gzips a path ending in .gz
+            ops = Path(f"{stem}.ops.txt")
             write_ops_table(prof, self.cuda, ops)
             self.top = {"steps": run["steps"], "cpu": top_ops(prof, False, 10),
                         **({"device": top_ops(prof, True, 10)} if self.cuda else {})}
-            self.files = [f"{trace}.gz", str(ops)]
+            self.files = [trace, str(ops)]
         except Exception as e:  # the engine keeps serving; /stop_profile reports it
             self.error = f"{type(e).__name__}: {e}"
             self.files = []
