@@ -47,14 +47,22 @@ TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _blocks(dtype: torch.dtype, rows: int = 0, groups: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). Not tuned: a float32 IEEE dot runs on the CUDA
-    cores (64-wide tiles), a 16-bit one on the tensor cores (128 x 128 x 64)."""
+    cores (64-wide tiles), a 16-bit one on the tensor cores (128 x 128 x 64). A float32 row tile
+    is no taller than the mean group (``rows / groups``, at least 16, ``tl.dot``'s least): in a
+    decode step each expert gets a few rows, and a 64-row tile would spend 7/8 of its products
+    on masked rows (8 rows per expert at 64 tokens, top-4 of 32 experts)."""
     if TRITON_INTERPRET:
         return 16, 32, 16, 1
     if dtype == torch.float32:
-        return 64, 64, 32, 4
+        mean = -(-rows // max(groups, 1))
+        return min(64, max(16, triton_next_pow2(mean))), 64, 32, 4
     return 128, 128, 64, 8
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def tile_plan(offs: Tensor, rows: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -172,7 +180,7 @@ def _gmm_triton(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     y = x.new_empty(rows, N)
     if rows == 0 or N == 0:
         return y
-    bm, bn, bk, warps = _blocks(x.dtype)
+    bm, bn, bk, warps = _blocks(x.dtype, rows, E)
     grid = (triton_cdiv(rows, bm) + E, triton_cdiv(N, bn))  # the most row tiles any split needs
     with on_device_of(x):  # the engine's forward runs in its step thread
         _gmm_kernel[grid](x, w, y, offs, N, K, E, x.stride(0), x.stride(1), w.stride(0),
@@ -187,7 +195,7 @@ def _gmm_wgrad_triton(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
     dw = dy.new_empty(E, N, K)
     if E == 0 or N == 0 or K == 0:
         return dw
-    bm, bn, bk, warps = _blocks(dy.dtype)
+    bm, bn, bk, warps = _blocks(dy.dtype, dy.shape[0], E)
     bk = min(bk, bn)  # the wgrad tile is [BLOCK_N, BLOCK_K]
     grid = (E, triton_cdiv(N, bn), triton_cdiv(K, bk))
     with on_device_of(dy):

@@ -179,12 +179,14 @@ def drive_every_launch() -> None:
         ftl._fused_triton(hidden, weight, labels, labels < 0, token_loss, inv_t, True, ftl_plan, None, True, True)
 
     # grouped GEMM (the MoE experts): every dtype the Triton path serves, forward and weight grad
+    # (float32's row tile follows the mean group: 16 rows at 16 a group, 64 at 128 a group)
     for dt in (torch.float32, torch.bfloat16, torch.float16):
-        x = torch.randn(64, 128, dtype=dt)
-        w = torch.randn(4, 256, 128, dtype=dt)
-        offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
-        gg._gmm_triton(x, w, offs)
-        gg._gmm_wgrad_triton(torch.randn(64, 256, dtype=dt), x, offs)
+        for rows in (64, 512):
+            x = torch.randn(rows, 128, dtype=dt)
+            w = torch.randn(4, 256, 128, dtype=dt)
+            offs = torch.arange(1, 5, dtype=torch.int32) * (rows // 4)
+            gg._gmm_triton(x, w, offs)
+            gg._gmm_wgrad_triton(torch.randn(rows, 256, dtype=dt), x, offs)
 
     # the weight-sync bucket copy
     tensors = [torch.randn(300, dtype=torch.bfloat16), torch.randn(64, 32, dtype=torch.bfloat16)]

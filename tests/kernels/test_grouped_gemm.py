@@ -194,13 +194,24 @@ def test_kernels_compile_for_sm90():
             assert k["wgmma"], (name, "the bf16 dot is not on Hopper tensor cores")
 
 
+def test_a_float32_row_tile_follows_the_mean_group(monkeypatch):
+    """On a GPU a float32 row tile is as tall as the mean group (16 at least, 64 at most): a
+    decode step's few rows per expert do not pay for 64-row tiles; 16-bit tiles stay 128."""
+    monkeypatch.setattr(gg, "TRITON_INTERPRET", False)
+    E = 32
+    assert [gg._blocks(torch.float32, rows, E)[0] for rows in (4, 256, 640, 1024, 1056, 32768)] == [16, 16, 32, 32, 64, 64]
+    assert gg._blocks(torch.bfloat16, 256, E)[0] == gg._blocks(torch.float16, 32768, E)[0] == 128
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [32768, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_triton_on_a_gpu_at_expert_shapes(dtype):
-    """Medium-preset shapes (32 experts, 8192 x 4 rows, hidden 1024, width 2 x 512): the Triton
-    op against torch's per-group loop, no host sync (CUDA's sync debug mode errors on one)."""
+def test_triton_on_a_gpu_at_expert_shapes(dtype, rows):
+    """Medium-preset shapes (32 experts, hidden 1024, width 2 x 512; 8192 x 4 rows as in
+    training, 64 x 4 as in a decode step): the Triton op against torch's per-group loop, no host
+    sync (CUDA's sync debug mode errors on one)."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    E, rows, K, N = 32, 32768, 1024, 1024
+    E, K, N = 32, 1024, 1024
     counts = torch.distributions.Dirichlet(torch.ones(E)).sample() * rows
     offs = counts.cumsum(0).round().clamp(max=rows).to(torch.int32).cuda()
     offs[-1] = rows
