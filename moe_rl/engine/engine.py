@@ -52,7 +52,7 @@ from moe_rl.model.ops import tempered
 from .decode import CudaGraphs, DecodeAttention, ExactStepAttention, StaticDecoder
 from .step_profiler import StepProfiler
 from .protocol import GenerateRequest, RequestError
-from .sampling import apply_penalties, sample_seeded, sample_tokens
+from .sampling import Uniforms, apply_penalties, sample_seeded, sample_tokens
 
 __all__ = ["Engine", "apply_penalties"]
 
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 class _Req:
     req: GenerateRequest
     rid: str
-    generator: torch.Generator
+    uniforms: Uniforms  # the sampler's draws, from the request's seeded generator
     seed: int  # the generator's seed: the exact sampler's key (sample_seeded)
     deliver: Callable[[dict], None]  # final response (called from any thread)
     on_update: Callable[[dict], None] | None = None  # streaming snapshots
@@ -286,7 +286,8 @@ class Engine:
         seed = req.sampling_params.sampling_seed
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little"))
-        r = _Req(req=req, rid=rid, generator=gen, seed=gen.initial_seed(), deliver=deliver, on_update=on_update)
+        r = _Req(req=req, rid=rid, uniforms=Uniforms(gen, min(64, req.sampling_params.max_new_tokens)),
+                 seed=gen.initial_seed(), deliver=deliver, on_update=on_update)
         with self.cond:
             if self.error is not None:
                 raise RuntimeError(f"engine is not running: {self.error}")
@@ -668,7 +669,7 @@ class Engine:
     @staticmethod
     def _sample_batch(reqs: list[_Req], logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """One token per row on the logits' device (``sampling.sample_tokens``)."""
-        return sample_tokens([r.params for r in reqs], [r.generator for r in reqs], logits, logp)
+        return sample_tokens([r.params for r in reqs], [r.uniforms for r in reqs], logits, logp)
 
     def _stop_str(self, r: _Req) -> str | None:
         """The first of the request's stop strings in the decoded tail of its output (SGLang's

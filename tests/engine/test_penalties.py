@@ -9,6 +9,7 @@ import torch
 from moe_rl.engine import output_logprobs
 from moe_rl.engine.engine import Engine, apply_penalties
 from moe_rl.engine.protocol import GenerateRequest, RequestError, SamplingParams
+from moe_rl.engine.sampling import Uniforms
 from moe_rl.engine.server import build_engine, build_model
 
 from .helpers import ARCH, CFG, generate
@@ -111,7 +112,7 @@ def test_ranges_are_sglangs():
 # --- the sampler --------------------------------------------------------------------------
 def _reqs(sp, n, seed0=0):
     params = SamplingParams.parse(sp)
-    return [types.SimpleNamespace(params=params, generator=torch.Generator().manual_seed(seed0 + i)) for i in range(n)]
+    return [types.SimpleNamespace(params=params, uniforms=Uniforms(torch.Generator().manual_seed(seed0 + i))) for i in range(n)]
 
 
 def test_min_p_draws_from_the_kept_tokens_in_proportion():
