@@ -100,6 +100,11 @@ class EngineConfig(Strict):
     static_decode: bool | None = Field(None, description="decode-only steps padded to batch-size and context-length "
                                        "buckets, inputs in preallocated buffers (what a graph captures); "
                                        "null = as engine.cuda_graph")
+    compile: bool = Field(False, description="torch.compile an embedded engine's static decode step (SGLang's "
+                          "--enable-torch-compile): Inductor fuses the step's small ops before the CUDA graphs "
+                          "capture it. One dynamic-shape graph and one for batch size 1, compiled at start (tens of "
+                          "seconds; minutes on a CPU). Needs engine.static_decode (on with engine.cuda_graph); not "
+                          "with true_on_policy (its exact kernels are not traceable)")
     # the HTTP server of an embedded engine (moe_rl/engine/limits.py, docs/serving.md)
     max_request_bytes: int | None = Field(None, ge=1024, description="largest request body an embedded engine's "
                                           "server reads; a larger one gets HTTP 413. null = sized from the model: "
@@ -608,6 +613,12 @@ class ExperimentConfig(Strict):
             raise ValueError("engine.cuda_graph=true needs the embedded engine on a GPU, and it runs on the CPU here "
                              "(train.device=cpu); set train.device=cuda, or leave engine.cuda_graph unset (on where "
                              "the engine is on a GPU)")
+        e = self.engine
+        static = e.static_decode if e.static_decode is not None else (
+            e.cuda_graph if e.cuda_graph is not None else self.train.device == "cuda")
+        if e.compile and e.kind == "embedded" and not static:
+            raise ValueError("engine.compile=true compiles the static decode step, and it is off here; set "
+                             "engine.static_decode=true (or leave it unset with engine.cuda_graph on a GPU)")
         if self.engine.cuda_graph and self.engine.static_decode is False:
             raise ValueError("engine.cuda_graph=true with engine.static_decode=false: the graphs capture the "
                              "static-shape decode step; leave engine.static_decode unset or true")
@@ -685,6 +696,9 @@ class ExperimentConfig(Strict):
         if self.train.compile is True:
             raise ValueError(f"{where} with train.compile=true: the exact kernels are not custom ops torch.compile "
                              "can trace; set train.compile to auto (off under true_on_policy) or false")
+        if self.engine.compile and self.engine.kind == "embedded":
+            raise ValueError(f"{where} with engine.compile=true: the exact kernels are not custom ops torch.compile "
+                             "can trace; set engine.compile=false")
         if self.lora.enabled and self.lora.sync != "adapter":
             raise ValueError(f"{where} with LoRA needs lora.sync=adapter: merged weights (W + s*B@A in one matrix) "
                              "round differently from the trainer's unmerged adapter")

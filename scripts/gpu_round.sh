@@ -158,7 +158,8 @@ stages() {
   # Caps, and what each stage is expected to take on one H100/H200 (the H200 round of 2026-11-26
   # plus estimates for what came since: compiles ~20-40 s per graph kind, graph capture; nothing
   # measured on the H100 round of 2026-11-27). The stages between install and gpu_1x add up to
-  # 435 s of the 495 s budget (510 - RESERVE):
+  # 435 s of the 495 s budget (510 - RESERVE); engine_bf16 and gated_delta (cut by their caps on the
+  # H100 round) run by name:
   #  stage          cap  expected
   #  install         90  ~36      wheels, editable build (C++ sources one per core); outside the
   #                                510 s budget, which starts after it; the rest skipped if it fails
@@ -174,11 +175,11 @@ stages() {
   #  engine          35  ~22+     the configured engine only (--variants none): graph capture of 36
   #                                shapes, a cold Triton build, then one profiled request
   #                                (--profile); its JSON rewritten as figures come
-  #  engine_bf16     25  >15      (cut at 15 s in its start, the bf16 Triton builds)
-  #  on_policy       30  ~20      3 variants x 3 steps of the tiny model in bf16, graph capture of
+  #  engine_compiled 55  ~50?     the same with engine.compile (Inductor, 4 graphs of the decode
+  #                                step before the capture: compile_s), one profiled request
+  #  on_policy       25  ~20      3 variants x 3 steps of the tiny model in bf16, graph capture of
   #                                3 engines, ~15 cold Triton builds of the exact kernels (pytest_gpu's
   #                                fp32 tests build other variants); its JSON saved after each round
-  #  gated_delta     25  >15      2k tokens, Triton scan vs torch (fla, 8k tokens: gated_delta_fla)
   #  gpu_1x        rest  >= 60    train.compile=false: its compile would take most of what is left
   #                                (gpu_1x_compiled, by name, measures the compiled step)
   #  name             cap_s  command
@@ -188,15 +189,17 @@ stages() {
   st train_large       65    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
   st logprobs          40    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P --out \$J"
   st engine            35    "$PY -m moe_rl.cli bench engine $engine --variants none --profile \$P --out \$J"
-  # the engine in bf16 (its CUDA graphs, beside gpu_1x's fp32 engine)
-  st engine_bf16       25    "$PY -m moe_rl.cli bench engine $engine --variants none engine.dtype=bfloat16 --out \$J"
+  # the same engine with its decode step compiled by Inductor before the capture (engine.compile)
+  st engine_compiled   55    "$PY -m moe_rl.cli bench engine $engine --variants none engine.compile=true engine.static_decode=true --profile \$P --out \$J"
   # true_on_policy in bf16 with the exact kernels' Triton versions: its exactness checks and its
   # cost (engine tokens/s and train step, key on vs off)
-  st on_policy         30    "$PY -m moe_rl.cli bench on-policy $on_policy --out \$J"
-  # the Gated DeltaNet chunk scan: Triton vs torch, checked against the float64 recurrence
-  st gated_delta       25    "$PY -m moe_rl.cli bench gated-delta --json $gdn > \$J"
+  st on_policy         25    "$PY -m moe_rl.cli bench on-policy $on_policy --out \$J"
   st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false output_dir=\$W/gpu_1x logging.progress=false"
   # not in `all`; by name only
+  # the engine in bf16 (its CUDA graphs, beside gpu_1x's fp32 engine)
+  st engine_bf16       25    "$PY -m moe_rl.cli bench engine $engine --variants none engine.dtype=bfloat16 --out \$J"
+  # the Gated DeltaNet chunk scan: Triton vs torch, checked against the float64 recurrence
+  st gated_delta       25    "$PY -m moe_rl.cli bench gated-delta --json $gdn > \$J"
   st train_fused      120    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends native,native_fused"
   st train_large_megatron 150 "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends megatron,megatron_recompute,native_eager"
   st gpu_1x_compiled  300    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x_compiled logging.progress=false"
@@ -220,9 +223,9 @@ own_wheels() {
   export PYTHONPATH=/tmp/site_$2:$PYTHONPATH
   "$PY" -c "import $1" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site_$2" .whl/"$2"/*.whl
 }
-ALL_STAGES=(install pytest_gpu train_medium train_large logprobs engine engine_bf16 on_policy gated_delta gpu_1x)
-EXTRA_STAGES=(train_fused train_large_megatron gpu_1x_compiled gated_delta_fla engine_variants pytest_suite sync_gpu
-              fp32_error agent_api)
+ALL_STAGES=(install pytest_gpu train_medium train_large logprobs engine engine_compiled on_policy gpu_1x)
+EXTRA_STAGES=(engine_bf16 gated_delta train_fused train_large_megatron gpu_1x_compiled gated_delta_fla engine_variants
+              pytest_suite sync_gpu fp32_error agent_api)
 
 fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not change with a release
   # (megatron-core 0.19.2 is what the CPU suite checks; the rest as on the CPU machines and the

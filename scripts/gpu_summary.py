@@ -155,6 +155,7 @@ def read_engine(path: Path) -> dict:
     return {"tokens_per_s_1": s.get("tokens_per_s_1"), "tokens_per_s_concurrent": s.get("tokens_per_s_concurrent"),
             "concurrency": s.get("concurrency"), "ttft_ms": s.get("ttft_ms"), "dtype": _get(r, "params", "dtype"),
             "engine_device": s.get("device"), "cuda_graph": s.get("cuda_graph"), "decode_graphs": s.get("decode_graphs"),
+            "compile": s.get("compile"), "compile_s": s.get("compile_s"),
             "start_s": s.get("start_s"), "capture_s": s.get("capture_s"), "stopped": s.get("stopped"),
             "variants": variants, "profile": _engine_profile(s.get("profile"))}
 
@@ -302,6 +303,7 @@ def summarize(work: Path, device: str = "cuda") -> dict:
 
     tf = figures.get("train_fused") or {}  # by name only: the medium preset's native vs native_fused
     lp, en, eb = figures.get("logprobs") or {}, figures.get("engine") or {}, figures.get("engine_bf16") or {}
+    ec = figures.get("engine_compiled") or {}  # engine.compile: the decode step compiled before the capture
     run, pt = figures.get("gpu_1x") or {}, figures.get("pytest_gpu") or {}
     run_c = figures.get("gpu_1x_compiled") or {}  # by name: the main job as shipped (compiled)
     op, gdn = figures.get("on_policy") or {}, figures.get("gated_delta") or {}
@@ -343,6 +345,10 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "engine_concurrency": en.get("concurrency"),
         "engine_cuda_graph": en.get("cuda_graph"),
         "engine_profile": en.get("profile"),
+        "engine_compiled_tokens_per_s_1": ec.get("tokens_per_s_1"),
+        "engine_compiled_tokens_per_s_concurrent": ec.get("tokens_per_s_concurrent"),
+        "engine_compiled_compile_s": ec.get("compile_s"),
+        "engine_compiled_profile": ec.get("profile"),
         "engine_bf16_tokens_per_s_1": eb.get("tokens_per_s_1"),
         "engine_bf16_tokens_per_s_concurrent": eb.get("tokens_per_s_concurrent"),
         "engine_bf16_cuda_graph": eb.get("cuda_graph"),

@@ -16,8 +16,10 @@ The summary is the engine as the config sets it up (engine.static_decode, engine
 on a GPU graphs are on where they can be captured); ``variants`` measures each decode mode
 (``--variants``, default all that run on the device): ``dynamic`` (every step eager, shapes
 as they come), ``static`` (decode steps padded to batch-size / context buckets, eager) and,
-on a GPU, ``cuda_graph`` (those steps replayed from CUDA graphs), each with the same keys as
-the summary; a mode that cannot run there says why (``skipped``).
+on a GPU, ``cuda_graph`` (those steps replayed from CUDA graphs) and ``compiled`` (the same with
+engine.compile: the step compiled by Inductor before the capture; ``compile_s``), each with the
+same keys as the summary; a mode that cannot run there says why (``skipped``). The configured
+engine is one of them (a compiled static step without graphs, the CPU's, is ``static_compiled``).
 
 Every request samples (temperature 1, no stop tokens) exactly ``--max-new-tokens`` tokens
 from a ``--prompt-len`` prompt. Throughputs are the best of ``--repeats`` runs.
@@ -49,9 +51,11 @@ import torch
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
-MODES = {"dynamic": {"static_decode": False, "cuda_graph": False},
-         "static": {"static_decode": True, "cuda_graph": False},
-         "cuda_graph": {"static_decode": True, "cuda_graph": True}}
+MODES = {"dynamic": {"static_decode": False, "cuda_graph": False, "compile": False},
+         "static": {"static_decode": True, "cuda_graph": False, "compile": False},
+         "cuda_graph": {"static_decode": True, "cuda_graph": True, "compile": False},
+         "compiled": {"static_decode": True, "cuda_graph": True, "compile": True}}
+GPU_ONLY = ("cuda_graph", "compiled")
 
 
 async def _bench(cfg, args, model=None, progress=None, profile_dir: Path | None = None, **mode) -> dict:
@@ -67,7 +71,8 @@ async def _bench(cfg, args, model=None, progress=None, profile_dir: Path | None 
     dec = engine.static_decoder
     got = {"concurrency": args.concurrency, "kv_slots": engine.max_running, "device": str(engine.device),
            "static_decode": engine.static_decode, "cuda_graph": engine.cuda_graph,
-           "start_s": round(time.perf_counter() - t0, 2), "capture_s": round(dec.capture_s, 2) if dec else 0.0}
+           "compile": bool(dec and dec.compiled), "start_s": round(time.perf_counter() - t0, 2),
+           "capture_s": round(dec.capture_s, 2) if dec else 0.0, "compile_s": round(dec.compile_s, 2) if dec else 0.0}
     progress({**got, "stopped": "during the warm-up or one request at a time"})
     vocab = cfg.model.arch().vocab_size
     try:
@@ -150,11 +155,11 @@ async def _bench_modes(cfg, args, save=None) -> dict:
     model = build_model(cfg).to(args.device) if shared else None
     save({"stopped": "while starting the engine (its graph capture)"})
     summary = await _bench(cfg, args, model, save, profile_dir=args.profile)
-    configured = next(name for name, m in MODES.items()
-                      if (m["static_decode"], m["cuda_graph"]) == (summary["static_decode"], summary["cuda_graph"]))
+    configured = next((name for name, m in MODES.items() if (m["static_decode"], m["cuda_graph"], m["compile"])
+                       == (summary["static_decode"], summary["cuda_graph"], summary["compile"])), "static_compiled")
     variants = {configured: {k: summary[k] for k in VARIANT_KEYS}}
     if args.variants == "all":
-        names = [n for n in MODES if n != "cuda_graph" or args.device == "cuda"]
+        names = [n for n in MODES if n not in GPU_ONLY or args.device == "cuda"]
     else:
         names = [] if args.variants == "none" else args.variants.split(",")
     for name in names:
@@ -167,12 +172,12 @@ async def _bench_modes(cfg, args, save=None) -> dict:
             variants[name] = {k: out[k] for k in VARIANT_KEYS}
         except ValueError as e:  # e.g. cuda_graph with float32 experts: not capturable there
             variants[name] = {"skipped": str(e)}
-    summary["variants"] = {n: variants[n] for n in MODES if n in variants}
+    summary["variants"] = {n: variants[n] for n in [*MODES, configured] if n in variants}
     return summary
 
 
 VARIANT_KEYS = ("tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms", "batching_speedup", "engine_steps",
-                "decode_static_steps", "decode_graph_steps", "decode_graphs", "start_s", "capture_s")
+                "decode_static_steps", "decode_graph_steps", "decode_graphs", "start_s", "capture_s", "compile_s")
 
 
 def _free_device_memory() -> None:
@@ -205,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                          "a Chrome trace and op tables in DIR, its time per token and top ops in summary.profile")
     ap.add_argument("--variants", default="all",
                     help="decode modes measured besides the configured one: all (dynamic, static and, on cuda, "
-                         "cuda_graph), none, or a comma list of them")
+                         "cuda_graph and compiled), none, or a comma list of them")
     args = ap.parse_intermixed_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is visible", file=sys.stderr)

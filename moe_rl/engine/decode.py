@@ -201,9 +201,11 @@ class StaticDecoder:
     """Decode steps of ``model`` with static shapes over the engine's per-slot decode state
     (``states``, one per layer; see the module docstring). ``pad_slot``: a cache slot that no
     request owns. ``graphs``: a capture backend (``CudaGraphs``), or None for the eager static
-    path."""
+    path. ``compile``: ``torch.compile`` options; then the step runs compiled (fullgraph, dynamic
+    batch size and span; ``warm_up`` makes its graphs at start)."""
 
-    def __init__(self, model, states: list, *, max_bs: int, max_context: int, pad_slot: int, graphs=None):
+    def __init__(self, model, states: list, *, max_bs: int, max_context: int, pad_slot: int, graphs=None,
+                 compile: dict | None = None):
         self.model = model
         self.states = states
         self.batch_sizes = decode_batch_sizes(max_bs)
@@ -226,6 +228,16 @@ class StaticDecoder:
         self.logits = torch.zeros(max_bs, arch.vocab_size, dtype=torch.float32, device=dev)
         self.num_moe = len(model.moe_layers)
         self.routing = torch.zeros(max_bs, self.num_moe, arch.num_experts_per_tok, dtype=torch.long, device=dev)
+        self.compiled = compile is not None
+        self._step = self._forward
+        if self.compiled:
+            # only the batch size and the span vary: the buffers' and decode states' sizes are
+            # constants (else dynamo's duck sizing ties a span equal to the cache's length to it)
+            for t in (self.inputs, self.logits, self.routing,
+                      *(v for st in states for v in vars(st).values() if isinstance(v, torch.Tensor))):
+                torch._dynamo.mark_static(t)
+            self._step = torch.compile(self._forward, **{"fullgraph": True, "dynamic": True, **compile})
+        self.compile_s = 0.0
 
     def _forward(self, bs: int, ctx: int) -> None:
         """The step of one shape: reads ``inputs[:, :bs]``, writes ``logits[:bs]`` and
@@ -250,13 +262,32 @@ class StaticDecoder:
         self.replays.clear()
         self.inputs[:2].zero_()
         self.inputs[2].fill_(self.pad_slot)
+        self.warm_up()
         for bs in reversed(self.batch_sizes):
             for ctx in reversed(self.context_sizes):
-                self.replays[(bs, ctx)] = self.graphs.capture(lambda bs=bs, ctx=ctx: self._forward(bs, ctx))
+                self.replays[(bs, ctx)] = self.graphs.capture(lambda bs=bs, ctx=ctx: self._step(bs, ctx))
         self.weights_at_capture = self._weights()
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batch sizes %s, context spans %s) in %.1f s", len(self.replays),
                  self.batch_sizes, self.context_sizes, self.capture_s)
+
+    def warm_up(self) -> None:
+        """Compiles the step (``compile``; once) at start, on padding (it writes the spare slot
+        only), for every graph dynamo makes of it: batch size 1 is specialised, and so is the
+        full span (slicing all of the cache's positions is a contiguous view, fewer are not).
+        In the first call the batch size and the span differ, so that dynamo's duck sizing
+        does not give them one symbol."""
+        if not self.compiled or self.compile_s:
+            return
+        t0 = time.perf_counter()
+        self.inputs[:2].zero_()
+        self.inputs[2].fill_(self.pad_slot)
+        spans = [c for c in self.context_sizes[:-1] if c != self.batch_sizes[-1]] + self.context_sizes[-1:]
+        for bs in sorted({self.batch_sizes[-1], self.batch_sizes[0]}, reverse=True):
+            for ctx in (spans[0], spans[-1]) if len(spans) > 1 else spans:
+                self._step(bs, ctx)
+        self.compile_s = time.perf_counter() - t0
+        log.info("compiled the decode step (torch.compile) in %.1f s", self.compile_s)
 
     def host_reads(self) -> list[str]:
         """What keeps the step from being captured: its reads of device values on the host,
@@ -293,5 +324,5 @@ class StaticDecoder:
         if self.graphs is not None:
             self.replays[(bs, ctx)]()
         else:
-            self._forward(bs, ctx)
+            self._step(bs, ctx)
         return self.logits[:n], (self.routing[:n] if self.num_moe else None)

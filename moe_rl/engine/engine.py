@@ -174,6 +174,7 @@ class Engine:
         cuda_graph_max_bs: int | None = None,
         graphs=None,
         max_waiting_requests: int | None = None,
+        compile: bool | dict = False,
     ):
         """``static_decode``: decode-only steps of up to ``cuda_graph_max_bs`` requests
         (default: all) run with static shapes (``moe_rl.engine.decode``); ``cuda_graph``: and
@@ -181,7 +182,9 @@ class Engine:
         backend with ``CudaGraphs``' interface. None (the config's unset): ``cuda_graph`` on
         where graphs can be made (a GPU, or ``graphs``) and the step can be captured (checked
         at ``start``), ``static_decode`` as ``cuda_graph``. ``max_waiting_requests``: requests
-        queued beyond the free KV slots before ``submit`` raises ``QueueFull`` (None: no bound)."""
+        queued beyond the free KV slots before ``submit`` raises ``QueueFull`` (None: no bound).
+        ``compile``: ``torch.compile`` the static decode step (a dict: ``torch.compile``'s options,
+        e.g. another backend); needs ``static_decode``, compiled at ``start``."""
         self.model = model.eval()
         self.arch = model.arch
         self.model_path = model_path
@@ -213,13 +216,20 @@ class Engine:
         self.states = [spec.allocate(slots, self.max_context, self.dtype, self.device) for spec in specs]
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.state_bytes = slots * sum(spec.bytes_per_slot(self.max_context, elem) for spec in specs)
+        if compile and self.exact:
+            raise ValueError("engine.compile: the exact kernels (true_on_policy) are not custom ops torch.compile "
+                             "can trace; run the decode step eagerly")
+        if compile and not self.static_decode:
+            raise ValueError("engine.compile: it compiles the static decode step, which is off "
+                             "(engine.static_decode / engine.cuda_graph)")
         self.static_decoder: StaticDecoder | None = None
         if self.static_decode:
             if self.cuda_graph and graphs is None:
                 graphs = CudaGraphs(self.device)
             self.static_decoder = StaticDecoder(
                 self.model, self.states, max_bs=min(cuda_graph_max_bs or self.max_running, self.max_running),
-                max_context=self.max_context, pad_slot=self.max_running, graphs=graphs if self.cuda_graph else None)
+                max_context=self.max_context, pad_slot=self.max_running, graphs=graphs if self.cuda_graph else None,
+                compile=({} if compile is True else compile) if compile else None)
 
         self.cond = threading.Condition()  # guards all request state below
         self.model_lock = threading.Lock()  # held by a forward and by a weight commit
@@ -240,11 +250,15 @@ class Engine:
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> "Engine":
-        """Captures the decode graphs (when on), then starts the engine thread."""
+        """Captures the decode graphs (when on; compiling the step first with ``compile``), then
+        starts the engine thread."""
         if self._thread is None:
             if self.static_decoder is not None and self.static_decoder.graphs is not None:
                 with torch.inference_mode(), self.model_lock:
                     self._capture_graphs()
+            if self.static_decoder is not None:
+                with torch.inference_mode(), self.model_lock:
+                    self.static_decoder.warm_up()  # a compile: at start, not in the first request's step
             self._thread = threading.Thread(target=self._run, name="moe-rl-engine", daemon=True)
             self._thread.start()
         return self
@@ -261,6 +275,9 @@ class Engine:
                    f"size; float32/bfloat16/float16 experts read nothing)")
             if self._asked["cuda_graph"]:
                 raise ValueError(f"engine.cuda_graph=true: {why}")
+            if self._asked["static_decode"] is None and dec.compiled:
+                raise ValueError(f"engine.compile=true compiles the static decode step, which follows "
+                                 f"engine.cuda_graph, and {why}; set engine.static_decode=true")
             log.warning("engine.cuda_graph: off (unset, and %s)", why)
             dec.graphs, self.cuda_graph = None, False
             if self._asked["static_decode"] is None:  # it followed engine.cuda_graph

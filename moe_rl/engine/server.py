@@ -60,12 +60,13 @@ def build_model(cfg):
 
 
 def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
-                 cuda_graph: bool | None = None, static_decode: bool | None = None) -> Engine:
+                 cuda_graph: bool | None = None, static_decode: bool | None = None,
+                 compile: bool | None = None) -> Engine:
     """``device``: where the model and KV cache live (default: where ``model`` is, CPU for a
     new one). On a GPU the KV cache holds as many requests as placement.mem_fraction_static
     of its memory leaves after the weights (at most engine.max_running_requests).
-    ``cuda_graph`` / ``static_decode``: override engine.cuda_graph / engine.static_decode
-    (``moe-rl bench engine`` measures each setting)."""
+    ``cuda_graph`` / ``static_decode`` / ``compile``: override engine.cuda_graph /
+    engine.static_decode / engine.compile (``moe-rl bench engine`` measures each setting)."""
     e = cfg.engine
     model = model if model is not None else build_model(cfg)
     model.use_ops(model_ops(cfg))  # true_on_policy: the exact kernels (moe_rl.model.ops)
@@ -95,6 +96,7 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
         cuda_graph=e.cuda_graph if cuda_graph is None else cuda_graph,
         cuda_graph_max_bs=e.cuda_graph_max_bs,
         max_waiting_requests=e.max_waiting_requests,
+        compile=e.compile if compile is None else compile,
     )
     lora.attach(engine, cfg)  # LoRA serving: moe_rl.engine.lora
     engine.tokenizer_path = cfg.model.tokenizer_path  # the server's tokenizer when set (else model.path's)

@@ -73,6 +73,26 @@ def test_decode_cuda_graphs_replay_the_eager_static_step():
         np.testing.assert_array_equal(decode_routed_experts(b, L, K), decode_routed_experts(a, L, K))
 
 
+def test_a_compiled_decode_step_gives_the_eager_steps_outputs():
+    """engine.compile on a GPU (Inductor, fp32 like configs/gpu_1x.yaml, graphs on): compiled
+    at start, every decode step replayed from graphs of the compiled step, and the tokens,
+    log-probs (fused kernels round differently: 1e-4) and nearly all routing of the eager engine."""
+    cfg = load_config(CONFIG, OVERRIDES + ["engine.max_context=256"])
+    eager = build_engine(cfg, device="cuda", cuda_graph=True)
+    compiled = build_engine(cfg, device="cuda", cuda_graph=True, compile=True)
+    want, got = generate_queued(eager, _bodies(12, 20), 300), generate_queued(compiled, _bodies(12, 20), 300)
+    assert compiled.static_decoder.compiled and compiled.static_decoder.compile_s > 0
+    assert compiled.stats["decode_graph_steps"] == eager.stats["decode_graph_steps"] > 20
+    matched = total = 0
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        np.testing.assert_allclose(output_logprobs(b["meta_info"]), output_logprobs(a["meta_info"]), rtol=0, atol=1e-4)
+        ra, rb = decode_routed_experts(a, L, K), decode_routed_experts(b, L, K)
+        matched += int((ra == rb).all(axis=-1).sum())
+        total += ra.shape[0] * ra.shape[1]
+    assert matched / total > 0.99
+
+
 def test_a_step_reads_the_device_once():
     """With graphs on, the only synchronizing call of a step (prefill or decode) is the one read
     of its sampled tokens, log-probs and routing record (torch's sync debug mode counts them)."""

@@ -250,3 +250,59 @@ def test_a_step_that_reads_the_host_is_not_captured(caplog):
         assert host_reads(read), read
     assert host_reads(lambda: (x * 2).to(torch.float16)) == [] and host_reads(lambda: torch.ones(2).sum().item()) == []
     assert host_reads(lambda: x.repeat_interleave(n, output_size=3)) == [] and host_reads(lambda: x[n]) == []
+
+
+# --- engine.compile: the static step under torch.compile ---------------------------------------
+class _CallGraphs:
+    """A capture backend that replays by calling the step again (StandInGraphs watches the ops
+    through a dispatch mode, under which torch.compile does not run)."""
+
+    def __init__(self):
+        self.captures = self.replays = 0
+
+    def capture(self, fn):
+        fn()
+        self.captures += 1
+
+        def replay():
+            fn()
+            self.replays += 1
+        return replay
+
+
+def _compiled_frames() -> int:
+    return sum(v for k, v in torch._dynamo.utils.counters["stats"].items() if k == "unique_graphs")
+
+
+def test_a_compiled_decode_step_traces_whole_and_compiles_at_start_only(model):
+    """engine.compile traces the step in one graph (fullgraph: a break is an error) with the
+    batch size and span dynamic: every (batch, span) bucket runs one of the 4 graphs made at
+    start (dynamo specialises batch size 1 and the full span). The CPU runs it on aot_eager
+    (the same aten ops as eager: bit for bit); Inductor's fusion is the GPU's
+    (test_engine_gpu.py)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    want = generate(Engine(model, max_running_requests=6, max_context=128, static_decode=True))
+    graphs = _CallGraphs()
+    engine = Engine(model, max_running_requests=6, max_context=128, cuda_graph=True, graphs=graphs,
+                    compile={"backend": "aot_eager"})
+    engine.start()
+    assert _compiled_frames() == 4 and engine.static_decoder.compile_s > 0
+    got = generate(engine)
+    assert graphs.captures == 8 and graphs.replays > 20
+    assert _compiled_frames() == 4  # no shape compiled again
+    assert_same(want, got, atol=0.0)
+
+
+def test_engine_compile_refusals(model):
+    from moe_rl.model.ops import EXACT
+
+    with pytest.raises(ValueError, match="compiles the static decode step, which is off"):
+        Engine(model, max_running_requests=4, max_context=64, compile=True)
+    with pytest.raises(ValueError, match="exact kernels"):
+        Engine(build_model(CFG).use_ops(EXACT), max_running_requests=4, max_context=64, static_decode=True, compile=True)
+    with pytest.raises(ConfigError, match="engine.compile=true compiles the static decode step"):
+        load_config(CONFIG, OVERRIDES + ["engine.compile=true"])  # CPU: static_decode follows cuda_graph, off
+    with pytest.raises(ConfigError, match="true_on_policy=true with engine.compile=true"):
+        load_config(CONFIG, OVERRIDES + ["engine.compile=true", "engine.static_decode=true", "true_on_policy=true"])
+    assert load_config(CONFIG, OVERRIDES + ["engine.compile=true", "engine.static_decode=true"]).engine.compile

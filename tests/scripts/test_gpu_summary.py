@@ -43,7 +43,8 @@ def work(tmp_path):
 def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     rc, s = summarize(work, tmp_path / "out")
     assert rc == 0 and s["missing"] == {}
-    assert set(s["stage_rc"]) == {"install", "train_medium", "train_large", "logprobs", "engine", "engine_bf16",
+    assert set(s["stage_rc"]) == {"install", "train_medium", "train_large", "logprobs", "engine", "engine_compiled",
+                                  "engine_bf16",
                                   "pytest_gpu", "gpu_1x", "train_fused", "train_large_megatron", "on_policy",
                                   "gated_delta", "gated_delta_fla"}
     assert set(s["stage_rc"].values()) == {0}
@@ -89,6 +90,11 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     eng = json.loads((work / "engine.json").read_text())["summary"]
     assert (s["engine_tokens_per_s_1"], s["engine_tokens_per_s_concurrent"], s["engine_concurrency"]) == \
         (eng["tokens_per_s_1"], eng["tokens_per_s_concurrent"], eng["concurrency"])
+    comp = json.loads((work / "engine_compiled.json").read_text())["summary"]  # engine.compile: a static step on CPU
+    assert comp["compile"] is True and comp["compile_s"] > 0 and s["stages"]["engine_compiled"]["figures"]["compile"]
+    assert (s["engine_compiled_tokens_per_s_1"], s["engine_compiled_tokens_per_s_concurrent"],
+            s["engine_compiled_compile_s"]) == (comp["tokens_per_s_1"], comp["tokens_per_s_concurrent"], comp["compile_s"])
+    assert s["engine_compiled_profile"]["ms_per_token"] == comp["profile"]["ms_per_token"] > 0
     bf16 = json.loads((work / "engine_bf16.json").read_text())
     assert bf16["params"]["dtype"] == "bfloat16" and s["stages"]["engine_bf16"]["figures"]["dtype"] == "bfloat16"
     assert (s["engine_bf16_tokens_per_s_1"], s["engine_bf16_tokens_per_s_concurrent"], s["engine_bf16_cuda_graph"]) == \
@@ -142,7 +148,7 @@ def test_failed_skipped_and_missing_stages_give_null_and_keep_their_exit_code(wo
 
     assert rc == 1
     assert s["stage_rc"] == {"install": 0, "train_medium": 0, "train_large": 124, "logprobs": 137, "engine": 2,
-                             "engine_bf16": 0, "pytest_gpu": None, "gpu_1x": 124, "train_fused": 0,
+                             "engine_compiled": 0, "engine_bf16": 0, "pytest_gpu": None, "gpu_1x": 124, "train_fused": 0,
                              "train_large_megatron": 0, "on_policy": 0, "gated_delta": 0, "gated_delta_fla": 0}
     assert s["stages"]["pytest_gpu"]["status"] == "skipped" and s["stages"]["engine"]["status"] == "failed"
     # the large preset's other rows come from their own stage, which ran
