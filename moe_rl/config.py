@@ -102,8 +102,8 @@ class EngineConfig(Strict):
                                        "null = as engine.cuda_graph")
     compile: bool = Field(False, description="torch.compile an embedded engine's static decode step (SGLang's "
                           "--enable-torch-compile): Inductor fuses the step's small ops before the CUDA graphs "
-                          "capture it. One dynamic-shape graph and one for batch size 1, compiled at start (tens of "
-                          "seconds; minutes on a CPU). Needs engine.static_decode (on with engine.cuda_graph); not "
+                          "capture it. Dynamic batch size and span; the 4 graphs dynamo makes (batch size 1 and the full "
+                          "span specialised) are compiled at start (tens of seconds; minutes on a CPU). Needs engine.static_decode (on with engine.cuda_graph); not "
                           "with true_on_policy (its exact kernels are not traceable)")
     # the HTTP server of an embedded engine (moe_rl/engine/limits.py, docs/serving.md)
     max_request_bytes: int | None = Field(None, ge=1024, description="largest request body an embedded engine's "
