@@ -57,12 +57,8 @@ def _blocks(dtype: torch.dtype, rows: int = 0, groups: int = 1) -> tuple[int, in
         return 16, 32, 16, 1
     if dtype == torch.float32:
         mean = -(-rows // max(groups, 1))
-        return min(64, max(16, triton_next_pow2(mean))), 64, 32, 4
+        return min(64, max(16, triton.next_power_of_2(mean))), 64, 32, 4
     return 128, 128, 64, 8
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def tile_plan(offs: Tensor, rows: int, block_m: int) -> tuple[Tensor, Tensor]:
