@@ -253,12 +253,12 @@ class Engine:
         """Captures the decode graphs (when on; compiling the step first with ``compile``), then
         starts the engine thread."""
         if self._thread is None:
-            if self.static_decoder is not None and self.static_decoder.graphs is not None:
-                with torch.inference_mode(), self.model_lock:
-                    self._capture_graphs()
             if self.static_decoder is not None:
                 with torch.inference_mode(), self.model_lock:
-                    self.static_decoder.warm_up()  # a compile: at start, not in the first request's step
+                    if self.static_decoder.graphs is not None:
+                        self._capture_graphs()  # the capture compiles the step first (warm_up)
+                    if self.static_decoder is not None:  # (the capture's check may turn it off)
+                        self.static_decoder.warm_up()  # without graphs: a compile at start, not in a step
             self._thread = threading.Thread(target=self._run, name="moe-rl-engine", daemon=True)
             self._thread.start()
         return self
