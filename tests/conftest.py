@@ -1,7 +1,16 @@
 import os
+import platform
 
-import pytest
-import torch
+# Triton's interpreter (TRITON_INTERPRET=1) runs tl.dot as numpy's matmul. OpenBLAS's Haswell
+# sgemm kernel (its choice on AMD Zen, or where OPENBLAS_CORETYPE=Haswell is set, as on some CI
+# machines) rounds a row differently by its place in the tile (rows 6+ of 16), so the exact
+# kernels' batch-invariance tests would test OpenBLAS and not the kernels. The Sandybridge kernel
+# (any AVX CPU) rounds every row alike. Set before numpy loads OpenBLAS, which reads it once.
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests are small: one thread per process keeps the 2-core CI machine responsive when tests
 # start subprocesses (servers, gloo ranks).
