@@ -124,7 +124,10 @@ def assert_logprobs_and_grads_equal_native(meg, native, mb):
         if name.endswith("e_score_correction_bias"):
             continue
         assert g.abs().sum() > 0, name
-        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        # a DeltaNet's gradients come through megatron's fp32 chunked scan and ours: their
+        # rounding differs by up to ~1.6e-5 (depending on the CPU's kernels)
+        atol = 3e-5 if ".linear_attn." in name else 1e-5
+        torch.testing.assert_close(got[name], g, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def assert_lora_logprobs_and_adapter_grads_equal_native(meg, native, mb, nonzero=False):

@@ -122,7 +122,7 @@ def test_megatron_gated_delta_net_equals_native(cpu_megatron, family, monkeypatc
         got, bias = layer(x[:, None], attention_mask=None)
     assert bias is None
     # megatron runs the delta rule in fp32 whatever the input dtype, so two fp32 chunked scans
-    # differ by their rounding: up to ~1.2e-5 here, depending on the CPU's kernels
+    # differ by their rounding (up to ~1.2e-5 here, depending on the CPU's kernels)
     torch.testing.assert_close(got[:, 0], want, atol=3e-5, rtol=1e-4)
 
 
