@@ -346,7 +346,9 @@ def test_silu_mul_and_sigmoid_do_not_depend_on_where_an_element_sits(dtype):
                           torch.cat([g, u], 1)) == 0
     assert rows_differing(E.sigmoid, g) == 0
     assert row_mismatches(lambda t: E.silu_mul(t, t * 0.5), g[:1], g[1:]) == []
-    if dtype == torch.float32:  # torch: the same elements, other bits in the tail
+    # torch: the same elements, other bits in the tail (its vectorised kernels; ATEN_CPU_CAPABILITY=default
+    # runs scalar code only, with no tail to differ)
+    if dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() != "DEFAULT":
         assert rows_differing(F.silu, g) > 0 and rows_differing(torch.sigmoid, g) > 0
 
 
