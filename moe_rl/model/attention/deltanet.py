@@ -66,7 +66,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
     S = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.long()
     tok = torch.arange(M, device=x.device)
-    seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=max(S - 1, 0))
+    # the sequence of each token: cu[0] = 0 <= tok, so searching all of cu counts one more than cu[1:]
+    # (a slice as the sorted sequence fails Inductor's searchsorted lowering in torch 2.11)
+    seq = (torch.searchsorted(cu, tok, right=True) - 1).clamp(max=max(S - 1, 0))
     tok_rows = tok + (seq + 1) * (K - 1)  # row of each token in [before_0, seq_0, before_1, seq_1, ...]
     ext = x.new_zeros(M + S * (K - 1), C).index_copy(0, tok_rows, x)
     j = torch.arange(K - 1, device=x.device)
