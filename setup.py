@@ -38,6 +38,6 @@ setup(
     packages=packages,
     package_dir=package_dir,
     ext_modules=ext_modules,
-    package_data={"moe_rl.tasks": ["data/*.jsonl"]},
+    package_data={"moe_rl.tasks": ["data/*.jsonl"], "moe_rl.kernels": ["configs/*.json"]},
     include_package_data=True,
 )

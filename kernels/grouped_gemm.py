@@ -28,6 +28,7 @@ values on the host and a CUDA graph can capture it.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -47,18 +48,62 @@ TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _blocks(dtype: torch.dtype, rows: int = 0, groups: int = 1) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). Not tuned: a float32 IEEE dot runs on the CUDA
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) where the mean group has at most 16 rows (a decode
+# step: a few rows per expert). Such a call moves the chosen experts' weights and little else, so
+# its tiles are narrow and deep (many programs, each with many bytes in flight) rather than
+# square. These are the defaults; `moe-rl bench grouped-gemm --save` times candidates on a GPU and
+# writes the fastest to a file per device, as SGLang's fused-MoE configs are (see tuned_tiles).
+SMALL_GROUP_BLOCKS = {torch.float32: (32, 128, 4, 4), torch.bfloat16: (32, 128, 4, 4),
+                      torch.float16: (32, 128, 4, 4)}
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIG_ENV = "MOE_RL_GROUPED_GEMM_CONFIG"
+_TUNED: dict[int, dict[torch.dtype, tuple[int, int, int, int]]] = {}
+
+
+def config_file(device_name: str) -> str:
+    """The tuned-tiles file of a GPU model: ``configs/grouped_gemm_<name>.json``, the name as
+    ``torch.cuda.get_device_name`` gives it, spaces and slashes as underscores."""
+    return os.path.join(CONFIG_DIR, "grouped_gemm_" + device_name.replace(" ", "_").replace("/", "_") + ".json")
+
+
+def tuned_tiles(device: torch.device) -> dict[torch.dtype, tuple[int, int, int, int]]:
+    """Small-group tiles per dtype for ``device`` (read once per device): the file named by
+    ``$MOE_RL_GROUPED_GEMM_CONFIG`` if set, else this GPU model's file under ``configs/`` if there
+    is one, else ``SMALL_GROUP_BLOCKS``. A file holds ``{"float32": [BLOCK_N, BLOCK_K,
+    num_warps, num_stages], ...}``; dtypes it leaves out keep the defaults."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _TUNED:
+        path = os.environ.get(CONFIG_ENV) or config_file(torch.cuda.get_device_name(index))
+        tiles = dict(SMALL_GROUP_BLOCKS)
+        if os.environ.get(CONFIG_ENV) or os.path.exists(path):
+            with open(path) as f:  # a file named but missing or malformed is an error, not the defaults
+                data = json.load(f)
+            for name, value in data.items():
+                dtype = getattr(torch, name, None)
+                if dtype in tiles:
+                    tiles[dtype] = tuple(int(v) for v in value)
+        _TUNED[index] = tiles
+    return _TUNED[index]
+
+
+def _blocks(dtype: torch.dtype, rows: int = 0, groups: int = 1,
+            device: torch.device | None = None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). A float32 IEEE dot runs on the CUDA
     cores (64-wide tiles), a 16-bit one on the tensor cores (128 x 128 x 64). A float32 row tile
     is no taller than the mean group (``rows / groups``, at least 16, ``tl.dot``'s least): in a
     decode step each expert gets a few rows, and a 64-row tile would spend 7/8 of its products
-    on masked rows (8 rows per expert at 64 tokens, top-4 of 32 experts)."""
+    on masked rows (8 rows per expert at 64 tokens, top-4 of 32 experts). Groups of at most 16
+    rows on the mean take 16-row tiles in every dtype, their other sizes from ``tuned_tiles``
+    on a CUDA ``device``, else ``SMALL_GROUP_BLOCKS``."""
     if TRITON_INTERPRET:
-        return 16, 32, 16, 1
+        return 16, 32, 16, 1, 1
+    mean = -(-rows // max(groups, 1))
+    if 0 < mean <= 16:
+        table = tuned_tiles(device) if device is not None and device.type == "cuda" else SMALL_GROUP_BLOCKS
+        return (16, *table[dtype])
     if dtype == torch.float32:
-        mean = -(-rows // max(groups, 1))
-        return min(64, max(16, triton.next_power_of_2(mean))), 64, 32, 4
-    return 128, 128, 64, 8
+        return min(64, max(16, triton.next_power_of_2(mean))), 64, 32, 4, 3
+    return 128, 128, 64, 8, 3
 
 
 def tile_plan(offs: Tensor, rows: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -170,19 +215,21 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def _gmm_triton(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+def _gmm_triton(x: Tensor, w: Tensor, offs: Tensor, blocks: tuple[int, ...] | None = None) -> Tensor:
+    """``blocks``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in place of ``_blocks``'
+    choice (the tile benchmark's candidates)."""
     rows, K = x.shape
     E, N = w.shape[0], w.shape[1]
     y = x.new_empty(rows, N)
     if rows == 0 or N == 0:
         return y
-    bm, bn, bk, warps = _blocks(x.dtype, rows, E)
+    bm, bn, bk, warps, stages = blocks or _blocks(x.dtype, rows, E, x.device)
     grid = (triton_cdiv(rows, bm) + E, triton_cdiv(N, bn))  # the most row tiles any split needs
     with on_device_of(x):  # the engine's forward runs in its step thread
         _gmm_kernel[grid](x, w, y, offs, N, K, E, x.stride(0), x.stride(1), w.stride(0),
                           w.stride(1), w.stride(2), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                           E_P2=triton.next_power_of_2(E), PRECISION=_precision(x.dtype),
-                          DOT_FP32=TRITON_INTERPRET, num_warps=warps)
+                          DOT_FP32=TRITON_INTERPRET, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -191,13 +238,14 @@ def _gmm_wgrad_triton(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
     dw = dy.new_empty(E, N, K)
     if E == 0 or N == 0 or K == 0:
         return dw
-    bm, bn, bk, warps = _blocks(dy.dtype, dy.shape[0], E)
+    bm, bn, bk, warps, stages = _blocks(dy.dtype, dy.shape[0], E, dy.device)
     bk = min(bk, bn)  # the wgrad tile is [BLOCK_N, BLOCK_K]
     grid = (E, triton_cdiv(N, bn), triton_cdiv(K, bk))
     with on_device_of(dy):
         _gmm_wgrad_kernel[grid](dy, x, dw, offs, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
                                 dw.stride(0), dw.stride(1), dw.stride(2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                PRECISION=_precision(dy.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps)
+                                PRECISION=_precision(dy.dtype), DOT_FP32=TRITON_INTERPRET, num_warps=warps,
+                                num_stages=stages)
     return dw
 
 

@@ -25,6 +25,7 @@ BENCHES = {
     "logprobs": "moe_rl.kernels.bench.logprobs",
     "exact": "moe_rl.kernels.bench.exact",
     "gated-delta": "moe_rl.kernels.bench.gated_delta",
+    "grouped-gemm": "moe_rl.kernels.bench.grouped_gemm",
     "replay": "moe_rl.bench.replay",
     "engine": "moe_rl.bench.engine",
     "sync": "moe_rl.bench.sync",

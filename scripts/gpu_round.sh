@@ -19,8 +19,8 @@
 # the end of the install, whose own cap of 90 s is outside it): a stage gets min(its cap, what the
 # budget has left) and is skipped when the budget cut it to under a minute; a failing stage does
 # not stop the others, a failed install ends the round (in a CPU dry run caps and budget are 3x).
-# The caps between install and gpu_1x add up to 435 s (table in stages()), so gpu_1x, last, trains
-# for at least a minute even when every other stage runs to its cap; its
+# The caps between install and gpu_1x add up to 410 s (table in stages()), so gpu_1x, last, trains
+# for over a minute even when every other stage runs to its cap; its
 # time cap ending the run is its normal end (rc 124), its figures read from metrics.jsonl. The train
 # stages' compile (train.compile, on by default on CUDA) counts against their caps; the bench runs
 # its rows in the order asked (megatron's first, the compiled native row after) and rewrites its
@@ -28,9 +28,12 @@
 # after each figure, so a stage stopped by its cap keeps what it measured. pytest gets a
 # SIGINT 25 s before its cap, so a cut run still writes its JUnit report (the tests that ended);
 # each failure's traceback is printed to its log as it comes.
-# Stages run in order of what a short lease must not miss (correctness, then the train, log-prob
-# and engine figures, then the main job), so a tight budget shortens gpu_1x first. By name only:
-# train_fused (the fused-loss train rows), train_large_megatron (the large preset's megatron,
+# Stages run in order of what a short lease must not miss (correctness, the grouped GEMM's decode
+# tiles and the engine that runs them, then the train and log-prob figures, then the main job), so
+# a tight budget shortens gpu_1x first. The tiles grouped_gemm finds fastest go to every later
+# stage (MOE_RL_GROUPED_GEMM_CONFIG), and into $OUT's archive to be shipped as this GPU's file.
+# By name only: train_large (the large preset's compiled native row), on_policy (true_on_policy's
+# checks and cost), train_fused (the fused-loss train rows), train_large_megatron (the large preset's megatron,
 # recompute and eager rows), gpu_1x_compiled (the main job as shipped, compiled), engine_variants
 # (each decode mode of the bf16 engine), gated_delta_fla (the Gated DeltaNet scan at 8k tokens,
 # against flash-linear-attention too: its first call autotunes), pytest_suite, sync_gpu, fp32_error,
@@ -125,7 +128,7 @@ st() {
 
 stages() {
   # the GPU stages; GPU_ROUND_DEVICE=cpu runs their CPU form at tiny sizes (a dry run of the round)
-  local medium large train logprobs engine gpu_1x on_policy gdn gdn_fla
+  local medium large train logprobs engine gpu_1x on_policy gdn gdn_fla gmm
   # the medium preset: the native step eager, then as configured (compiled on CUDA), then
   # megatron's rows (the H100 round of 2026-11-27 measured them and ran out of its cap in the
   # native row's compile: the MFU target's figure comes first now)
@@ -141,6 +144,7 @@ stages() {
     on_policy="--device cuda --rounds 2 train.compile=false engine.max_running_requests=64"
     gdn="--device cuda --providers triton,torch --shapes 2,1024,16,128,128"
     gdn_fla="--device cuda"
+    gmm="--device cuda"
   else
     medium=tiny large=small
     train="--device cpu --steps 1 --warmup 0 --peak-tflops 1 --profile-dir \$P --out \$J"
@@ -150,52 +154,52 @@ stages() {
     on_policy="--device cpu --rounds 1"
     gdn="--device cpu --reps 1 --providers triton,torch"    # triton: a row saying it needs CUDA
     gdn_fla="--device cpu --reps 1"
+    gmm="--device cpu --reps 1 --dtypes fp32 --rows 4"   # Triton's interpreter: accuracy only
   fi
   # pytest: SIGINT to pytest alone (xdist's controller) 25 s before the cap (KILL 15 s later); it stops its workers
   # and writes the JUnit report of the tests that ended (through a wrapper that takes SIGINT even
   # where the round was started with it ignored, as a background job)
   local pytest="timeout --foreground -s INT -k 15 \$((CAP - 25)) $PY scripts/pytest_interruptible.py -q -p no:cacheprovider"
-  # Caps, and what each stage is expected to take on one H100/H200 (the H200 round of 2026-11-26
-  # plus estimates for what came since: compiles ~20-40 s per graph kind, graph capture; nothing
-  # measured on the H100 round of 2026-11-27). The stages between install and gpu_1x add up to
-  # 435 s of the 495 s budget (510 - RESERVE); engine_bf16 and gated_delta (cut by their caps on the
-  # H100 round) run by name:
-  #  stage          cap  expected
-  #  install         90  ~36      wheels, editable build (C++ sources one per core); outside the
+  # Caps, and what each stage took on the H100 round of 2026-11-27 at 8b0c57a (every stage ran to
+  # its cap there, most keeping their figures). The stages between install and gpu_1x add up to
+  # 410 s of the 495 s budget (510 - RESERVE); train_large (its 2.7 B-parameter CPU init took 34 s
+  # of its 65 s cap, nothing measured) and on_policy (nothing in 25 s) run by name:
+  #  stage          cap  took
+  #  install         90  42       wheels, editable build (C++ sources one per core); outside the
   #                                510 s budget, which starts after it; the rest skipped if it fails
-  #  pytest_gpu     115  >90      55 GPU tests on 6 workers, 2 of them `moe-rl train` runs; the
-  #                                exact kernels' and the Gated DeltaNet scan's Triton tests
-  #  train_medium   100  >75      4 rows, each written as it fills (build, first step, timed); the
-  #                                native row's compile over 30 s (cut there at 75 s on the H100)
-  #  train_large     65  ~58      the compiled native row only (its MFU target; the rest by name):
-  #                                a CPU init of 2.7 B weights (~20 s), the compile, 8 steps
-  #  logprobs        40  >40      the target rows first (fused, GEMM, fused loss, after the float64
-  #                                checks), then eager, Liger and torch.compile, the JSON rewritten
-  #                                after each row: a cut run keeps the targets
-  #  engine          35  ~22+     the configured engine only (--variants none): graph capture of 36
-  #                                shapes, a cold Triton build, then one profiled request
-  #                                (--profile); its JSON rewritten as figures come
-  #  engine_compiled 55  ~50?     the same with engine.compile (Inductor, 4 graphs of the decode
-  #                                step before the capture: compile_s), one profiled request
-  #  on_policy       25  ~20      3 variants x 3 steps of the tiny model in bf16, graph capture of
-  #                                3 engines, ~15 cold Triton builds of the exact kernels (pytest_gpu's
-  #                                fp32 tests build other variants); its JSON saved after each round
-  #  gpu_1x        rest  >= 60    train.compile=false: its compile would take most of what is left
+  #  pytest_gpu     115  cap      55 GPU tests on 6 workers (52 ended in 101 s)
+  #  grouped_gemm    60  new      the decode tiles' candidates, fp32 then bf16 (JSON after each)
+  #  engine          40  cap(35)  the configured engine only (--variants none): start ~9 s, graph
+  #                                capture, both figures, then the profiled request (--profile)
+  #  train_medium   100  cap      4 rows, each written as it fills: native_eager, native (compile
+  #                                ~22 s), megatron in 100 s; megatron_recompute cut
+  #  logprobs        40  cap      the target rows first (fused, GEMM, fused loss, after the float64
+  #                                checks), then eager, Liger and torch.compile: targets kept
+  #  engine_compiled 55  cap      engine.compile: still in its graph capture at 55 s (no figure)
+  #  gpu_1x        rest  cap(72)  train.compile=false: 15 steps at 2.0 s a step in 72 s
   #                                (gpu_1x_compiled, by name, measures the compiled step)
   #  name             cap_s  command
   st install           90    'install'
   st pytest_gpu       115    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
+  # the grouped GEMM's decode tiles timed on this GPU (candidates, the training tiles, torch's):
+  # the fastest, saved, are what the later stages run (tuned_tiles: MOE_RL_GROUPED_GEMM_CONFIG),
+  # and what a session ships as kernels/configs/grouped_gemm_<GPU>.json
+  st grouped_gemm      60    "$([ "$DEVICE" = cuda ] || echo TRITON_INTERPRET=1) $PY -m moe_rl.cli bench grouped-gemm --json $gmm --save \$W/grouped_gemm_tiles.json > \$J"
+  if [ -s "$W/grouped_gemm_tiles.json" ]; then
+    export MOE_RL_GROUPED_GEMM_CONFIG=$W/grouped_gemm_tiles.json
+    echo "[gpu_round] the later stages run the grouped GEMM's decode tiles of $MOE_RL_GROUPED_GEMM_CONFIG"
+  fi
+  st engine            40    "$PY -m moe_rl.cli bench engine $engine --variants none --profile \$P --out \$J"
   st train_medium     100    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
-  st train_large       65    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
   st logprobs          40    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P --out \$J"
-  st engine            35    "$PY -m moe_rl.cli bench engine $engine --variants none --profile \$P --out \$J"
   # the same engine with its decode step compiled by Inductor before the capture (engine.compile)
   st engine_compiled   55    "$PY -m moe_rl.cli bench engine $engine --variants none engine.compile=true engine.static_decode=true --profile \$P --out \$J"
+  st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false output_dir=\$W/gpu_1x logging.progress=false"
+  # not in `all`; by name only
   # true_on_policy in bf16 with the exact kernels' Triton versions: its exactness checks and its
   # cost (engine tokens/s and train step, key on vs off)
   st on_policy         25    "$PY -m moe_rl.cli bench on-policy $on_policy --out \$J"
-  st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false output_dir=\$W/gpu_1x logging.progress=false"
-  # not in `all`; by name only
+  st train_large       65    "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends native"
   # the engine in bf16 (its CUDA graphs, beside gpu_1x's fp32 engine)
   st engine_bf16       25    "$PY -m moe_rl.cli bench engine $engine --variants none engine.dtype=bfloat16 --out \$J"
   # the Gated DeltaNet chunk scan: Triton vs torch, checked against the float64 recurrence
@@ -223,9 +227,9 @@ own_wheels() {
   export PYTHONPATH=/tmp/site_$2:$PYTHONPATH
   "$PY" -c "import $1" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site_$2" .whl/"$2"/*.whl
 }
-ALL_STAGES=(install pytest_gpu train_medium train_large logprobs engine engine_compiled on_policy gpu_1x)
-EXTRA_STAGES=(engine_bf16 gated_delta train_fused train_large_megatron gpu_1x_compiled gated_delta_fla engine_variants
-              pytest_suite sync_gpu fp32_error agent_api)
+ALL_STAGES=(install pytest_gpu grouped_gemm engine train_medium logprobs engine_compiled gpu_1x)
+EXTRA_STAGES=(train_large on_policy engine_bf16 gated_delta train_fused train_large_megatron gpu_1x_compiled
+              gated_delta_fla engine_variants pytest_suite sync_gpu fp32_error agent_api)
 
 fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not change with a release
   # (megatron-core 0.19.2 is what the CPU suite checks; the rest as on the CPU machines and the

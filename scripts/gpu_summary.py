@@ -7,7 +7,8 @@ code, seconds and cap; <stage>.json: the bench's JSON; <stage>.json.xml: pytest'
 gpu_1x/metrics.jsonl: the training run's rows). A stage that did not run, failed before writing
 its output, or wrote something unreadable gives null for its figures (with the reason under
 "missing") and keeps its exit code in "stages"; nothing is filled in otherwise. A stage's name
-prefix says how it is read (train_, logprobs, engine, gpu_1x, pytest, on_policy, gated_delta), so a with/without variant
+prefix says how it is read (train_, logprobs, engine, gpu_1x, pytest, on_policy, gated_delta,
+grouped_gemm), so a with/without variant
 added to gpu_round.sh (e.g. engine_no_graph) gets its own entry under "stages" with no change here.
 """
 from __future__ import annotations
@@ -157,6 +158,7 @@ def read_engine(path: Path) -> dict:
             "engine_device": s.get("device"), "cuda_graph": s.get("cuda_graph"), "decode_graphs": s.get("decode_graphs"),
             "compile": s.get("compile"), "compile_s": s.get("compile_s"),
             "start_s": s.get("start_s"), "capture_s": s.get("capture_s"), "stopped": s.get("stopped"),
+            "grouped_gemm_tiles": s.get("grouped_gemm_tiles"),
             "variants": variants, "profile": _engine_profile(s.get("profile"))}
 
 
@@ -196,6 +198,14 @@ def read_gated_delta(path: Path) -> dict:
     if errors:
         out["errors"] = errors
     return out
+
+
+def read_grouped_gemm(path: Path) -> dict:
+    """`moe-rl bench grouped-gemm`: per dtype the fastest decode tiles, their total time against the
+    tiles taken before (``current``) and the training tiles, the check; and the file it saved."""
+    r = _load_json(path)
+    return {"summary": r.get("summary"), "saved": r.get("saved"),
+            "errors": sum(1 for row in r.get("rows", []) if "error" in row)}
 
 
 def read_train_run(run_dir: Path, first_last: int = 10) -> dict:
@@ -246,6 +256,7 @@ READERS = [  # stage-name prefix -> (reader, the stage's output)
     ("pytest", read_pytest, lambda w, s: w / f"{s}.json.xml"),  # pytest_gpu, pytest_suite
     ("on_policy", read_on_policy, lambda w, s: w / f"{s}.json"),
     ("gated_delta", read_gated_delta, lambda w, s: w / f"{s}.json"),  # gated_delta, gated_delta_fla
+    ("grouped_gemm", read_grouped_gemm, lambda w, s: w / f"{s}.json"),
     ("install", _load_json, lambda w, s: w / f"{s}.json"),
 ]
 
@@ -309,6 +320,7 @@ def summarize(work: Path, device: str = "cuda") -> dict:
     op, gdn = figures.get("on_policy") or {}, figures.get("gated_delta") or {}
     ag = figures.get("agent_api") or {}  # by name: examples/openai_agent/bench.py --json, as it is
     gdn_fla = figures.get("gated_delta_fla") or {}  # by name: 8k tokens, fla too
+    gmm = figures.get("grouped_gemm") or {}
     ms = lp.get("ms", {})
     out = {
         **commit_info(),
@@ -340,6 +352,16 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "logprobs_extra_mem_fraction": lp.get("extra_mem_fraction"),
         "logprobs_accuracy_ok": lp.get("accuracy_ok"),
         "logprobs_ms": {p: ms.get(p) for p in ("fused", "gemm", "liger", "compile", "eager")} | ms,
+        # the decode tiles timed on this GPU: per dtype the fastest [BLOCK_M, BLOCK_N, BLOCK_K, warps,
+        # stages] and its time over the training tiles' (< 1: faster); the later stages ran them
+        "grouped_gemm_best": {d: v.get("best") for d, v in (gmm.get("summary") or {}).items()} or None,
+        "grouped_gemm_best_vs_large_tiles": {d: v.get("best_vs_large_tiles")
+                                             for d, v in (gmm.get("summary") or {}).items()} or None,
+        "grouped_gemm_best_vs_current": {d: (round(v["best_us"] / v["current_us"], 4) if v.get("best_us") and
+                                             v.get("current_us") else None)
+                                         for d, v in (gmm.get("summary") or {}).items()} or None,
+        "grouped_gemm_tiles_file": _get(gmm, "saved", "ship_as"),
+        "engine_grouped_gemm_tiles": en.get("grouped_gemm_tiles"),
         "engine_tokens_per_s_1": en.get("tokens_per_s_1"),
         "engine_tokens_per_s_concurrent": en.get("tokens_per_s_concurrent"),
         "engine_concurrency": en.get("concurrency"),

@@ -23,6 +23,8 @@ CASES = {
               ["tiny", "accuracy_ok", "invariant", "torch_variant_cases", "checks_can_fail"]),
     "gated-delta": (["--device", "cpu", "--reps", "1", "--shapes", "2,64,2,16,16"],  # (auto: cuda on a GPU)
                     ["triton_vs_torch", "triton_vs_fla", "accuracy_ok", "accuracy_check_can_fail", "fla", "ms"]),
+    "grouped-gemm": (["--device", "cpu", "--reps", "1", "--dtypes", "fp32", "--rows", "4"],  # the interpreter
+                     ["float32"]),
     "on-policy": (["--rounds", "1"], ["engine_time_on_vs_off", "train_step_on_vs_off", "skip_saving", "exact",
                                       "off_mismatch_live", "machine", "checks", "passed", "clock", "device"]),
     "async": (["--steps", "3"],
@@ -46,6 +48,9 @@ def test_bench_prints_its_summary(name):
         assert set(variants) == {"dynamic", "static"}
         assert variants["static"]["decode_static_steps"] > 0 and variants["dynamic"]["decode_static_steps"] == 0
         assert {"tokens_per_s_1", "tokens_per_s_concurrent", "ttft_ms"} <= set(variants["static"])
+    if name == "grouped-gemm":  # a tile choice among accurate candidates, the check able to fail
+        s = out["summary"]["float32"]
+        assert s["best"] and s["candidates_accurate"] >= 1 and s["accuracy_check_can_fail"]
     if name == "on-policy":  # every exact check passed (exit 0); without the key the same comparisons differ
         checks = out["summary"]["checks"]
         assert checks["alone_equals_batched"] and checks["decode_equals_prefill"] and checks["checks_can_fail"]

@@ -73,6 +73,10 @@ async def _bench(cfg, args, model=None, progress=None, profile_dir: Path | None 
            "static_decode": engine.static_decode, "cuda_graph": engine.cuda_graph,
            "compile": bool(dec and dec.compiled), "start_s": round(time.perf_counter() - t0, 2),
            "capture_s": round(dec.capture_s, 2) if dec else 0.0, "compile_s": round(dec.compile_s, 2) if dec else 0.0}
+    if engine.device.type == "cuda":  # the experts' grouped-GEMM tiles of a decode step, as this run takes them
+        from ..kernels.grouped_gemm import tuned_tiles
+
+        got["grouped_gemm_tiles"] = {str(dt).removeprefix("torch."): list(t) for dt, t in tuned_tiles(engine.device).items()}
     progress({**got, "stopped": "during the warm-up or one request at a time"})
     vocab = cfg.model.arch().vocab_size
     try:

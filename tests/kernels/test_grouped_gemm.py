@@ -138,7 +138,7 @@ SM90 = textwrap.dedent("""
     from triton.compiler import ASTSource
     from moe_rl.kernels import grouped_gemm as gg
 
-    def build(fn, sig, meta, warps, dtype):
+    def build(fn, sig, meta, warps, stages, dtype):
         sig = dict(sig)
         for name in ("stride_xk", "stride_wk", "stride_yn", "stride_dyn"):
             if name in sig:
@@ -150,14 +150,15 @@ SM90 = textwrap.dedent("""
         for n in meta:
             sig[n] = "constexpr"
         k = triton.compile(ASTSource(fn, sig, constexprs=meta, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps, "num_stages": 3})
+                           options={"num_warps": warps, "num_stages": stages})
         return {"local": k.asm["ptx"].count(".local"), "smem": k.metadata.shared,
-                "wgmma": "warp_group_dot" in k.asm["ttgir"]}
+                "wgmma": "warp_group_dot" in k.asm["ttgir"], "mma": "mma.sync" in k.asm["ptx"]}
 
     out = {}
-    for dt, t in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16")):
+    for dt, t, tiles, rows in (("fp32", "torch.float32", "", 0), ("bf16", "torch.bfloat16", "", 0),
+                               ("fp32", "torch.float32", "small_", 64), ("bf16", "torch.bfloat16", "small_", 64)):
         import torch
-        bm, bn, bk, warps = gg._blocks(eval(t))
+        bm, bn, bk, warps, stages = gg._blocks(eval(t), rows, 32)  # rows 64 of 32 groups: a decode step
         i32 = "i32"
         fwd = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "y_ptr": "*" + dt, "offs_ptr": "*i32", "N": i32, "K": i32,
                "E": i32, "stride_xm": i32,
@@ -168,8 +169,8 @@ SM90 = textwrap.dedent("""
                  "stride_wn": i32, "stride_wk": i32}
         prec = gg._precision(eval(t))
         meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=prec, DOT_FP32=False)
-        out["fwd_" + dt] = build(gg._gmm_kernel, fwd, dict(meta, E_P2=128), warps, dt)
-        out["wgrad_" + dt] = build(gg._gmm_wgrad_kernel, wgrad, dict(meta, BLOCK_K=min(bk, bn)), warps, dt)
+        out["fwd_" + tiles + dt] = build(gg._gmm_kernel, fwd, dict(meta, E_P2=128), warps, stages, dt)
+        out["wgrad_" + tiles + dt] = build(gg._gmm_wgrad_kernel, wgrad, dict(meta, BLOCK_K=min(bk, bn)), warps, stages, dt)
     print("RESULT " + json.dumps(out))
 """)
 
@@ -187,11 +188,11 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", SM90], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
-    assert len(result) == 4
+    assert len(result) == 8
     for name, k in result.items():
         assert k["local"] == 0 and k["smem"] <= 227 * 1024, (name, k)
-        if name.endswith("bf16"):
-            assert k["wgmma"], (name, "the bf16 dot is not on Hopper tensor cores")
+        if name.endswith("bf16"):  # 16-row tiles are below wgmma's 64: mma.sync, tensor cores still
+            assert k["mma" if "small" in name else "wgmma"], (name, "the bf16 dot is not on tensor cores")
 
 
 def test_a_float32_row_tile_follows_the_mean_group(monkeypatch):
@@ -200,7 +201,10 @@ def test_a_float32_row_tile_follows_the_mean_group(monkeypatch):
     monkeypatch.setattr(gg, "TRITON_INTERPRET", False)
     E = 32
     assert [gg._blocks(torch.float32, rows, E)[0] for rows in (4, 256, 640, 1024, 1056, 32768)] == [16, 16, 32, 32, 64, 64]
-    assert gg._blocks(torch.bfloat16, 256, E)[0] == gg._blocks(torch.float16, 32768, E)[0] == 128
+    assert gg._blocks(torch.bfloat16, 1024, E)[0] == gg._blocks(torch.float16, 32768, E)[0] == 128
+    # at most 16 rows per group on the mean (a decode step), every dtype takes the narrow, deep tiles
+    for dt in gg.DTYPES:
+        assert gg._blocks(dt, 256, E) == (16, *gg.SMALL_GROUP_BLOCKS[dt])
 
 
 @pytest.mark.gpu
@@ -226,3 +230,31 @@ def test_triton_on_a_gpu_at_expert_shapes(dtype, rows):
         torch.cuda.set_sync_debug_mode("default")
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+def test_small_group_tiles_come_from_the_gpu_models_tuned_file(monkeypatch, tmp_path):
+    """On a CUDA device the decode tiles are read once from configs/grouped_gemm_<GPU name>.json
+    (or the file $MOE_RL_GROUPED_GEMM_CONFIG names); a GPU without one takes the defaults; a file
+    named but missing is an error."""
+    monkeypatch.setattr(gg, "TRITON_INTERPRET", False)
+    monkeypatch.setattr(gg, "CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(gg, "_TUNED", {})
+    monkeypatch.delenv(gg.CONFIG_ENV, raising=False)
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA A100-SXM4-80GB"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: names[i])
+    (tmp_path / "grouped_gemm_NVIDIA_H100_80GB_HBM3.json").write_text(
+        '{"device": "NVIDIA H100 80GB HBM3", "float32": [64, 256, 8, 3]}')
+    h100, a100 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert gg._blocks(torch.float32, 256, 32, h100) == (16, 64, 256, 8, 3)
+    assert gg._blocks(torch.bfloat16, 256, 32, h100) == (16, *gg.SMALL_GROUP_BLOCKS[torch.bfloat16])
+    assert gg._blocks(torch.float32, 256, 32, a100) == (16, *gg.SMALL_GROUP_BLOCKS[torch.float32])
+    assert gg._blocks(torch.float32, 32768, 32, h100) == gg._blocks(torch.float32, 32768, 32)  # training tiles
+    other = tmp_path / "mine.json"
+    other.write_text('{"float32": [16, 64, 2, 2]}')
+    monkeypatch.setattr(gg, "_TUNED", {})
+    monkeypatch.setenv(gg.CONFIG_ENV, str(other))
+    assert gg._blocks(torch.float32, 4, 32, h100) == (16, 16, 64, 2, 2)
+    monkeypatch.setattr(gg, "_TUNED", {})
+    monkeypatch.setenv(gg.CONFIG_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError):
+        gg._blocks(torch.float32, 4, 32, h100)

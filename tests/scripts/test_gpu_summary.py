@@ -46,7 +46,7 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     assert set(s["stage_rc"]) == {"install", "train_medium", "train_large", "logprobs", "engine", "engine_compiled",
                                   "engine_bf16",
                                   "pytest_gpu", "gpu_1x", "train_fused", "train_large_megatron", "on_policy",
-                                  "gated_delta", "gated_delta_fla"}
+                                  "gated_delta", "gated_delta_fla", "grouped_gemm"}
     assert set(s["stage_rc"].values()) == {0}
     assert s["commit"] and s["device"] == json.loads((work / "install.json").read_text())["device"]
 
@@ -118,6 +118,13 @@ def test_every_figure_is_the_stage_outputs_own(work, tmp_path):
     assert s["gated_delta_fla_triton_vs_fla"] == {"fwd": None, "fwd_bwd": None}
     assert s["gated_delta_fla"].startswith("not available")
 
+    # the grouped GEMM's decode tiles (Triton's interpreter on a CPU: accuracy, a choice, the check)
+    gmm = json.loads((work / "grouped_gemm.json").read_text())["summary"]["float32"]
+    assert s["grouped_gemm_best"] == {"float32": gmm["best"]} and gmm["accuracy_check_can_fail"]
+    assert s["grouped_gemm_best_vs_large_tiles"]["float32"] == pytest.approx(gmm["best_us"] / gmm["large_tiles_us"],
+                                                                            abs=1e-3)
+    assert s["grouped_gemm_tiles_file"] is None and s["engine_grouped_gemm_tiles"] is None  # no GPU here
+
     m = [json.loads(line) for line in (work / "gpu_1x" / "metrics.jsonl").read_text().splitlines()]
     assert s["gpu_1x_steps_done"] == m[-1]["step"] == len(m)
     assert s["gpu_1x_reward_first10"] == pytest.approx(sum(r["reward_mean"] for r in m[:10]) / 10)
@@ -149,7 +156,8 @@ def test_failed_skipped_and_missing_stages_give_null_and_keep_their_exit_code(wo
     assert rc == 1
     assert s["stage_rc"] == {"install": 0, "train_medium": 0, "train_large": 124, "logprobs": 137, "engine": 2,
                              "engine_compiled": 0, "engine_bf16": 0, "pytest_gpu": None, "gpu_1x": 124, "train_fused": 0,
-                             "train_large_megatron": 0, "on_policy": 0, "gated_delta": 0, "gated_delta_fla": 0}
+                             "train_large_megatron": 0, "on_policy": 0, "gated_delta": 0, "gated_delta_fla": 0,
+                             "grouped_gemm": 0}
     assert s["stages"]["pytest_gpu"]["status"] == "skipped" and s["stages"]["engine"]["status"] == "failed"
     # the large preset's other rows come from their own stage, which ran
     assert s["megatron_vs_native_large"] is not None and s["recompute_step_ratio_large"] is not None
