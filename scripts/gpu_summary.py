@@ -115,7 +115,7 @@ def read_train(path: Path) -> dict:
             continue
         out[b] = {k: row.get(k) for k in ("tokens_per_s", "step_s", "cpu_s", "mfu", "model_tflops_per_s",
                                           "peak_mem_gib", "compiled", "loss_path", "first_step_s", "compile_s",
-                                          "build_s", "stopped")
+                                          "build_s", "stopped", "issue_s", "host_syncs")
                   if k in row}
     # against the eager native row too: it runs before the compiled one, which a cap may cut
     meg, eager = (out.get(b) or {} for b in ("megatron", "native_eager"))

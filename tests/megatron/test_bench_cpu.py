@@ -69,3 +69,23 @@ def test_a_row_is_saved_as_it_fills(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--preset", "tiny", "--backends", "native", "--out", str(out)])
     assert json.loads(out.read_text())["native"] == seen[1] == {"stopped": "while building the model"}
+
+
+def test_host_syncs_counts_the_synchronizing_calls_of_a_step_by_source_line(monkeypatch):
+    """The sync debug mode's warnings (as CUDA raises them) are counted per line of the step."""
+    import warnings
+
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+
+    got = bench._host_syncs(step, lambda: None)
+    assert got["count"] == 3 and list(got["where"].values()) == [3]
+    assert next(iter(got["where"])).endswith("test_bench_cpu.py:" + str(step.__code__.co_firstlineno + 2))
+    assert modes == ["warn", "default"]

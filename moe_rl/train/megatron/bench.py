@@ -22,6 +22,10 @@ native only by default) it prints tokens/s; ``--baseline DIR`` runs the native s
 checkout (DIR on PYTHONPATH, this file as the driver) and of this one alternately in fresh
 processes and reports medians and their ratio.
 
+On CUDA each row also has ``issue_s`` (the host's time to issue a step, before the closing
+synchronize: near ``step_s``, the step is host-bound) and ``host_syncs`` (one more step under
+CUDA's sync debug mode: how many synchronizing calls, and from which source lines).
+
 MFU = model FLOPs / (step time x the device's dense bf16 peak). Model FLOPs per step =
 6 x (active matmul parameters per token) x tokens + causal attention: 6 x L^2 x heads x head_dim
 per sequence of length L per layer (QK^T and PV, 2 FLOPs per MAC, the causal half, forward x 3
@@ -182,10 +186,11 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
                 progress({"first_step_s": first, "stopped": "during the warm-up or timed steps"})
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, cpu_times = [], []
+    times, cpu_times, issue_times = [], [], []
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         step()
+        issue_times.append(time.perf_counter() - t0)  # the host done issuing the step (no sync yet)
         sync()
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
@@ -197,12 +202,33 @@ def _measure(backend, mbs, steps: int, warmup: int, flops: float, peak: float | 
                cpu_s=cpu_mean, tokens_per_cpu_s=tokens / cpu_mean,
                model_tflops_per_s=flops / mean / 1e12, mfu=flops / mean / (peak * 1e12) if peak else None,
                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-               first_step_s=first, loss_path=loss_path)
+               first_step_s=first, loss_path=loss_path, issue_s=sum(issue_times) / len(issue_times))
+    if cuda:  # where the host waits for the device inside a step (a wait there serialises host and GPU)
+        row["host_syncs"] = _host_syncs(step, sync)
     if profile:
         if progress is not None:
             progress(dict(row, stopped="during the profiled step"))
         row["profile_top_ops"] = _profile_top(step, sync, cuda, table)
     return row
+
+
+def _host_syncs(step, sync, n: int = 8) -> dict:
+    """One more step under CUDA's sync debug mode: how many synchronizing calls it makes and the
+    ``n`` source lines making most of them (``{"count", "where": {"file:line": calls}}``)."""
+    import warnings
+    from collections import Counter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync()
+    where = Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught
+                    if "synchroniz" in str(w.message))
+    return {"count": sum(where.values()), "where": dict(where.most_common(n))}
 
 
 def _profile_top(step, sync, cuda: bool, table: Path | None = None, n: int = 15) -> list[dict]:
