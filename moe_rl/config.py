@@ -299,6 +299,16 @@ class TrainConfig(Strict):
         "all-to-all's split sizes are host integers), off on the CPU (the compile costs more than a CPU run saves: "
         "docs/benchmarks.md); "
         "true = refuse what cannot be compiled; false = eager. train.backend=megatron: no effect (docs/megatron.md)")
+    cuda_graphs: bool = Field(False, description="the compiled decoder blocks replayed as CUDA graphs "
+                              "(torch.compile's reduce-overhead mode: CUDA graph trees, forward and backward). A "
+                              "micro-batch of a few thousand tokens launches ~70 kernels per block, whose host cost "
+                              "bounds the step on a GPU (docs/gpu.md 'Compiled training step'); each distinct "
+                              "micro-batch length is one more recording, so train.token_bucket rounds the lengths "
+                              "up. Needs the compiled blocks on CUDA: train.device=cuda, train.compile not false, "
+                              "train.ep_size=1, the native backend")
+    token_bucket: int = Field(0, ge=0, description="pad each micro-batch's packed row up to a multiple of this "
+                              "many tokens (a filler sequence: no loss, no expert load; 0 = no padding): bounds the "
+                              "distinct lengths train.cuda_graphs records. 0 with train.cuda_graphs: 1024")
     expert_bias_update_rate: float = Field(0.0, ge=0, description="sigmoid routers (GLM, DeepSeek): 0 = the "
                                            "expert-score correction bias stays frozen; > 0 = after each optimizer "
                                            "step bias += rate * sign(mean load - load), DeepSeek-V3's rule "
@@ -315,6 +325,12 @@ class TrainConfig(Strict):
     megatron_recompute: bool = Field(False, description="train.backend=megatron: full activation recompute, one "
                                      "layer per checkpoint (routing replayed in the recompute too)")
 
+
+    @property
+    def micro_batch_bucket(self) -> int:
+        """The multiple micro-batch lengths are padded to: train.token_bucket, or 1024 where
+        train.cuda_graphs leaves it 0."""
+        return self.token_bucket or (1024 if self.cuda_graphs else 0)
 
 class DataConfig(Strict):
     """The prompts: a shipped task, a dataset file or a plug-in task (docs/environments.md)."""
@@ -603,6 +619,14 @@ class ExperimentConfig(Strict):
             raise ValueError("train.compile=true with train.ep_size > 1: expert parallelism reads the all-to-all "
                              "split sizes on the host, which a compiled block cannot; set train.compile to auto "
                              "(off with EP) or false")
+        t = self.train
+        if t.cuda_graphs:
+            why = ("train.device=cpu" if t.device != "cuda" else "train.compile=false" if t.compile is False
+                   else "train.ep_size > 1" if t.ep_size > 1 else "train.backend=megatron" if t.backend != "native"
+                   else "true_on_policy (its blocks run eagerly)" if self.true_on_policy else None)
+            if why:
+                raise ValueError(f"train.cuda_graphs=true replays the compiled decoder blocks on a GPU, and {why} "
+                                 "here; set train.cuda_graphs=false")
         if self.pools.trainer % self.train.ep_size:
             raise ValueError(f"pools.trainer={self.pools.trainer} must be a multiple of train.ep_size={self.train.ep_size}")
         if not self.model.path and self.model.num_experts % self.train.ep_size:

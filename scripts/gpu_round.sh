@@ -133,7 +133,9 @@ stages() {
   # the medium preset: the native step eager, then as configured (compiled on CUDA), then
   # megatron's rows (the H100 round of 2026-11-27 measured them and ran out of its cap in the
   # native row's compile: the MFU target's figure comes first now)
-  local MEDIUM_ROWS=native_eager,native,megatron,megatron_recompute
+  # native_graphs (train.cuda_graphs) on CUDA only: a CPU refuses it
+  local MEDIUM_ROWS=native_eager,native,native_graphs,megatron,megatron_recompute
+  [ "$DEVICE" = cuda ] || MEDIUM_ROWS=native_eager,native,megatron,megatron_recompute
   if [ "$DEVICE" = cuda ]; then
     medium=medium large=large
     train="--device cuda --profile-dir \$P --out \$J"
@@ -173,9 +175,10 @@ stages() {
   #  grouped_gemm    60  new      the decode tiles' candidates, fp32 then bf16 (JSON after each)
   #  engine          40  cap(35)  the configured engine only (--variants none): start ~9 s, graph
   #                                capture, both figures, then the profiled request (--profile)
-  #  train_medium   100  cap      4 rows, each written as it fills: native_eager, native (compile
-  #                                ~22 s), megatron in 100 s; megatron_recompute cut
-  #  engine_compiled 95  cap(55) engine.compile: still in its graph capture at 55 s (no figure)
+  #  train_medium   110  cap(100) 5 rows, each written as it fills: native_eager, native (compile
+  #                                ~22 s), native_graphs (its own compile, then the recordings),
+  #                                megatron; at 8b0c57a (no graphs row) megatron_recompute was cut
+  #  engine_compiled 85  cap(55)  engine.compile: still in its graph capture at 55 s (no figure)
   #  gpu_1x        rest  cap(72)  train.compile=false: 15 steps at 2.0 s a step in 72 s
   #                                (gpu_1x_compiled, by name, measures the compiled step)
   #  name             cap_s  command
@@ -190,9 +193,9 @@ stages() {
     echo "[gpu_round] the later stages run the grouped GEMM's decode tiles of $MOE_RL_GROUPED_GEMM_CONFIG"
   fi
   st engine            40    "$PY -m moe_rl.cli bench engine $engine --variants none --profile \$P --out \$J"
-  st train_medium     100    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
+  st train_medium     110    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends $MEDIUM_ROWS"
   # the same engine with its decode step compiled by Inductor before the capture (engine.compile)
-  st engine_compiled   95    "$PY -m moe_rl.cli bench engine $engine --variants none engine.compile=true engine.static_decode=true --profile \$P --out \$J"
+  st engine_compiled   85    "$PY -m moe_rl.cli bench engine $engine --variants none engine.compile=true engine.static_decode=true --profile \$P --out \$J"
   st gpu_1x           150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false output_dir=\$W/gpu_1x logging.progress=false"
   # not in `all`; by name only
   st logprobs          40    "$PY -m moe_rl.cli bench logprobs --json $logprobs --profile \$P --out \$J"

@@ -97,7 +97,7 @@ def _get(d, *keys):
     return d
 
 
-TRAIN_ROWS = ("native", "native_eager", "native_fused", "megatron", "megatron_recompute")
+TRAIN_ROWS = ("native", "native_eager", "native_fused", "native_graphs", "megatron", "megatron_recompute")
 
 
 def read_train(path: Path) -> dict:
@@ -105,7 +105,7 @@ def read_train(path: Path) -> dict:
     out = {"preset": r.get("preset"), "dtype": r.get("dtype"), "megatron_core": r.get("megatron_core"),
            "megatron_experts": r.get("megatron_experts"), "megatron_vs_native": r.get("speedup"),
            "recompute_step_ratio": r.get("recompute_step_ratio"), "compile_speedup": r.get("compile_speedup"),
-           "fused_loss_speedup": r.get("fused_loss_speedup")}
+           "fused_loss_speedup": r.get("fused_loss_speedup"), "cuda_graphs_speedup": r.get("cuda_graphs_speedup")}
     for b in TRAIN_ROWS:
         row = r.get(b)
         if row is None:
@@ -334,6 +334,10 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "train_medium_native_compiled": _get(tm, "native", "compiled"),
         "train_large_native_compiled": _get(tl, "native", "compiled"),
         "train_medium_native_eager_mfu": _get(tm, "native_eager", "mfu"),
+        # train.cuda_graphs: the compiled blocks replayed as CUDA graphs (> 1: faster than compiled alone)
+        "train_medium_native_graphs_mfu": _get(tm, "native_graphs", "mfu"),
+        "train_medium_cuda_graphs_speedup": tm.get("cuda_graphs_speedup"),
+        "train_medium_native_graphs_error": _get(tm, "native_graphs", "error"),
         "train_large_native_eager_mfu": large(lambda t: _get(t, "native_eager", "mfu")),
         "train_fused_native_fused_mfu": _get(tf, "native_fused", "mfu"),
         "train_medium_compile_speedup": tm.get("compile_speedup"),

@@ -481,6 +481,7 @@ class MoEForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.moe_layers = [i for i, layer in enumerate(self.model.layers) if layer.is_moe]
+        self._graphed_blocks = False  # compile_blocks(cuda_graphs=True)
 
     # ------------------------------------------------------------------------------------
     def init_weights(self, seed: int, std: float = 0.02) -> "MoEForCausalLM":
@@ -561,12 +562,15 @@ class MoEForCausalLM(nn.Module):
     def _moe_of(self, param_name: str) -> SparseMoE:
         return self.model.layers[int(param_name.split(".")[2])].mlp
 
-    def compile_blocks(self, **options) -> None:
+    def compile_blocks(self, cuda_graphs: bool = False, **options) -> None:
         """``torch.compile`` each decoder block in place (torchtitan's per-block compile:
         ``nn.Module.compile``, so parameter names and the state dict stay HF's), with
         ``fullgraph=True`` (a graph break is an error) and dynamic shapes, so packed batches of
         any length share one graph; ``options`` go to ``torch.compile``. Blocks with
-        expert parallelism are refused: their all-to-all splits are host integers."""
+        expert parallelism are refused: their all-to-all splits are host integers.
+        ``cuda_graphs``: Inductor replays each block's forward and backward as CUDA graphs (CUDA
+        graph trees, one recording per distinct length), and anything that would make it skip
+        them (a CPU tensor in the graph, an input mutation) is an error, not a silent eager run."""
         if self.ops.exact:
             raise ValueError("compile_blocks: the exact kernels (true_on_policy) are not registered as custom ops "
                              "torch.compile can trace; run the blocks eagerly")
@@ -574,6 +578,12 @@ class MoEForCausalLM(nn.Module):
             raise ValueError("compile_blocks: expert parallelism (ep_size > 1) reads the all-to-all split sizes "
                              "on the host, which a compiled block cannot; compile with ep_size=1 only")
         options = {"fullgraph": True, "dynamic": True, **options}
+        if cuda_graphs:
+            inductor = {"triton.cudagraphs": True}
+            if hasattr(torch._inductor.config.triton, "cudagraph_or_error"):  # torch >= 2.7
+                inductor["triton.cudagraph_or_error"] = True
+            options["options"] = {**options.get("options", {}), **inductor}
+        self._graphed_blocks = cuda_graphs
         # one graph per kind of call, not per batch (BLOCK_GRAPHS); the limit is process-wide
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.7
@@ -608,8 +618,8 @@ class MoEForCausalLM(nn.Module):
             h, ids = layer(h, cos, sin, attend, ids)
             if layer.is_moe:
                 moe_i += 1
-                if record is not None:
-                    record.append(ids.detach())
+                if record is not None:  # a graph's output is overwritten by its next replay: kept as a copy
+                    record.append(ids.detach().clone() if self._graphed_blocks else ids.detach())
         return self.model.norm(h)
 
     def hidden_states(

@@ -224,7 +224,7 @@ class NativeBackend(DataParallelStep):
             self.lora.attach()
         self.compiled = use_compile(cfg, log)
         if self.compiled:
-            self.model.compile_blocks()
+            self.model.compile_blocks(cuda_graphs=cfg.train.cuda_graphs)
         self._setup_optimizer()
         self.bias_rate = cfg.train.expert_bias_update_rate
         if self.bias_rate:

@@ -170,18 +170,22 @@ def micro_batch_tokens(samples: list[dict], mbs: int, n_micro: int) -> list[int]
 
 
 def shard_micro_batches(part: list[dict], rank: int, n_trainers: int, mbs: int, arch, replay_log,
-                        equal_over: list[int] | None = None) -> list[Micro]:
+                        equal_over: list[int] | None = None, bucket: int = 0) -> list[Micro]:
     """Trainer ``rank``'s shard of the minibatch ``part`` (every ``n_trainers``-th sample) packed
     into micro-batches; every rank gets the same number (expert parallelism needs every rank in
     every call). ``equal_over``: the trainer ranks whose micro-batch m must hold the same number
     of tokens (megatron's allgather dispatcher gathers equal-sized blocks over its EP group);
     each rank's micro-batch m is then padded to the longest of theirs, which every rank computes
-    from ``part`` alone, without communication."""
+    from ``part`` alone, without communication. ``bucket``: every micro-batch's length is then
+    rounded up to a multiple of it (``train.token_bucket``: few distinct lengths, each a graph
+    that ``train.cuda_graphs`` records once)."""
     shard = part[rank::n_trainers]
     n_micro = max(1, math.ceil(math.ceil(len(part) / n_trainers) / mbs))
     pad_to = None
     if equal_over is not None and len(equal_over) > 1:
         pad_to = [max(t) for t in zip(*(micro_batch_tokens(part[r::n_trainers], mbs, n_micro) for r in equal_over))]
+    if bucket:
+        pad_to = [-(-t // bucket) * bucket for t in (pad_to or micro_batch_tokens(shard, mbs, n_micro))]
     return make_micro_batches(shard, mbs, n_micro, arch, replay_log, pad_to)
 
 
@@ -432,7 +436,8 @@ class Trainer:
         mbs, T = cfg.train.micro_batch_size, self.n_trainers
         equal_over = self.groups.layout.ep_groups[self.rank // self.backend.ep_size] \
             if self.backend.equal_tokens_per_ep_rank else None
-        micro = shard_micro_batches(part, self.rank, T, mbs, self.arch, self.reader, equal_over)
+        micro = shard_micro_batches(part, self.rank, T, mbs, self.arch, self.reader, equal_over,
+                                    self.cfg.train.micro_batch_bucket)
         # which samples' engine routing is replayed: decided on the whole minibatch, so every
         # rank makes the same number of forward calls (expert parallelism)
         fresh = [cfg.replay.stale == "engine" or all(v == self.version for v, m in zip(s["versions"], _loss_mask(s)) if m)

@@ -179,3 +179,42 @@ def test_expert_parallel_blocks_are_refused():
     model.model.layers[0].mlp.ep_size = 2
     with pytest.raises(ValueError, match="expert parallelism"):
         model.compile_blocks()
+
+
+def test_cuda_graph_blocks_ask_inductor_for_graphs_and_keep_a_copy_of_the_record(monkeypatch):
+    """compile_blocks(cuda_graphs=True) (train.cuda_graphs): every block compiled with Inductor's
+    CUDA graphs, a skip of them an error where torch can say so (no silent eager run), and the
+    routing record copied out of the graphs' outputs, which their next replay overwrites. (A CPU
+    graph is never a CUDA graph: the replay itself is a GPU test, the train bench's
+    native_graphs row.)"""
+    import torch._inductor.config as inductor_config
+
+    seen = []
+    real_compile = torch.compile
+
+    def compile_spy(fn, **kwargs):
+        seen.append(kwargs)
+        return real_compile(fn, backend="eager", fullgraph=kwargs["fullgraph"], dynamic=kwargs["dynamic"])
+
+    monkeypatch.setattr(torch, "compile", compile_spy)
+    torch._dynamo.reset()
+    model, _ = make("qwen3_moe", False)
+    model.compile_blocks(cuda_graphs=True)
+    assert len(seen) == len(model.model.layers)
+    for kwargs in seen:
+        assert kwargs["options"]["triton.cudagraphs"] is True and kwargs["fullgraph"] and kwargs["dynamic"]
+        assert kwargs["options"].get("triton.cudagraph_or_error") is (
+            True if hasattr(inductor_config.triton, "cudagraph_or_error") else None)
+    ids, cu, _ = batch([5, 9, 3], 0, replay=False)
+    record: list[torch.Tensor] = []
+    model.hidden_states(ids, cu_seqlens=cu, record=record)
+    out_ids = []
+    real_layer_forward = type(model.model.layers[0]).forward
+    monkeypatch.setattr(type(model.model.layers[0]), "forward",
+                        lambda self, *a: (lambda r: (out_ids.append(r[1]), r)[1])(real_layer_forward(self, *a)))
+    torch._dynamo.reset()
+    record2: list[torch.Tensor] = []
+    model.hidden_states(ids, cu_seqlens=cu, record=record2)
+    assert all(torch.equal(a, b) for a, b in zip(record, record2))
+    assert all(r.data_ptr() != o.data_ptr() for r, o in zip(record2, out_ids))  # copies, not the outputs
+    torch._dynamo.reset()

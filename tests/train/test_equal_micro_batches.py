@@ -69,6 +69,37 @@ def test_shards_pad_to_the_longest_of_the_group(tmp_path):
     assert [mc.mb.num_tokens for mc in shard_micro_batches(samples, 1, world, mbs, ARCH, reader)] == plain[1]
 
 
+def test_a_token_bucket_rounds_every_micro_batch_up(tmp_path):
+    """train.token_bucket (train.cuda_graphs: each distinct length is a recording): every packed
+    row a multiple of the bucket, over the EP group's equal lengths too; the real rows unchanged."""
+    spec = [(3, 4, True), (2, 1, True), (5, 6, True), (2, 2, True), (1, 3, True), (4, 4, True), (2, 7, True)]
+    samples, reader = _samples(tmp_path / "routing", spec)
+    world, mbs = 4, 1
+    plain = [[mc.mb.num_tokens for mc in make_micro_batches(samples[r::world], mbs, 2, ARCH, reader)] for r in range(world)]
+    got = shard_micro_batches(samples, 1, world, mbs, ARCH, reader, bucket=8)
+    assert [mc.mb.num_tokens for mc in got] == [8, 8] and plain[1] == [3, 8]
+    assert [mc.mb.padding for mc in got] == [5, 0]
+    equal = shard_micro_batches(samples, 2, world, mbs, ARCH, reader, [2, 3], bucket=8)
+    assert [mc.mb.num_tokens for mc in equal] == [16, 16]  # the group's longest (11, 9), rounded up
+    a = make_micro_batches(samples[1::world], mbs, 2, ARCH, reader)[0]
+    assert torch.equal(got[0].mb.labels[:3], a.mb.labels) and (got[0].mb.labels[3:] == -100).all()
+
+
+def test_cuda_graphs_pad_to_1024_unless_told_and_need_the_compiled_blocks_on_a_gpu():
+    from moe_rl.config import ExperimentConfig
+
+    base = dict(engine=dict(kind="sglang", urls=["http://127.0.0.1:1"]), pools=dict(trainer=1, rollout=0))
+    cfg = ExperimentConfig.model_validate(dict(base, train=dict(device="cuda", cuda_graphs=True)))
+    assert cfg.train.micro_batch_bucket == 1024
+    cfg = ExperimentConfig.model_validate(dict(base, train=dict(device="cuda", cuda_graphs=True, token_bucket=256)))
+    assert cfg.train.micro_batch_bucket == 256
+    assert ExperimentConfig.model_validate(base).train.micro_batch_bucket == 0
+    for train, why in ((dict(device="cpu"), "train.device=cpu"), (dict(device="cuda", compile=False), "train.compile=false"),
+                       (dict(device="cuda", backend="megatron"), "train.backend=megatron")):
+        with pytest.raises(ValueError, match=f"train.cuda_graphs=true replays .* and {why} here"):
+            ExperimentConfig.model_validate(dict(base, train=dict(train, cuda_graphs=True)))
+
+
 @pytest.mark.parametrize("fused", ["auto", "false"])
 def test_a_dummy_runs_the_forwards_of_a_real_micro_batch(fused):
     """A rank left with a dummy micro-batch runs the model forwards a real one runs, in the same

@@ -1,7 +1,8 @@
 """Tokens/s and MFU of one training step, native backend vs megatron backend.
 
     python -m moe_rl.train.megatron.bench [--preset tiny|small|medium|large]
-        [--backends native,native_eager,native_fused,megatron,megatron_recompute] [--device cuda|cpu]
+        [--backends native,native_eager,native_fused,native_graphs,megatron,megatron_recompute]
+        [--device cuda|cpu]
         [--compile auto|true|false] [--json] [--out FILE] [--profile] [--profile-dir DIR]
     python -m moe_rl.train.megatron.bench --device cpu --baseline /tmp/base --rounds 3   # A/B on CPU
 
@@ -15,7 +16,9 @@ figures; ``stopped`` says where a cut row ended), so a run stopped midway keeps 
 Native rows: ``native`` (``train.compile`` as ``--compile`` says, default auto: compiled on
 CUDA, eager on a CPU; the general loss path: log-probs, then the loss, then backward),
 ``native_eager`` (``train.compile=false``) and ``native_fused`` (``--compile``'s blocks and
-the loss fused into the LM head, ``train.fused_loss``: ``backend.token_loss``). Each native row
+the loss fused into the LM head, ``train.fused_loss``: ``backend.token_loss``) and
+``native_graphs`` (the compiled blocks replayed as CUDA graphs, ``train.cuda_graphs``; CUDA
+only: on a CPU the row records the config's refusal). Each native row
 says ``compiled``, ``loss_path`` and ``first_step_s`` (the first warm-up step: with compile,
 most of the compile time is in it; ``compile_s`` = it minus a timed step). On CPU (fp32,
 native only by default) it prints tokens/s; ``--baseline DIR`` runs the native step of another
@@ -99,7 +102,8 @@ def model_flops(preset: dict) -> dict:
     return dict(active_params=active, tokens=tokens, flops=6 * active * tokens + attention, attention_flops=attention)
 
 
-def _cfg(preset: dict, backend: str, dtype: str, recompute: bool, device: str = "cuda", compile="auto"):
+def _cfg(preset: dict, backend: str, dtype: str, recompute: bool, device: str = "cuda", compile="auto",
+         cuda_graphs: bool = False):
     from moe_rl.config import ExperimentConfig
 
     return ExperimentConfig.model_validate(dict(
@@ -107,7 +111,8 @@ def _cfg(preset: dict, backend: str, dtype: str, recompute: bool, device: str = 
         pools=dict(trainer=1, rollout=0), engine=dict(kind="sglang", urls=["http://127.0.0.1:1"]),
         train=dict(backend=backend, device=device, lr=1e-5, megatron_recompute=recompute,
                    megatron_dispatcher="alltoall" if device == "cuda" else "allgather",
-                   **({} if compile == "auto" else {"compile": compile})),  # (--baseline: an older schema)
+                   **({} if compile == "auto" else {"compile": compile}),  # (--baseline: an older schema)
+                   **({"cuda_graphs": True} if cuda_graphs else {})),
         # decoupled PPO with the proximal policy taken from this forward, no TIS/IcePop: every
         # token trains (a loss both paths compute, train.fused_loss's per-token form)
         algo=dict(ratio_anchor="proximal", tis_cap=None, icepop_low=None, icepop_high=None),
@@ -115,7 +120,9 @@ def _cfg(preset: dict, backend: str, dtype: str, recompute: bool, device: str = 
 
 
 # native rows: train.compile (None: --compile) and the loss path
-NATIVE_ROWS = {"native": (None, "general"), "native_eager": (False, "general"), "native_fused": (None, "fused")}
+# row -> (train.compile: None = --compile's, the loss path, train.cuda_graphs)
+NATIVE_ROWS = {"native": (None, "general", False), "native_eager": (False, "general", False),
+               "native_fused": (None, "fused", False), "native_graphs": (None, "general", True)}
 BACKENDS = (*NATIVE_ROWS, "megatron", "megatron_recompute")
 
 
@@ -384,8 +391,9 @@ def main(argv=None) -> int:
         try:
             progress({})
             if name in NATIVE_ROWS:
-                comp, loss_path = NATIVE_ROWS[name]
-                cfg = _cfg(preset, "native", args.dtype, False, args.device, compile_mode if comp is None else comp)
+                comp, loss_path, graphs = NATIVE_ROWS[name]
+                cfg = _cfg(preset, "native", args.dtype, False, args.device, compile_mode if comp is None else comp,
+                           graphs)
                 backend = NativeBackend(cfg)
                 if hf is not None:
                     with torch.no_grad():
@@ -429,6 +437,8 @@ def main(argv=None) -> int:
             result["compile_speedup"] = result["native_eager"]["step_s"] / result["native"]["step_s"]
         if {"native", "native_fused"} <= ok:  # train.fused_loss's effect, same blocks
             result["fused_loss_speedup"] = result["native"]["step_s"] / result["native_fused"]["step_s"]
+        if {"native", "native_graphs"} <= ok:  # train.cuda_graphs's effect, same blocks
+            result["cuda_graphs_speedup"] = result["native"]["step_s"] / result["native_graphs"]["step_s"]
         return ok
 
     for name in dict.fromkeys(backends):  # in the order asked: a time cap cuts the last rows
@@ -465,6 +475,8 @@ def main(argv=None) -> int:
             print(f"  native eager/compiled step time: {result['compile_speedup']:.2f}x{both}")
         if "fused_loss_speedup" in result:
             print(f"  native general/fused loss step time: {result['fused_loss_speedup']:.2f}x")
+        if "cuda_graphs_speedup" in result:
+            print(f"  native compiled/graphed step time: {result['cuda_graphs_speedup']:.2f}x")
         if "recompute_step_ratio" in result:
             print(f"  megatron step with / without full recompute: {result['recompute_step_ratio']:.2f}x "
                   f"(CPU-seconds {result['recompute_cpu_ratio']:.2f}x)")
