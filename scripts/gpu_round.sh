@@ -209,6 +209,8 @@ stages() {
   st gated_delta       25    "$PY -m moe_rl.cli bench gated-delta --json $gdn > \$J"
   st train_fused      120    "$PY -m moe_rl.train.megatron.bench --preset $medium $train --backends native,native_fused"
   st train_large_megatron 150 "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends megatron,megatron_recompute,native_eager"
+  # the main job with its weight sync staged through host memory (configs/gpu_1x.yaml: ipc)
+  st gpu_1x_gloo      150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false sync.backend=gloo output_dir=\$W/gpu_1x_gloo logging.progress=false"
   st gpu_1x_compiled  300    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x_compiled logging.progress=false"
   # flash-linear-attention (.whl/fla) on this stage's path alone: where fla imports, transformers'
   # Qwen3-Next and megatron's GatedDeltaNet take its kernels, which the suite's CPU comparisons with
@@ -231,7 +233,7 @@ own_wheels() {
   "$PY" -c "import $1" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site_$2" .whl/"$2"/*.whl
 }
 ALL_STAGES=(install pytest_gpu grouped_gemm engine train_medium engine_compiled gpu_1x)
-EXTRA_STAGES=(logprobs train_large on_policy engine_bf16 gated_delta train_fused train_large_megatron gpu_1x_compiled
+EXTRA_STAGES=(logprobs train_large on_policy engine_bf16 gated_delta train_fused train_large_megatron gpu_1x_compiled gpu_1x_gloo
               gated_delta_fla engine_variants pytest_suite sync_gpu fp32_error agent_api)
 
 fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not change with a release

@@ -399,6 +399,9 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "gpu_1x_reward_last10": run.get("reward_last10"),
         "gpu_1x_reward_last20": run.get("reward_last20"),
         "gpu_1x_s_per_step": run.get("s_per_step"),  # `all`: train.compile=false
+        "gpu_1x_sync_s": run.get("sync_s"),  # the last 10 steps' mean (configs/gpu_1x.yaml: sync.backend=ipc)
+        "gpu_1x_gloo_sync_s": (figures.get("gpu_1x_gloo") or {}).get("sync_s"),  # by name: the same over gloo
+        "gpu_1x_gloo_s_per_step": (figures.get("gpu_1x_gloo") or {}).get("s_per_step"),
         "gpu_1x_compiled_steps_done": run_c.get("steps_done"),
         "gpu_1x_compiled_s_per_step": run_c.get("s_per_step"),
         # the OpenAI-API agent path's samples/s over the token-level path's, pair by pair (median), per arm

@@ -132,7 +132,7 @@ def test_launcher_check_refuses_a_kv_cache_that_does_not_fit():
 def test_shipped_gpu_1x_config_places_both_ranks_on_one_gpu():
     c = cfg(path="configs/gpu_1x.yaml")
     p = check_before_launch(c, num_gpus=1, gpu_bytes=80 * 2**30)
-    assert p.gpus == (0, 0) and p.sync_backend == "gloo"
+    assert p.gpus == (0, 0) and p.sync_backend == "ipc"
     arch = c.model.arch()
     weights = engine_weight_bytes(c)
     assert 1.5e9 < weights < 2e9  # ~0.43 B fp32 parameters: a model the GPU matters for
