@@ -110,6 +110,7 @@ class DataParallelStep:
 
     ops = TORCH
     needs_dense_params = False  # set by _setup_optimizer: fused AdamW steps the parameters themselves
+    stable_grads = False  # gradients kept in buffers of their own between steps (zeroed, not freed)
     equal_tokens_per_ep_rank = False  # the native EP exchange sends each rank's own token counts
 
     def logprobs(self, mb, temperature, with_entropy=False, record=None):
@@ -157,7 +158,7 @@ class DataParallelStep:
         if self.cfg.train.grad_clip:
             stats["grad_norm"] = self._clip(self.cfg.train.grad_clip)  # 0-dim, on the device
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.stable_grads)
         return stats
 
     def _clip(self, max_norm: float) -> torch.Tensor:
@@ -226,6 +227,13 @@ class NativeBackend(DataParallelStep):
         if self.compiled:
             self.model.compile_blocks(cuda_graphs=cfg.train.cuda_graphs)
         self._setup_optimizer()
+        if cfg.train.cuda_graphs:
+            # a .grad first made by a graphed backward is that graph's output, which its next
+            # replay (the next micro-batch) overwrites: every gradient gets a buffer of its own
+            # before the first backward, accumulated into and zeroed after each step
+            self.stable_grads = True
+            for p in self.dense_params + self.expert_params:
+                p.grad = torch.zeros_like(p)
         self.bias_rate = cfg.train.expert_bias_update_rate
         if self.bias_rate:
             if self.arch.router != "sigmoid":

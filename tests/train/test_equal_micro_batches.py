@@ -157,3 +157,30 @@ def test_a_token_bucket_leaves_the_trainers_steps_as_they_were():
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
     for a, b in zip(p32, p0):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_graphs_keep_every_gradient_in_a_buffer_of_its_own():
+    """train.cuda_graphs: a .grad first made inside a graphed backward would be overwritten by the
+    graph's next replay (gradient accumulation over micro-batches), so every trainable parameter
+    has its gradient buffer before the first backward, and a step zeroes it instead of freeing
+    it. (Built here on the CPU: the config is validated for CUDA, then placed on the CPU.)"""
+    from moe_rl.config import load_config
+    from moe_rl.train.backend import NativeBackend
+
+    for graphs in (True, False):
+        cfg = load_config(None, [*TINY_CFG, "train.device=cuda", "train.compile=true", f"train.cuda_graphs={graphs}"])
+        object.__setattr__(cfg.train, "device", "cpu")
+        b = NativeBackend(cfg)
+        params = b.dense_params + b.expert_params
+        assert b.stable_grads is graphs
+        assert all((p.grad is not None and not p.grad.any()) if graphs else p.grad is None for p in params)
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad.add_(1.0) if graphs else None
+        b.optimizer_step()
+        assert all((p.grad is g and not g.any()) if graphs else p.grad is None for p, g in zip(params, before))
+
+
+TINY_CFG = ["model.vocab_size=32", "model.hidden_size=16", "model.intermediate_size=32", "model.moe_intermediate_size=8",
+            "model.num_hidden_layers=2", "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=8",
+            "model.num_experts=4", "model.num_experts_per_tok=2"]
