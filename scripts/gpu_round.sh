@@ -19,7 +19,7 @@
 # the end of the install, whose own cap of 90 s is outside it): a stage gets min(its cap, what the
 # budget has left) and is skipped when the budget cut it to under a minute; a failing stage does
 # not stop the others, a failed install ends the round (in a CPU dry run caps and budget are 3x).
-# The caps between install and gpu_1x add up to 410 s (table in stages()), so gpu_1x, last, trains
+# The caps between install and gpu_1x add up to 395 s (table in stages()), so gpu_1x, last, trains
 # for over a minute even when every other stage runs to its cap; its
 # time cap ending the run is its normal end (rc 124), its figures read from metrics.jsonl. The train
 # stages' compile (train.compile, on by default on CUDA) counts against their caps; the bench runs
@@ -147,7 +147,7 @@ stages() {
     on_policy="--device cuda --rounds 2 train.compile=false engine.max_running_requests=64"
     gdn="--device cuda --providers triton,torch --shapes 2,1024,16,128,128"
     gdn_fla="--device cuda"
-    gmm="--device cuda"
+    gmm="--device cuda --dtypes fp32"   # the engine's dtype (bf16 on sm_90 takes torch's CUTLASS kernel)
   else
     medium=tiny large=small
     train="--device cpu --steps 1 --warmup 0 --peak-tflops 1 --profile-dir \$P --out \$J"
@@ -165,14 +165,14 @@ stages() {
   local pytest="timeout --foreground -s INT -k 15 \$((CAP - 25)) $PY scripts/pytest_interruptible.py -q -p no:cacheprovider"
   # Caps, and what each stage took on the H100 round of 2026-11-27 at 8b0c57a (every stage ran to
   # its cap there, most keeping their figures). The stages between install and gpu_1x add up to
-  # 410 s of the 495 s budget (510 - RESERVE); train_large (its 2.7 B-parameter CPU init took 34 s
+  # 395 s of the 495 s budget (510 - RESERVE); train_large (its 2.7 B-parameter CPU init took 34 s
   # of its 65 s cap, nothing measured), on_policy (nothing in 25 s) and logprobs (its kernels
 # unchanged since its two measured rounds; cap 40 s, its targets kept) run by name:
   #  stage          cap  took
   #  install         90  42       wheels, editable build (C++ sources one per core); outside the
   #                                510 s budget, which starts after it; the rest skipped if it fails
   #  pytest_gpu     115  cap      55 GPU tests on 6 workers (52 ended in 101 s)
-  #  grouped_gemm    60  new      the decode tiles' candidates, fp32 then bf16 (JSON after each)
+  #  grouped_gemm    45  new      the decode tiles' 18 candidates in fp32 (gpu_1x's engine dtype)
   #  engine          40  cap(35)  the configured engine only (--variants none): start ~9 s, graph
   #                                capture, both figures, then the profiled request (--profile)
   #  train_medium   110  cap(100) 5 rows, each written as it fills: native_eager, native (compile
@@ -187,7 +187,7 @@ stages() {
   # the grouped GEMM's decode tiles timed on this GPU (candidates, the training tiles, torch's):
   # the fastest, saved, are what the later stages run (tuned_tiles: MOE_RL_GROUPED_GEMM_CONFIG),
   # and what a session ships as kernels/configs/grouped_gemm_<GPU>.json
-  st grouped_gemm      60    "$([ "$DEVICE" = cuda ] || echo TRITON_INTERPRET=1) $PY -m moe_rl.cli bench grouped-gemm --json $gmm --save \$W/grouped_gemm_tiles.json > \$J"
+  st grouped_gemm      45    "$([ "$DEVICE" = cuda ] || echo TRITON_INTERPRET=1) $PY -m moe_rl.cli bench grouped-gemm --json $gmm --save \$W/grouped_gemm_tiles.json > \$J"
   if [ -s "$W/grouped_gemm_tiles.json" ]; then
     export MOE_RL_GROUPED_GEMM_CONFIG=$W/grouped_gemm_tiles.json
     echo "[gpu_round] the later stages run the grouped GEMM's decode tiles of $MOE_RL_GROUPED_GEMM_CONFIG"
