@@ -273,10 +273,12 @@ class StaticDecoder:
 
     def warm_up(self) -> None:
         """Compiles the step (``compile``; once) at start, on padding (it writes the spare slot
-        only), for every graph dynamo makes of it: batch size 1 is specialised, and so is the
-        full span (slicing all of the cache's positions is a contiguous view, fewer are not).
-        In the first call the batch size and the span differ, so that dynamo's duck sizing
-        does not give them one symbol."""
+        only), for every graph dynamo makes of it: batch size 1 is specialised, and so would be
+        a span of all of a cache's positions (a contiguous view, fewer are not): the engine
+        gives a compiled step's K/V caches one position more than the longest span, so that
+        only a sliding window's ring, shorter than the spans, is read whole. In the first call
+        the batch size and the span differ, so that dynamo's duck sizing does not give them one
+        symbol."""
         if not self.compiled or self.compile_s:
             return
         t0 = time.perf_counter()

@@ -213,9 +213,13 @@ class Engine:
         # a static decode batch pads with rows that write one spare slot, owned by no request
         slots = self.max_running + (1 if self.static_decode else 0)
         specs = state_specs(self.arch)
-        self.states = [spec.allocate(slots, self.max_context, self.dtype, self.device) for spec in specs]
+        # a compiled step gets one position more than its longest span, so that no span is all of
+        # the cache: a slice of all of it is contiguous, of fewer positions not, and dynamo would
+        # make the full span a graph of its own (twice the compile at start)
+        positions = self.max_context + (1 if compile else 0)
+        self.states = [spec.allocate(slots, positions, self.dtype, self.device) for spec in specs]
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self.state_bytes = slots * sum(spec.bytes_per_slot(self.max_context, elem) for spec in specs)
+        self.state_bytes = slots * sum(spec.bytes_per_slot(positions, elem) for spec in specs)
         if compile and self.exact:
             raise ValueError("engine.compile: the exact kernels (true_on_policy) are not custom ops torch.compile "
                              "can trace; run the decode step eagerly")
