@@ -52,7 +52,7 @@ from moe_rl.model.ops import tempered
 from .decode import CudaGraphs, DecodeAttention, ExactStepAttention, StaticDecoder
 from .step_profiler import StepProfiler
 from .protocol import GenerateRequest, RequestError
-from .sampling import Uniforms, apply_penalties, sample_seeded, sample_tokens
+from .sampling import Uniforms, apply_penalties, sample_seeded, sample_tokens, to_device
 
 __all__ = ["Engine", "apply_penalties"]
 
@@ -132,8 +132,8 @@ class _StepAttention:
                 for _, _, n, _ in self.prefill:
                     cu.append(cu[-1] + n)
                 meta = [(slot, int(start > 0)) for slot, start, _, _ in self.prefill]
-                host = torch.tensor(rows + cu + [m[0] for m in meta] + [m[1] for m in meta], dtype=torch.long)
-                r, c, sl, res = host.to(device, non_blocking=True).split([len(rows), len(cu), len(meta), len(meta)])
+                r, c, sl, res = to_device(device, rows + cu + [m[0] for m in meta] + [m[1] for m in meta],
+                                          torch.long).split([len(rows), len(cu), len(meta), len(meta)])
                 seqs = Sequences(r, c, sl, res.bool())
             steps = Steps(self.dec_rows, self.decode.slots) if self.decode is not None else None
             self._scan = Scan(seqs, steps)
@@ -547,10 +547,10 @@ class Engine:
         if self.exact:
             exact = ([s[0] for s in segments for _ in range(s[2])] + [s[3] for s in segments] + [off]
                      + [s[0] for s in segments] + [s[1] for s in segments])
-        host = torch.tensor(ids + pos + last + [s[3] for s in dec] + [s[0] for s in dec] + [s[1] for s in dec]
-                            + in_rows + in_targets + exact, dtype=torch.long)
+        host = (ids + pos + last + [s[3] for s in dec] + [s[0] for s in dec] + [s[1] for s in dec]
+                + in_rows + in_targets + exact)
         S = len(segments)
-        idx = host.to(self.device, non_blocking=True).split(
+        idx = to_device(self.device, host, torch.long).split(
             [off, off, len(last), len(dec), len(dec), len(dec), len(in_rows), len(in_targets)]
             + ([off, S + 1, S, S] if self.exact else []))
         input_ids, positions, last_rows = idx[0], idx[1], idx[2]
@@ -590,12 +590,12 @@ class Engine:
         n_top = max((r.req.top_logprobs_num for r, _, _ in batch), default=0)
         pen = [i for i, (r, _, _) in enumerate(batch) if r.params.penalized]
         if pen:  # SGLang processes the logits before sampling and before its output log-probs
-            rows = torch.tensor(pen, dtype=torch.long).to(self.device, non_blocking=True)
+            rows = to_device(self.device, pen, torch.long)
             sub = logits.index_select(0, rows)
             apply_penalties(sub, [batch[i][0].params for i in pen], [batch[i][0].output_ids for i in pen])
             logits.index_copy_(0, rows, sub)
         ops = self.model.ops
-        temps = torch.tensor([r.params.logprob_temperature for r, _, _ in batch], dtype=torch.float32)
+        temps = to_device(self.device, [r.params.logprob_temperature for r, _, _ in batch], torch.float32)
         logp = ops.log_softmax(tempered(logits, temps))
         reqs = [r for r, _, _ in batch]
         if self.exact:

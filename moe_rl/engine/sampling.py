@@ -20,8 +20,11 @@ from moe_rl.kernels.exact import seeded_sample
 from . import protocol as P
 
 
-def _to(dev: torch.device, values, dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+def to_device(dev: torch.device, values, dtype) -> torch.Tensor:
+    """``values`` on ``dev`` without waiting: on a GPU from pinned memory (torch's caching host
+    allocator), since a copy from pageable memory may wait for the stream, i.e. for the step's
+    forward, before the sampling's kernels are even launched."""
+    return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
 
 
 class Uniforms:
@@ -53,10 +56,10 @@ def apply_penalties(logits: torch.Tensor, params: list[P.SamplingParams], output
 
     def padded(lists):  # ragged id lists -> [R, n] padded with V (a scratch column)
         n = max(map(len, lists), default=0)
-        return _to(dev, [x + [V] * (n - len(x)) for x in lists], torch.long).view(R, n)
+        return to_device(dev, [x + [V] * (n - len(x)) for x in lists], torch.long).view(R, n)
 
     def column(values):
-        return _to(dev, values, torch.float32)[:, None]
+        return to_device(dev, values, torch.float32)[:, None]
 
     out = padded([list(o) for o in outputs])
     counts = torch.zeros(R, V + 1, dtype=torch.float32, device=dev).scatter_add_(
@@ -103,18 +106,18 @@ def sample_tokens(params: list[P.SamplingParams], uniforms: list[Uniforms],
     if not sampled:
         return logits.argmax(dim=-1)
     all_sampled = len(sampled) == R
-    rows = None if all_sampled else _to(dev, sampled, torch.long)
+    rows = None if all_sampled else to_device(dev, sampled, torch.long)
     probs = (logp if all_sampled else logp.index_select(0, rows)).exp()
     cut = [j for j, i in enumerate(sampled) if params[i].top_k > 0 or params[i].top_p < 1.0 or params[i].min_p > 0.0]
     if cut:
         ps = [params[sampled[j]] for j in cut]
         whole = len(cut) == len(sampled)
-        cut_rows = None if whole else _to(dev, cut, torch.long)
+        cut_rows = None if whole else to_device(dev, cut, torch.long)
         kept = truncate(probs if whole else probs.index_select(0, cut_rows),
-                        _to(dev, [p.top_k if p.top_k > 0 else V for p in ps], torch.long),
-                        _to(dev, [p.top_p for p in ps], torch.float32), _to(dev, [p.min_p for p in ps], torch.float32))
+                        to_device(dev, [p.top_k if p.top_k > 0 else V for p in ps], torch.long),
+                        to_device(dev, [p.top_p for p in ps], torch.float32), to_device(dev, [p.min_p for p in ps], torch.float32))
         probs = kept if whole else probs.index_copy_(0, cut_rows, kept)
-    u = _to(dev, [uniforms[i].next() for i in sampled], torch.float32)
+    u = to_device(dev, [uniforms[i].next() for i in sampled], torch.float32)
     cdf = probs.cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp_(max=V - 1)
     if all_sampled:
@@ -134,15 +137,15 @@ def sample_seeded(params: list[P.SamplingParams], seeds: list[int], positions: l
     cut = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
     if cut:
         ps = [params[i] for i in cut]
-        rows = _to(dev, cut, torch.long)
+        rows = to_device(dev, cut, torch.long)
         kept = truncate(logp.index_select(0, rows).exp(),
-                        _to(dev, [p.top_k if p.top_k > 0 else V for p in ps], torch.long),
-                        _to(dev, [p.top_p for p in ps], torch.float32), _to(dev, [p.min_p for p in ps], torch.float32))
+                        to_device(dev, [p.top_k if p.top_k > 0 else V for p in ps], torch.long),
+                        to_device(dev, [p.top_p for p in ps], torch.float32), to_device(dev, [p.min_p for p in ps], torch.float32))
         logp = logp.index_copy(0, rows, logp.index_select(0, rows).masked_fill(kept == 0, float("-inf")))
-    seed_t = _to(dev, [s & 0x7FFFFFFFFFFFFFFF for s in seeds], torch.long)
-    tokens = seeded_sample(logp.contiguous(), seed_t, _to(dev, positions, torch.long))
+    seed_t = to_device(dev, [s & 0x7FFFFFFFFFFFFFFF for s in seeds], torch.long)
+    tokens = seeded_sample(logp.contiguous(), seed_t, to_device(dev, positions, torch.long))
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        g = _to(dev, greedy, torch.long)
+        g = to_device(dev, greedy, torch.long)
         tokens = tokens.index_copy(0, g, logits.index_select(0, g).argmax(dim=-1))
     return tokens
