@@ -422,6 +422,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             result[name] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
         backend = None
+        torch._dynamo.reset()  # each row compiles its own graphs; frees the CUDA graph trees' pool too
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
