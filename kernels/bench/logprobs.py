@@ -42,7 +42,8 @@ the c10 allocator (oneDNN/BLAS internal workspaces, Python objects) is not seen.
 
 Accuracy (unless ``--no-accuracy``), at every shape: the fused log-probs, entropy and both
 gradients, and the fused loss's value and gradients, against fp64 references (row-chunked,
-so they fit next to the 150k vocabulary), with the test suite's tolerances: ``accuracy_ok``
+so they fit next to the 150k vocabulary), with the test suite's tolerances (the gradients
+both as a whole, norm-relative, and element by element, max-relative): ``accuracy_ok``
 on the ``fused`` fwd row and the ``fused_loss`` row. The check checks itself once per run: a
 copy of the outputs with one planted error per output must be flagged
 (``accuracy_check_can_fail`` in the summary; false means the check is blind).
@@ -337,6 +338,10 @@ def bench_shape(n, h, v, dtype, temperature, device, reps, use_compile, use_lige
 # dtype -> (log-prob max abs error, entropy max abs error, gradient relative L2 error); the same
 # bounds as tests/kernels/test_fused_logprobs.py
 TOLERANCES = {torch.float32: (1e-5, 1e-5, 1e-5), torch.bfloat16: (2e-3, 5e-3, 1e-2)}
+# the gradients element by element: max |got - ref| over max |ref|. The norm-relative error alone
+# is blind, at these sizes, to one wrong element or tile (a planted error of the size of the
+# largest element moved it by ~1e-3 at 8192 x 4096 x 151936: the H100 round's self-test said so)
+MAX_TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
 
 def fp64_reference(hidden, weight, labels, temperature, g_logp, g_ent, rows_per_chunk=1024):
@@ -374,20 +379,33 @@ def _rel(a, b) -> float:
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
 
 
+def _max_rel(a, b) -> float:
+    return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def _grads_report(ref_dh, ref_dw, got_dh, got_dw, dtype) -> tuple[dict, bool]:
+    """Both gradients' norm-relative and max-relative errors, and whether all are within
+    tolerance."""
+    tol, tol_max = TOLERANCES[dtype][2], MAX_TOLERANCES[dtype]
+    out = {"rel_err_d_hidden": _rel(got_dh, ref_dh), "rel_err_d_weight": _rel(got_dw, ref_dw),
+           "max_rel_err_d_hidden": _max_rel(got_dh, ref_dh), "max_rel_err_d_weight": _max_rel(got_dw, ref_dw)}
+    ok = (out["rel_err_d_hidden"] <= tol and out["rel_err_d_weight"] <= tol
+          and out["max_rel_err_d_hidden"] <= tol_max and out["max_rel_err_d_weight"] <= tol_max)
+    return out, ok
+
+
 def accuracy_report(ref, got, dtype) -> dict:
     """Errors of ``got`` = (logp, entropy, d_hidden, d_weight) against ``ref`` (fp64), and
     whether each is within the tolerance for the input dtype."""
-    tol_lp, tol_ent, tol_grad = TOLERANCES[dtype]
+    tol_lp, tol_ent, _ = TOLERANCES[dtype]
+    grads, grads_ok = _grads_report(ref[2], ref[3], got[2], got[3], dtype)
     out = {
         "max_abs_err_logp": float((got[0].double() - ref[0]).abs().max()),
         "max_abs_err_entropy": float((got[1].double() - ref[1]).abs().max()),
-        "rel_err_d_hidden": _rel(got[2], ref[2]),
-        "rel_err_d_weight": _rel(got[3], ref[3]),
+        **grads,
     }
     out["accuracy_ok"] = bool(out["max_abs_err_logp"] <= tol_lp and
-                              out["max_abs_err_entropy"] <= tol_ent and
-                              out["rel_err_d_hidden"] <= tol_grad and
-                              out["rel_err_d_weight"] <= tol_grad)
+                              out["max_abs_err_entropy"] <= tol_ent and grads_ok)
     return out
 
 
@@ -395,17 +413,15 @@ def loss_accuracy_report(ref, got, dtype) -> dict:
     """Errors of ``got`` = (loss, logp, d_hidden, d_weight) of the fused loss against ``ref`` =
     (loss, logp, d_hidden, d_weight, sum_t |dL/dlogp_t|) in fp64. The loss may be off by what
     the log-probs are: |dL| <= sum_t |dL/dlogp_t| |d logp_t|."""
-    tol_lp, _, tol_grad = TOLERANCES[dtype]
+    tol_lp = TOLERANCES[dtype][0]
+    grads, grads_ok = _grads_report(ref[2], ref[3], got[2], got[3], dtype)
     out = {
         "abs_err_loss": abs(float(got[0]) - float(ref[0])),
         "max_abs_err_logp": float((got[1].double() - ref[1]).abs().max()),
-        "rel_err_d_hidden": _rel(got[2], ref[2]),
-        "rel_err_d_weight": _rel(got[3], ref[3]),
+        **grads,
     }
     out["accuracy_ok"] = bool(out["abs_err_loss"] <= tol_lp * float(ref[4]) + 1e-12 and
-                              out["max_abs_err_logp"] <= tol_lp and
-                              out["rel_err_d_hidden"] <= tol_grad and
-                              out["rel_err_d_weight"] <= tol_grad)
+                              out["max_abs_err_logp"] <= tol_lp and grads_ok)
     return out
 
 

@@ -75,6 +75,33 @@ def test_bench_accuracy_check_can_fail():
         assert not accuracy_report(ref, tuple(bad), torch.float32)["accuracy_ok"], i
 
 
+def test_one_wrong_gradient_element_fails_the_check_at_lm_head_sizes():
+    """At LM-head sizes a gradient's norm dwarfs any one element: one element off by the largest
+    element's size moves the norm-relative error by ~1e-3, inside bf16's 1e-2 (the H100 round's
+    self-test found the check blind there). The element-wise error (max |got - ref| / max |ref|)
+    flags it, in both reports, while bf16 rounding of every element passes."""
+    from moe_rl.kernels.bench.logprobs import _plant_errors, accuracy_report, loss_accuracy_report
+
+    g = torch.Generator().manual_seed(0)
+    dh, dw = torch.randn(2048, 512, generator=g, dtype=torch.float64), torch.randn(4096, 512, generator=g,
+                                                                                 dtype=torch.float64)
+    lp, ent = -torch.rand(2048, generator=g, dtype=torch.float64), torch.rand(2048, generator=g, dtype=torch.float64)
+    ref, good = (lp, ent, dh, dw), (lp.float(), ent.float(), dh.bfloat16(), dw.bfloat16())
+    assert accuracy_report(ref, good, torch.bfloat16)["accuracy_ok"]
+    for i in (2, 3):
+        bad = list(good)
+        bad[i] = bad[i].clone()
+        bad[i].view(-1)[bad[i].numel() // 2] += 1.0 + float(bad[i].abs().max())
+        r = accuracy_report(ref, tuple(bad), torch.bfloat16)
+        assert r["rel_err_d_hidden" if i == 2 else "rel_err_d_weight"] < 1e-2  # the norm alone: blind
+        assert not r["accuracy_ok"], i
+    assert _plant_errors(accuracy_report, ref, good, torch.bfloat16)
+    loss_ref = (torch.tensor(1.0, dtype=torch.float64), lp, dh, dw, torch.tensor(10.0, dtype=torch.float64))
+    loss_good = (torch.tensor(1.0), lp.float(), dh.bfloat16(), dw.bfloat16())
+    assert loss_accuracy_report(loss_ref, loss_good, torch.bfloat16)["accuracy_ok"]
+    assert _plant_errors(loss_accuracy_report, loss_ref, loss_good, torch.bfloat16)
+
+
 @pytest.mark.parametrize("corrupt", ["none", "loss", "d_hidden", "d_weight"])
 def test_bench_loss_accuracy_check_can_fail(corrupt, monkeypatch):
     # The fused-loss check passes the real op and fails an op whose loss or gradient is off.
