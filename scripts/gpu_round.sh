@@ -211,6 +211,9 @@ stages() {
   st train_large_megatron 150 "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends megatron,megatron_recompute,native_eager"
   # the main job with its weight sync staged through host memory (configs/gpu_1x.yaml: ipc)
   st gpu_1x_gloo      150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false sync.backend=gloo output_dir=\$W/gpu_1x_gloo logging.progress=false"
+  # the main job's whole run as shipped (200 steps, compiled blocks): the one call of a lease,
+  # `bash scripts/gpu_round.sh gpu_1x_full` (its 495 s are the round's whole budget)
+  st gpu_1x_full      495    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x_full logging.progress=false"
   st gpu_1x_compiled  300    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x_compiled logging.progress=false"
   # flash-linear-attention (.whl/fla) on this stage's path alone: where fla imports, transformers'
   # Qwen3-Next and megatron's GatedDeltaNet take its kernels, which the suite's CPU comparisons with
@@ -234,6 +237,7 @@ own_wheels() {
 }
 ALL_STAGES=(install pytest_gpu grouped_gemm engine train_medium engine_compiled gpu_1x)
 EXTRA_STAGES=(logprobs train_large on_policy engine_bf16 gated_delta train_fused train_large_megatron gpu_1x_compiled gpu_1x_gloo
+              gpu_1x_full
               gated_delta_fla engine_variants pytest_suite sync_gpu fp32_error agent_api)
 
 fetch() {  # .whl/ is in .gitignore. Pinned: what the round tests must not change with a release

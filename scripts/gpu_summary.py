@@ -402,6 +402,10 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "gpu_1x_sync_s": run.get("sync_s"),  # the last 10 steps' mean (configs/gpu_1x.yaml: sync.backend=ipc)
         "gpu_1x_gloo_sync_s": (figures.get("gpu_1x_gloo") or {}).get("sync_s"),  # by name: the same over gloo
         "gpu_1x_gloo_s_per_step": (figures.get("gpu_1x_gloo") or {}).get("s_per_step"),
+        # by name: the whole 200-step run as shipped (the target: the last 20 steps' reward >= 0.8)
+        "gpu_1x_full_steps_done": (figures.get("gpu_1x_full") or {}).get("steps_done"),
+        "gpu_1x_full_reward_last20": (figures.get("gpu_1x_full") or {}).get("reward_last20"),
+        "gpu_1x_full_s_per_step": (figures.get("gpu_1x_full") or {}).get("s_per_step"),
         "gpu_1x_compiled_steps_done": run_c.get("steps_done"),
         "gpu_1x_compiled_s_per_step": run_c.get("s_per_step"),
         # the OpenAI-API agent path's samples/s over the token-level path's, pair by pair (median), per arm
