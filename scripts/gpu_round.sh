@@ -172,7 +172,8 @@ stages() {
   #  install         90  42       wheels, editable build (C++ sources one per core); outside the
   #                                510 s budget, which starts after it; the rest skipped if it fails
   #  pytest_gpu     115  cap      55 GPU tests on 6 workers (52 ended in 101 s)
-  #  grouped_gemm    45  new      the decode tiles' 18 candidates in fp32 (gpu_1x's engine dtype)
+  #  grouped_gemm    45  new      the decode tiles' 12 candidates in fp32 (gpu_1x's engine dtype),
+  #                                the JSON rewritten after each rows case
   #  engine          40  cap(35)  the configured engine only (--variants none): start ~9 s, graph
   #                                capture, both figures, then the profiled request (--profile)
   #  train_medium   110  cap(100) 5 rows, each written as it fills: native_eager, native (compile
@@ -187,7 +188,7 @@ stages() {
   # the grouped GEMM's decode tiles timed on this GPU (candidates, the training tiles, torch's):
   # the fastest, saved, are what the later stages run (tuned_tiles: MOE_RL_GROUPED_GEMM_CONFIG),
   # and what a session ships as kernels/configs/grouped_gemm_<GPU>.json
-  st grouped_gemm      45    "$([ "$DEVICE" = cuda ] || echo TRITON_INTERPRET=1) $PY -m moe_rl.cli bench grouped-gemm --json $gmm --save \$W/grouped_gemm_tiles.json > \$J"
+  st grouped_gemm      45    "$([ "$DEVICE" = cuda ] || echo TRITON_INTERPRET=1) $PY -m moe_rl.cli bench grouped-gemm $gmm --out \$J --save \$W/grouped_gemm_tiles.json"
   if [ -s "$W/grouped_gemm_tiles.json" ]; then
     export MOE_RL_GROUPED_GEMM_CONFIG=$W/grouped_gemm_tiles.json
     echo "[gpu_round] the later stages run the grouped GEMM's decode tiles of $MOE_RL_GROUPED_GEMM_CONFIG"

@@ -48,7 +48,8 @@ from moe_rl.kernels.bench.logprobs import _device_name, _triton_version
 
 GPU_DIMS = dict(experts=32, hidden=1024, width=512, top_k=4, layers=16)
 CPU_DIMS = dict(experts=4, hidden=64, width=32, top_k=2, layers=2)
-GPU_CANDIDATES = [(bn, bk, 4, s) for bn in (16, 32, 64) for bk in (64, 128, 256) for s in (3, 4)]
+# 12 candidates (each a Triton build of its own on a cold machine: ~1 s), the default among them
+GPU_CANDIDATES = [(bn, bk, 4, s) for bn in (32, 64) for bk in (64, 128, 256) for s in (3, 4)]
 CPU_CANDIDATES = [(32, 16, 1, 1), (16, 32, 1, 1)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -100,8 +101,9 @@ def _error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
     return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-def bench_dtype(dtype, dims, rows_list, candidates, device, reps, gen) -> list[dict]:
-    """One row per (provider, case): provider "candidate" (with its tiles), "large_tiles", "torch"."""
+def bench_dtype(dtype, dims, rows_list, candidates, device, reps, gen, progress=None) -> list[dict]:
+    """One row per (provider, case): provider "candidate" (with its tiles), "large_tiles", "torch".
+    ``progress(rows)``, if given, gets the rows so far after each rows case."""
     E, H, F, L = dims["experts"], dims["hidden"], dims["width"], dims["layers"]
     shapes = {"gate_up": (F, H), "down": (H, F)}  # name -> (N, K); gate and up share one shape
     weights = {name: [(torch.randn(E, n, k, generator=gen) / k ** 0.5).to(device, dtype) for _ in range(L)]
@@ -134,6 +136,8 @@ def bench_dtype(dtype, dims, rows_list, candidates, device, reps, gen) -> list[d
                 row.update(us=round(us, 3), gbps=round(bytes_moved / us / 1e3, 1), max_rel_err=err,
                            accurate=err <= TOL[dtype], calls_per_layer=2 if name == "gate_up" else 1)
                 out.append(row)
+        if progress is not None:
+            progress(out)
     return out
 
 
@@ -207,8 +211,13 @@ def main(argv: list[str] | None = None) -> int:
                            "triton": _triton_version(), "triton_interpret": gg.TRITON_INTERPRET},
               "rows": [], "summary": {}}
     ok = True
+    def save_partial(rows):  # a run stopped by a time cap keeps the cases it measured
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({**result, "rows": result["rows"] + rows, "stopped": "during the cases"}, f)
+
     for dtype in dtypes:
-        result["rows"] += bench_dtype(dtype, dims, rows_list, candidates, device, a.reps, gen)
+        result["rows"] += bench_dtype(dtype, dims, rows_list, candidates, device, a.reps, gen, save_partial)
         s = summarise(result["rows"], dtype, device)
         if s["best"]:
             s["accuracy_check_can_fail"] = check_can_fail(dtype, dims, device, tuple(s["best"]), gen)
