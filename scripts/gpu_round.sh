@@ -187,7 +187,7 @@ stages() {
   st pytest_gpu       115    "$pytest -m gpu tests $XDIST --junitxml=\$J.xml"
   # the grouped GEMM's decode tiles timed on this GPU (candidates, the training tiles, torch's):
   # the fastest, saved, are what the later stages run (tuned_tiles: MOE_RL_GROUPED_GEMM_CONFIG),
-  # and what a session ships as kernels/configs/grouped_gemm_<GPU>.json
+  # and what is shipped as moe_rl/kernels/configs/grouped_gemm_<GPU>.json
   st grouped_gemm      45    "$([ "$DEVICE" = cuda ] || echo TRITON_INTERPRET=1) $PY -m moe_rl.cli bench grouped-gemm $gmm --out \$J --save \$W/grouped_gemm_tiles.json"
   if [ -s "$W/grouped_gemm_tiles.json" ]; then
     export MOE_RL_GROUPED_GEMM_CONFIG=$W/grouped_gemm_tiles.json
@@ -212,7 +212,7 @@ stages() {
   st train_large_megatron 150 "$PY -m moe_rl.train.megatron.bench --preset $large $train --backends megatron,megatron_recompute,native_eager"
   # the main job with its weight sync staged through host memory (configs/gpu_1x.yaml: ipc)
   st gpu_1x_gloo      150    "$PY -m moe_rl.cli train $gpu_1x train.compile=false sync.backend=gloo output_dir=\$W/gpu_1x_gloo logging.progress=false"
-  # the main job's whole run as shipped (200 steps, compiled blocks): the one call of a lease,
+  # the main job's whole run as shipped (200 steps, compiled blocks): a GPU call of its own,
   # `bash scripts/gpu_round.sh gpu_1x_full` (its 495 s are the round's whole budget)
   st gpu_1x_full      495    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x_full logging.progress=false"
   st gpu_1x_compiled  300    "$PY -m moe_rl.cli train $gpu_1x output_dir=\$W/gpu_1x_compiled logging.progress=false"
