@@ -103,7 +103,9 @@ def chunk_layout(cu_seqlens: Tensor, total: int, chunk: int = CHUNK) -> tuple[Te
     nch = (lens + chunk - 1) // chunk
     first = torch.cumsum(nch, 0) - nch
     tok = torch.arange(total, device=cu.device)
-    seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=max(num_seqs - 1, 0))
+    # each token's sequence: cu[0] = 0 <= tok, so searching all of cu counts one more than cu[1:]
+    # (a slice as the sorted sequence fails Inductor's searchsorted lowering in torch 2.11)
+    seq = (torch.searchsorted(cu, tok, right=True) - 1).clamp(max=max(num_seqs - 1, 0))
     rows = first[seq] * chunk + (tok - cu[seq])
     slots = max((total + num_seqs * (chunk - 1)) // chunk, 1)
     return rows, first, nch, slots
