@@ -102,8 +102,9 @@ class EngineConfig(Strict):
                                        "null = as engine.cuda_graph")
     compile: bool = Field(False, description="torch.compile an embedded engine's static decode step (SGLang's "
                           "--enable-torch-compile): Inductor fuses the step's small ops before the CUDA graphs "
-                          "capture it. Dynamic batch size and span; the 4 graphs dynamo makes (batch size 1 and the full "
-                          "span specialised) are compiled at start (tens of seconds; minutes on a CPU). Needs engine.static_decode (on with engine.cuda_graph); not "
+                          "capture it. Dynamic batch size and span; the 2 graphs dynamo makes (batch size 1 specialised) "
+                          "are compiled at start (tens of seconds; minutes on a CPU). Needs engine.static_decode (on with "
+                          "engine.cuda_graph); not "
                           "with true_on_policy (its exact kernels are not traceable)")
     # the HTTP server of an embedded engine (moe_rl/engine/limits.py, docs/serving.md)
     max_request_bytes: int | None = Field(None, ge=1024, description="largest request body an embedded engine's "
@@ -325,12 +326,12 @@ class TrainConfig(Strict):
     megatron_recompute: bool = Field(False, description="train.backend=megatron: full activation recompute, one "
                                      "layer per checkpoint (routing replayed in the recompute too)")
 
-
     @property
     def micro_batch_bucket(self) -> int:
         """The multiple micro-batch lengths are padded to: train.token_bucket, or 1024 where
         train.cuda_graphs leaves it 0."""
         return self.token_bucket or (1024 if self.cuda_graphs else 0)
+
 
 class DataConfig(Strict):
     """The prompts: a shipped task, a dataset file or a plug-in task (docs/environments.md)."""

@@ -73,7 +73,7 @@ def test_decode_cuda_graphs_replay_the_eager_static_step():
         np.testing.assert_array_equal(decode_routed_experts(b, L, K), decode_routed_experts(a, L, K))
 
 
-@pytest.mark.slow  # Inductor compiles 4 graphs of the step: scheduled first
+@pytest.mark.slow  # Inductor compiles 2 graphs of the step: scheduled first
 def test_a_compiled_decode_step_gives_the_eager_steps_outputs():
     """engine.compile on a GPU (Inductor, fp32 like configs/gpu_1x.yaml, graphs on): compiled
     at start, every decode step replayed from graphs of the compiled step, and the tokens,
