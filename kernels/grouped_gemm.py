@@ -73,9 +73,10 @@ def tuned_tiles(device: torch.device) -> dict[torch.dtype, tuple[int, int, int, 
     num_warps, num_stages], ...}``; dtypes it leaves out keep the defaults."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _TUNED:
-        path = os.environ.get(CONFIG_ENV) or config_file(torch.cuda.get_device_name(index))
+        named = os.environ.get(CONFIG_ENV)
+        path = named or config_file(torch.cuda.get_device_name(index))
         tiles = dict(SMALL_GROUP_BLOCKS)
-        if os.environ.get(CONFIG_ENV) or os.path.exists(path):
+        if named or os.path.exists(path):
             with open(path) as f:  # a file named but missing or malformed is an error, not the defaults
                 data = json.load(f)
             for name, value in data.items():
@@ -101,6 +102,11 @@ def _blocks(dtype: torch.dtype, rows: int = 0, groups: int = 1,
     if 0 < mean <= 16:
         table = tuned_tiles(device) if device is not None and device.type == "cuda" else SMALL_GROUP_BLOCKS
         return (16, *table[dtype])
+    return large_group_blocks(dtype, mean)
+
+
+def large_group_blocks(dtype: torch.dtype, mean: int) -> tuple[int, int, int, int, int]:
+    """The tiles of groups of more than 16 rows on the mean (training's): see ``_blocks``."""
     if dtype == torch.float32:
         return min(64, max(16, triton.next_power_of_2(mean))), 64, 32, 4, 3
     return 128, 128, 64, 8, 3

@@ -9,7 +9,7 @@ the experts (4 rows: one request, top-4; 256: 64 requests), with the medium pres
 default (32 experts, hidden 1024, expert width 512). Each case times the three expert GEMMs of a
 layer (gate and up: N = width, K = hidden; down: N = hidden, K = width) for every candidate
 ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of a 16-row tile, and, for comparison, the tiles
-the kernel took for these calls before (``large_tiles``: the training shapes' tiles) and
+groups of more than 16 rows take (``large_tiles``: the training shapes' tiles) and
 ``torch._grouped_mm`` where it runs (bf16 on sm_90+). The weights of ``--layers`` layers are
 cycled so that, as in a real step, the experts' weights come from memory, not from L2: on CUDA
 one CUDA graph holds a call per layer (no launch cost in the figure); ``us`` is per call, and
@@ -108,7 +108,7 @@ def bench_dtype(dtype, dims, rows_list, candidates, device, reps, gen, progress=
     shapes = {"gate_up": (F, H), "down": (H, F)}  # name -> (N, K); gate and up share one shape
     weights = {name: [(torch.randn(E, n, k, generator=gen) / k ** 0.5).to(device, dtype) for _ in range(L)]
                for name, (n, k) in shapes.items()}
-    large = (64, 64, 32, 4, 3) if dtype == torch.float32 else (128, 128, 64, 8, 3)  # the training shapes' tiles
+    large = gg.large_group_blocks(dtype, 64)  # the training shapes' tiles (64 rows or more per expert)
     providers = [("candidate", (16, *c)) for c in candidates] + [("large_tiles", large)]
     if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0):
         providers.append(("torch", None))
@@ -211,21 +211,21 @@ def main(argv: list[str] | None = None) -> int:
                            "triton": _triton_version(), "triton_interpret": gg.TRITON_INTERPRET},
               "rows": [], "summary": {}}
     ok = True
-    def save_partial(rows):  # a run stopped by a time cap keeps the cases it measured
+
+    def save(rows: list[dict] = (), **extra) -> None:  # after each case: a run cut by a time cap keeps them
         if a.out:
             with open(a.out, "w") as f:
-                json.dump({**result, "rows": result["rows"] + rows, "stopped": "during the cases"}, f)
+                json.dump({**result, "rows": result["rows"] + list(rows), **extra}, f)
 
     for dtype in dtypes:
-        result["rows"] += bench_dtype(dtype, dims, rows_list, candidates, device, a.reps, gen, save_partial)
+        result["rows"] += bench_dtype(dtype, dims, rows_list, candidates, device, a.reps, gen,
+                                      lambda rows: save(rows, stopped="during the cases"))
         s = summarise(result["rows"], dtype, device)
         if s["best"]:
             s["accuracy_check_can_fail"] = check_can_fail(dtype, dims, device, tuple(s["best"]), gen)
         ok &= bool(s["best"]) and s.get("accuracy_check_can_fail", False)
         result["summary"][str(dtype).removeprefix("torch.")] = s
-        if a.out:  # rewritten after each dtype: a run stopped by a time cap keeps what it measured
-            with open(a.out, "w") as f:
-                json.dump(result, f)
+        save()
         if not a.json:
             print(f"{dtype}: {json.dumps(s)}", file=sys.stderr)
     if a.save:
