@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
-from tests.train.test_device_discipline import TINY, _batch, _trainer
+from tests.train.test_device_discipline import TINY, _assert_same_steps, _batch, _rotated_steps, _trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -31,18 +31,7 @@ def test_graphed_steps_equal_compiled_steps():
             torch._dynamo.reset()
             counters.clear()
             cfg = load_config(None, [*STEP, f"train.cuda_graphs={str(graphs).lower()}"])
-            trainer = _trainer(cfg, "cuda", tmp)
-            metrics = []
-            for r in range(2):
-                metrics.append(trainer.train_step(batch[r:] + batch[:r]))
-                trainer.version += 1
-            b = trainer.backend
-            results[graphs] = metrics, [p.detach().clone() for p in b.dense_params + b.expert_params]
+            results[graphs] = _rotated_steps(_trainer(cfg, "cuda", tmp), batch)
             if graphs:
                 assert counters["inductor"]["cudagraph_skips"] == 0
-    (m_plain, p_plain), (m_graph, p_graph) = results[False], results[True]
-    for a, b in zip(m_graph, m_plain):
-        for k in b:
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
-    for a, b in zip(p_graph, p_plain):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _assert_same_steps(results[True], results[False], metric_abs=1e-6)

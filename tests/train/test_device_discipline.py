@@ -136,6 +136,27 @@ def _trainer(cfg, device: str | None, replay_dir: str):
     return trainer
 
 
+def _rotated_steps(trainer, batch: list[dict], n: int = 2) -> tuple[list[dict], list[torch.Tensor]]:
+    """``n`` training steps, each on ``batch`` rotated by one more sample (so packed otherwise):
+    their metrics, and the trained weights after the last."""
+    metrics = []
+    for r in range(n):
+        metrics.append(trainer.train_step(batch[r:] + batch[:r]))
+        trainer.version += 1
+    b = trainer.backend
+    return metrics, [p.detach().clone() for p in b.dense_params + b.expert_params]
+
+
+def _assert_same_steps(got, want, metric_abs: float) -> None:
+    """Two ``_rotated_steps`` results: the same metrics (rel 1e-5, abs ``metric_abs``) and weights."""
+    for a, b in zip(got[0], want[0]):
+        assert a.keys() == b.keys()
+        for k in b:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=metric_abs), k
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _batch(cfg, replay_dir: str) -> list[dict]:
     """Samples as the rollout makes them: behaviour log-probs near the initial model's, routing
     records of the initial model in the replay log (one sample without), two stale samples

@@ -136,7 +136,7 @@ def test_a_token_bucket_leaves_the_trainers_steps_as_they_were():
     import tempfile
 
     from moe_rl.config import load_config
-    from tests.train.test_device_discipline import TINY, _batch, _trainer
+    from tests.train.test_device_discipline import TINY, _assert_same_steps, _batch, _rotated_steps, _trainer
 
     step = [*TINY, "train.minibatches=2", "train.micro_batch_size=1"]
     results = {}
@@ -144,19 +144,8 @@ def test_a_token_bucket_leaves_the_trainers_steps_as_they_were():
         batch = _batch(load_config(None, step), tmp)
         for bucket in (0, 32):
             trainer = _trainer(load_config(None, [*step, f"train.token_bucket={bucket}"]), None, tmp)
-            metrics = []
-            for r in range(2):
-                metrics.append(trainer.train_step(batch[r:] + batch[:r]))
-                trainer.version += 1
-            b = trainer.backend
-            results[bucket] = metrics, [p.detach().clone() for p in b.dense_params + b.expert_params]
-    (m0, p0), (m32, p32) = results[0], results[32]
-    for a, b in zip(m32, m0):
-        assert a.keys() == b.keys()
-        for k in b:
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
-    for a, b in zip(p32, p0):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            results[bucket] = _rotated_steps(trainer, batch)
+    _assert_same_steps(results[32], results[0], metric_abs=1e-7)
 
 
 def test_cuda_graphs_keep_every_gradient_in_a_buffer_of_its_own():
