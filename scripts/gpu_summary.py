@@ -202,7 +202,8 @@ def read_gated_delta(path: Path) -> dict:
 
 def read_grouped_gemm(path: Path) -> dict:
     """`moe-rl bench grouped-gemm`: per dtype the fastest decode tiles, their total time against the
-    tiles taken before (``current``) and the training tiles, the check; and the file it saved."""
+    tiles the kernel takes now (``current``) and the training tiles, the check; and the file it
+    saved."""
     r = _load_json(path)
     return {"summary": r.get("summary"), "saved": r.get("saved"),
             "errors": sum(1 for row in r.get("rows", []) if "error" in row)}
@@ -321,6 +322,8 @@ def summarize(work: Path, device: str = "cuda") -> dict:
     ag = figures.get("agent_api") or {}  # by name: examples/openai_agent/bench.py --json, as it is
     gdn_fla = figures.get("gated_delta_fla") or {}  # by name: 8k tokens, fla too
     gmm = figures.get("grouped_gemm") or {}
+    gmm_dtypes = gmm.get("summary") or {}
+    run_g, run_f = figures.get("gpu_1x_gloo") or {}, figures.get("gpu_1x_full") or {}  # by name
     ms = lp.get("ms", {})
     out = {
         **commit_info(),
@@ -358,12 +361,11 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "logprobs_ms": {p: ms.get(p) for p in ("fused", "gemm", "liger", "compile", "eager")} | ms,
         # the decode tiles timed on this GPU: per dtype the fastest [BLOCK_M, BLOCK_N, BLOCK_K, warps,
         # stages] and its time over the training tiles' (< 1: faster); the later stages ran them
-        "grouped_gemm_best": {d: v.get("best") for d, v in (gmm.get("summary") or {}).items()} or None,
-        "grouped_gemm_best_vs_large_tiles": {d: v.get("best_vs_large_tiles")
-                                             for d, v in (gmm.get("summary") or {}).items()} or None,
+        "grouped_gemm_best": {d: v.get("best") for d, v in gmm_dtypes.items()} or None,
+        "grouped_gemm_best_vs_large_tiles": {d: v.get("best_vs_large_tiles") for d, v in gmm_dtypes.items()} or None,
         "grouped_gemm_best_vs_current": {d: (round(v["best_us"] / v["current_us"], 4) if v.get("best_us") and
                                              v.get("current_us") else None)
-                                         for d, v in (gmm.get("summary") or {}).items()} or None,
+                                         for d, v in gmm_dtypes.items()} or None,
         "grouped_gemm_tiles_file": _get(gmm, "saved", "ship_as"),
         "engine_grouped_gemm_tiles": en.get("grouped_gemm_tiles"),
         "engine_tokens_per_s_1": en.get("tokens_per_s_1"),
@@ -400,12 +402,12 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "gpu_1x_reward_last20": run.get("reward_last20"),
         "gpu_1x_s_per_step": run.get("s_per_step"),  # `all`: train.compile=false
         "gpu_1x_sync_s": run.get("sync_s"),  # the last 10 steps' mean (configs/gpu_1x.yaml: sync.backend=ipc)
-        "gpu_1x_gloo_sync_s": (figures.get("gpu_1x_gloo") or {}).get("sync_s"),  # by name: the same over gloo
-        "gpu_1x_gloo_s_per_step": (figures.get("gpu_1x_gloo") or {}).get("s_per_step"),
-        # by name: the whole 200-step run as shipped (the target: the last 20 steps' reward >= 0.8)
-        "gpu_1x_full_steps_done": (figures.get("gpu_1x_full") or {}).get("steps_done"),
-        "gpu_1x_full_reward_last20": (figures.get("gpu_1x_full") or {}).get("reward_last20"),
-        "gpu_1x_full_s_per_step": (figures.get("gpu_1x_full") or {}).get("s_per_step"),
+        "gpu_1x_gloo_sync_s": run_g.get("sync_s"),  # the same over gloo
+        "gpu_1x_gloo_s_per_step": run_g.get("s_per_step"),
+        # the whole 200-step run as shipped (the target: the last 20 steps' reward >= 0.8)
+        "gpu_1x_full_steps_done": run_f.get("steps_done"),
+        "gpu_1x_full_reward_last20": run_f.get("reward_last20"),
+        "gpu_1x_full_s_per_step": run_f.get("s_per_step"),
         "gpu_1x_compiled_steps_done": run_c.get("steps_done"),
         "gpu_1x_compiled_s_per_step": run_c.get("s_per_step"),
         # the OpenAI-API agent path's samples/s over the token-level path's, pair by pair (median), per arm

@@ -119,8 +119,7 @@ def _cfg(preset: dict, backend: str, dtype: str, recompute: bool, device: str = 
     ))
 
 
-# native rows: train.compile (None: --compile) and the loss path
-# row -> (train.compile: None = --compile's, the loss path, train.cuda_graphs)
+# native rows -> (train.compile: None = --compile's, the loss path, train.cuda_graphs)
 NATIVE_ROWS = {"native": (None, "general", False), "native_eager": (False, "general", False),
                "native_fused": (None, "fused", False), "native_graphs": (None, "general", True)}
 BACKENDS = (*NATIVE_ROWS, "megatron", "megatron_recompute")
