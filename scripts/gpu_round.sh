@@ -167,7 +167,7 @@ stages() {
   # its cap there, most keeping their figures). The stages between install and gpu_1x add up to
   # 395 s of the 495 s budget (510 - RESERVE); train_large (its 2.7 B-parameter CPU init took 34 s
   # of its 65 s cap, nothing measured), on_policy (nothing in 25 s) and logprobs (its kernels
-# unchanged since its two measured rounds; cap 40 s, its targets kept) run by name:
+  # unchanged since its two measured rounds; cap 40 s, its targets kept) run by name:
   #  stage          cap  took
   #  install         90  42       wheels, editable build (C++ sources one per core); outside the
   #                                510 s budget, which starts after it; the rest skipped if it fails

@@ -278,8 +278,9 @@ def test_a_compiled_decode_step_traces_whole_and_compiles_at_start_only():
     """engine.compile traces the step in one graph (fullgraph: a break is an error) with the
     batch size and span dynamic: the warm-up at start makes the 2 graphs dynamo needs (batch
     size 1 is specialised; no span is all of the cache, which has one position more for it),
-    and every (batch, span) bucket then runs one of them, captured and replayed. The CPU runs it on aot_eager (the same aten ops as eager: bit
-    for bit); Inductor's fusion is the GPU's (test_engine_gpu.py)."""
+    and every (batch, span) bucket then runs one of them, captured and replayed. The CPU runs it
+    on aot_eager (the same aten ops as eager: bit for bit); Inductor's fusion is the GPU's
+    (test_engine_gpu.py)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     calls = [0]
