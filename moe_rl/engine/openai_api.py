@@ -48,7 +48,7 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
+import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +69,12 @@ DEFAULT_MODEL_NAME = "default"  # SGLang's name when no model path is served
 # episode's call resumes after them; any other abort ends the call
 _UPDATE_ABORTS = ("Aborted by pause_generation", "Aborted for a weight")
 _GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_IDS = random.Random()  # seeded from os.urandom; ids need uniqueness, not secrecy (uuid4 is a syscall a call)
+
+
+def _hex_id(digits: int) -> str:
+    """A random id of ``digits`` hex digits (response, request and tool-call ids)."""
+    return f"{_IDS.getrandbits(4 * digits):0{digits}x}"
 
 
 class OpenAIError(Exception):
@@ -440,7 +446,7 @@ class OpenAIServer:
                       eos_token_ids=server.eos_token_ids, adapter=getattr(self.engine, "adapter_name", None),
                       token_count=self.text.token_count if self.text is not None else None)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        base = uuid.uuid4().hex
+        base = _hex_id(32)
         call = None
         if ep is not None:
             call, ep.calls = ep.calls, ep.calls + 1
@@ -640,7 +646,7 @@ class _Shape:
 
     def __init__(self, api: OpenAIServer, req):
         self.api, self.req = api, req
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.id = f"{self.prefix}-{_hex_id(32)}"
         self.created = int(time.time())
         self.sent: dict[int, int] = {}  # choice -> characters of text sent
         self.sent_tokens: dict[int, int] = {}
@@ -710,7 +716,7 @@ class _ChatShape(_Shape):
             msg["content"] = content
             if calls:
                 msg = {"role": "assistant", "content": content, "tool_calls": [
-                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    {"id": f"call_{_hex_id(24)}", "type": "function",
                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
                 if finish == "stop":
                     finish = "tool_calls"

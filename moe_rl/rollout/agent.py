@@ -211,6 +211,7 @@ class AgentPlayer:
         self.slots = asyncio.Semaphore(s.max_concurrent)
         self.client = None  # one AsyncOpenAI for all episodes, over aiohttp (made per episode it cost 150 ms)
         self.http: EngineClient | None = None  # the episodes' register and collect requests
+        self.platform = None  # the OS the SDK detected on an episode's first request, for the next ones
         self._register = _Coalesced(self._register_batch)
         self._collect = _Coalesced(self._collect_batch)
 
@@ -269,9 +270,12 @@ class AgentPlayer:
 
     async def _play(self, url: str, eid: str, prompt) -> tuple[str | None, float, dict]:
         client = self.client.with_options(base_url=f"{url}/episodes/{eid}/v1")  # shares the connection pool
+        if self.platform is not None:  # the SDK detects the OS per client, in a thread, on its first request
+            client._platform = self.platform
         try:
             async with asyncio.timeout(self.s.episode_timeout_s):
                 out = await self.agent(client, prompt, **self.s.args)
+            self.platform = getattr(client, "_platform", None)
             reward, metrics = reward_value(out, self.who)
             return None, reward, metrics
         except TimeoutError:
