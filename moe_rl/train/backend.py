@@ -149,10 +149,14 @@ class DataParallelStep:
             # HF tensors, in weight-sync buckets, would be: sync.bind_params)
             self.needs_dense_params = bool(adamw["fused"])
 
-    def optimizer_step(self) -> dict[str, torch.Tensor]:
+    def _fill_grads(self) -> None:
+        """A zero gradient for every trained parameter that has none."""
         for p in self.dense_params + self.expert_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
+        self._fill_grads()
         self._reduce_grads()
         stats = {}
         if self.cfg.train.grad_clip:
@@ -232,8 +236,7 @@ class NativeBackend(DataParallelStep):
             # replay (the next micro-batch) overwrites: every gradient gets a buffer of its own
             # before the first backward, accumulated into and zeroed after each step
             self.stable_grads = True
-            for p in self.dense_params + self.expert_params:
-                p.grad = torch.zeros_like(p)
+            self._fill_grads()
         self.bias_rate = cfg.train.expert_bias_update_rate
         if self.bias_rate:
             if self.arch.router != "sigmoid":
