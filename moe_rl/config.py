@@ -667,9 +667,10 @@ class ExperimentConfig(Strict):
         if self.env.openai_agent and self.env.factory:
             raise ValueError("env.openai_agent and env.factory: an episode is played either by an OpenAI-API agent or "
                              "by a token-level environment; set one of them")
-        if self.env.openai_agent and self.engine.kind != "embedded":
-            raise ValueError("env.openai_agent needs engine.kind=embedded: the per-episode recording of OpenAI-API "
-                             "calls (exact ids, log-probs, routing) is the embedded engine's")
+        if self.env.openai_agent and self.engine.kind == "sglang" and not (self.model.tokenizer_path or self.model.path
+                                                                           or self.engine.sglang_model_path):
+            raise ValueError("env.openai_agent with engine.kind=sglang: the agent workers render the chat template "
+                             "before SGLang (docs/environments.md); set model.tokenizer_path or model.path")
         if self.reward.fn and self.env.openai_agent:
             raise ValueError("reward.fn and env.openai_agent: the agent returns the episode's reward; score inside "
                              "the agent (or drop env.openai_agent)")

@@ -199,6 +199,36 @@ class EngineClient:
             except aiohttp.ClientError as e:
                 raise EngineError(url, endpoint, f"{type(e).__name__}: {e}") from e
 
+    async def stream(self, endpoint: str, url: str, payload: dict):
+        """POST a streaming request (``"stream": true``); yields each server-sent event's JSON
+        (SGLang's ``data: {...}`` lines, up to ``data: [DONE]``). Errors as ``request``'s; a
+        stream cut before ``[DONE]`` is an ``EngineError``."""
+        url = url.rstrip("/")
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+        try:
+            async with self._get_session().post(url + endpoint, data=dumps_body(payload), headers=_JSON,
+                                                timeout=timeout) as resp:
+                if resp.status >= 400:
+                    raise EngineHTTPError(url, endpoint, resp.status, _parse(await resp.read(), resp.content_type))
+                buf = bytearray()
+                async for chunk in resp.content.iter_any():  # not by line: an event (routing) can be MBs
+                    seen = max(0, len(buf) - 1)  # where a separator can start that is not yet looked at
+                    buf += chunk
+                    while (end := buf.find(b"\n\n", seen)) >= 0:
+                        event, seen = bytes(buf[:end]), 0
+                        del buf[: end + 2]
+                        if not event.startswith(b"data:"):
+                            continue  # comments
+                        data = event[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        yield json.loads(data)
+        except asyncio.TimeoutError as e:
+            raise EngineTimeoutError(url, endpoint, f"no answer within {self.timeout_s:g} s") from e
+        except aiohttp.ClientError as e:
+            raise EngineError(url, endpoint, f"{type(e).__name__}: {e}") from e
+        raise EngineError(url, endpoint, "the stream ended without [DONE] (engine died?)")
+
     async def _broadcast(self, method: str, endpoint: str, payload: Any, urls: Iterable[str] | None) -> list:
         urls = list(urls) if urls is not None else self.urls
         return list(await asyncio.gather(*(self.request(method, endpoint, u, payload) for u in urls)))

@@ -262,9 +262,9 @@ class _Output:
             "output_top_logprobs": self.top}}
 
 
-def _is_update_abort(finish: dict | None) -> bool:
+def _is_update_abort(finish: dict | None, messages: tuple[str, ...]) -> bool:
     return bool(finish) and finish.get("type") == "abort" and not finish.get("status_code") and \
-        str(finish.get("message", "")).startswith(_UPDATE_ABORTS)
+        str(finish.get("message", "")).startswith(messages)
 
 
 FRESH_RENDERS = 256  # conversations whose fresh render is kept (a few steps' prompts)
@@ -277,6 +277,8 @@ class OpenAIServer:
     def __init__(self, server):
         self.server = server
         self.engine = server.engine
+        # the abort messages a weight update gives (an engine behind HTTP names its server's too)
+        self.update_aborts = getattr(self.engine, "update_aborts", _UPDATE_ABORTS)
         self.text = server.text  # TextCodec or None
         self.tokenizer = self.text.tokenizer if self.text is not None else None
         self.model_name = self.engine.model_path or DEFAULT_MODEL_NAME
@@ -524,7 +526,7 @@ class OpenAIServer:
             if finish.get("type") == "abort" and (finish.get("status_code") or 0) >= 400:
                 raise OpenAIError(int(finish["status_code"]), str(finish.get("message")))
             left = req.sampling_params.max_new_tokens - len(acc.output_ids)
-            if not (resume and _is_update_abort(finish) and left > 0):
+            if not (resume and _is_update_abort(finish, self.update_aborts) and left > 0):
                 return acc
             k += 1
             if res["output_ids"]:

@@ -132,6 +132,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    ignore_eos: bool = False  # GenerateRequest.parse leaves the model's EOS out of stop_token_ids
     # SGLang's logit processing (penaltylib and its sampler), over the request's output tokens
     min_p: float = 0.0
     frequency_penalty: float = 0.0
@@ -161,9 +162,25 @@ class SamplingParams:
         """Temperature of the distribution the returned log-probs are taken under."""
         return 1.0 if self.temperature < GREEDY_EPS else self.temperature
 
+    def sglang_dict(self) -> dict:
+        """These parameters as SGLang's ``sampling_params`` (what ``parse`` reads back to them,
+        with the same EOS): for a request this engine parsed and another server runs."""
+        d = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+             "max_new_tokens": self.max_new_tokens, "min_new_tokens": self.min_new_tokens,
+             "stop_token_ids": sorted(self.stop_token_ids), "ignore_eos": self.ignore_eos,
+             "skip_special_tokens": self.skip_special_tokens,
+             "spaces_between_special_tokens": self.spaces_between_special_tokens, "no_stop_trim": self.no_stop_trim,
+             "min_p": self.min_p, "frequency_penalty": self.frequency_penalty,
+             "presence_penalty": self.presence_penalty, "repetition_penalty": self.repetition_penalty}
+        if self.sampling_seed is not None:
+            d["sampling_seed"] = self.sampling_seed
+        if self.stop_strs:
+            d["stop"] = list(self.stop_strs)
+        return d
+
     _KNOWN = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "seed",
               "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "min_p",
-              "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop"}
+              "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop", "ignore_eos"}
     # SGLang fields that are accepted when they hold their no-op value
     _NEUTRAL = {
         "n": 1, "stream_interval": None, "regex": None, "json_schema": None,
@@ -171,8 +188,8 @@ class SamplingParams:
         "beam_width": 1, "watermark": None,  # beam_width > 1: beam search
     }
     # SGLang fields with no effect here: custom_params feeds a custom logit processor (refused at
-    # the request level); ignore_eos is read by GenerateRequest.parse (the model's EOS)
-    _NO_EFFECT = {"custom_params", "ignore_eos"}
+    # the request level)
+    _NO_EFFECT = {"custom_params"}
 
     @classmethod
     def parse(cls, d: Any) -> "SamplingParams":
@@ -235,7 +252,7 @@ class SamplingParams:
                    skip_special_tokens=_bool(d, "skip_special_tokens", True, where=w),
                    spaces_between_special_tokens=_bool(d, "spaces_between_special_tokens", True, where=w),
                    no_stop_trim=_bool(d, "no_stop_trim", False, where=w),
-                   min_p=min_p, repetition_penalty=rep, min_new_tokens=min_new, min_new_tokens_ids=stop,
+                   ignore_eos=_bool(d, "ignore_eos", False, where=w), min_p=min_p, repetition_penalty=rep, min_new_tokens=min_new, min_new_tokens_ids=stop,
                    stop_strs=stop_strs, **pens)
 
 
@@ -322,7 +339,6 @@ class GenerateRequest:
                 f"the input ({len(ids)} tokens) is longer than the model's context length ({max_context} tokens)",
             )
         sp = SamplingParams.parse(body.get("sampling_params"))
-        raw_sp = body.get("sampling_params") or {}
         if sp.stop_strs:
             if token_count is None:
                 raise RequestError("sampling_params.stop", "stop strings are matched on the decoded output and the "
@@ -330,7 +346,7 @@ class GenerateRequest:
                                    "refuses them too); use stop_token_ids")
             sp.stop_str_max_len = max(token_count(s) for s in sp.stop_strs)
         sp.min_new_tokens_ids = sp.stop_token_ids | {t for t in eos_token_ids if 0 <= t < vocab_size}
-        if eos_token_ids and not raw_sp.get("ignore_eos"):
+        if eos_token_ids and not sp.ignore_eos:
             sp.stop_token_ids = sp.stop_token_ids | {t for t in eos_token_ids if 0 <= t < vocab_size}
         bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -359,6 +375,20 @@ class GenerateRequest:
             top_logprobs_num=top_n if return_logprob else 0,
             return_text_in_logprobs=_bool(body, "return_text_in_logprobs"),
         )
+
+    def sglang_body(self) -> dict:
+        """This request as the body of SGLang's ``/generate`` (``parse`` reads it back to an
+        equal request)."""
+        body = {"input_ids": list(self.input_ids), "sampling_params": self.sampling_params.sglang_dict(),
+                "return_logprob": self.return_logprob, "top_logprobs_num": self.top_logprobs_num,
+                "logprob_start_len": self.logprob_start_len, "stream": self.stream}
+        if self.rid is not None:
+            body["rid"] = self.rid
+        if self.return_routed_experts:
+            body.update(return_routed_experts=True, routed_experts_start_len=self.routed_experts_start_len)
+        if self.return_text_in_logprobs:
+            body["return_text_in_logprobs"] = True
+        return body
 
     @property
     def input_logprob_start(self) -> int:

@@ -39,7 +39,7 @@ from .engine import Engine
 from .limits import ServerLimits
 from .limits import error_response as _error
 from .protocol import RequestError, json_body
-from .text import TextCodec, load_tokenizer
+from .text import TextCodec, load_tokenizer, model_eos_ids
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,18 +106,6 @@ def build_engine(cfg, model=None, device: str | torch.device | None = None, *,
 # --- the HTTP application --------------------------------------------------------------------
 async def _json(request: web.Request, *, optional: bool = False) -> Any:
     return json_body(request, optional=optional)  # parsed by the limits middleware
-
-
-def model_eos_ids(path: str | None) -> frozenset[int]:
-    """The EOS ids SGLang stops at: ``eos_token_id`` of the model's config.json and
-    generation_config.json (an int or a list). A random-init model (no path) has none."""
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        f = Path(path) / name if path else None
-        if f is not None and f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-    return frozenset(ids)
 
 
 class EngineServer:

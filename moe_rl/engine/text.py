@@ -23,6 +23,7 @@ Without a tokenizer it answers like SGLang launched with ``--skip-tokenizer-init
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,18 @@ def load_tokenizer(path: str | None):
     except ImportError as e:  # pragma: no cover - transformers is in the test extra
         raise ImportError(f"model.path {path} has a tokenizer: serving text needs the `transformers` package") from e
     return AutoTokenizer.from_pretrained(path)
+
+
+def model_eos_ids(path: str | None) -> frozenset[int]:
+    """The EOS ids SGLang stops at: ``eos_token_id`` of the model's config.json and
+    generation_config.json (an int or a list). A random-init model (no path) has none."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        f = Path(path) / name if path else None
+        if f is not None and f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    return frozenset(ids)
 
 
 class TextCodec:

@@ -17,6 +17,8 @@ Who does what:
   ``env.agent_workers`` processes of their own (``moe_rl/rollout/agent_workers.py``), so the
   agents' client work (the SDK's request and response models, HTTP) takes no CPU from the
   trainer's process; with ``env.agent_workers=0`` one player runs in the manager's thread.
+  With ``engine.kind: sglang`` a player serves those endpoints itself before each SGLang URL
+  (``moe_rl.engine.gateway.Gateway``) and the episodes go there.
 
 The trajectory comes from the records only, never from chat text (:func:`trajectories`):
 in the order the calls finished, a call whose prompt extends an earlier sequence's
@@ -28,11 +30,13 @@ rows before a call's ``routing_start`` are those of the call it continued (its `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass, field
 
 from moe_rl.engine.client import EngineClient, EngineError
+from moe_rl.engine.gateway import Gateway, GatewaySpec
 from moe_rl.engine.protocol import version_number
 from moe_rl.tasks.base import Prompt
 from moe_rl.tasks.plugins import PluginError, RewardError, check_signature, load_plugin, reward_value
@@ -138,6 +142,7 @@ class PlayerSettings:
     request_timeout_s: float
     episode_timeout_s: float
     max_concurrent: int  # episodes in flight in this player
+    gateway: GatewaySpec | None = None  # SGLang engines: the OpenAI gateway each player puts before them
 
 
 def check_agent(path: str, args: dict):
@@ -212,10 +217,15 @@ class AgentPlayer:
         self.client = None  # one AsyncOpenAI for all episodes, over aiohttp (made per episode it cost 150 ms)
         self.http: EngineClient | None = None  # the episodes' register and collect requests
         self.platform = None  # the OS the SDK detected on an episode's first request, for the next ones
+        self.gateways: dict[str, asyncio.Future] = {}  # SGLang URL -> its gateway's URL (s.gateway)
+        self._gateways: list[Gateway] = []
         self._register = _Coalesced(self._register_batch)
         self._collect = _Coalesced(self._collect_batch)
 
     async def close(self) -> None:
+        for gw in self._gateways:
+            await gw.close()
+        self._gateways, self.gateways = [], {}
         if self.client is not None:
             await self.client.close()
             self.client = None
@@ -226,11 +236,21 @@ class AgentPlayer:
     async def play_group(self, job: GroupJob) -> list[EpisodeResult]:
         if self.http is None:
             self.http = EngineClient(job.url, api_key=self.s.api_key, timeout_s=self.s.request_timeout_s)
+        if self.s.gateway is not None:  # the episodes go to this player's gateway before the SGLang server
+            job = dataclasses.replace(job, url=await self._gateway(job.url))
         if self.client is None:
             self.client = self.openai.AsyncOpenAI(
                 base_url=f"{job.url}/v1", api_key=self.s.api_key or "EMPTY", max_retries=0,
                 timeout=self.s.request_timeout_s, http_client=self.openai.DefaultAioHttpClient())
         return list(await asyncio.gather(*(self._episode(job, j) for j in range(len(job.eids)))))
+
+    async def _gateway(self, url: str) -> str:
+        started = self.gateways.get(url)
+        if started is None:  # the first group on this engine starts it; the groups beside it wait for it
+            gw = Gateway(url, self.s.gateway, self.http)  # its /generate calls share the player's pool
+            self._gateways.append(gw)
+            started = self.gateways[url] = asyncio.ensure_future(gw.start())
+        return await asyncio.shield(started)
 
     async def _register_batch(self, url: str, items: list) -> list:
         settings = items[0][2]

@@ -122,6 +122,39 @@ def test_the_checks_catch_what_sglang_would_drop():
         _check([("POST", "/update_weights_from_disk_typo", {})])
 
 
+def test_the_agent_gateway_sends_sglang_requests():
+    """The OpenAI gateway before SGLang engines (moe_rl/engine/gateway.py) sends each parsed
+    request as ``GenerateRequest.sglang_body()``: a valid GenerateReqInput whose sampling params
+    pass SGLang's own checks, read back to the same request; it resumes the calls SGLang ends
+    with its scheduler's abort_all message, and aborts with a valid AbortReq."""
+    from moe_rl.engine.gateway import SGLANG_ABORT, RemoteEngine
+    from moe_rl.engine.openai_api import _is_update_abort
+    from moe_rl.engine.protocol import GenerateRequest
+
+    limits = dict(vocab_size=ARCH.vocab_size, max_context=64, eos_token_ids=frozenset({2}), token_count=len)
+    bodies = [
+        {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5}},
+        {"input_ids": [3, 4, 5], "rid": "r-1", "return_logprob": True, "top_logprobs_num": 2, "stream": True,
+         "return_routed_experts": True, "routed_experts_start_len": 2,
+         "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_new_tokens": 9,
+                             "stop_token_ids": [7], "ignore_eos": True, "sampling_seed": 11, "min_p": 0.1,
+                             "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
+                             "skip_special_tokens": False, "no_stop_trim": True}},
+    ]
+    calls = []
+    for body in bodies:
+        req = GenerateRequest.parse(body, **limits)
+        out = req.sglang_body()
+        assert GenerateRequest.parse(out, **limits) == req
+        calls.append(("POST", "/generate", out))
+    calls.append(("POST", "/abort_request", {"rid": "r-1"}))
+    _check(calls)
+    # the message SGLang's scheduler gives every request abort_all ends
+    assert f'prepare_abort(req, "{SGLANG_ABORT}")' in sglang_source("srt/managers/scheduler.py").read_text()
+    assert _is_update_abort({"type": "abort", "message": SGLANG_ABORT}, RemoteEngine.update_aborts)
+    assert not _is_update_abort({"type": "abort", "message": SGLANG_ABORT, "status_code": 400}, RemoteEngine.update_aborts)
+
+
 @pytest.fixture(scope="module")
 def server():
     s = ServerProc()

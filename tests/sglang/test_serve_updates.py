@@ -117,7 +117,7 @@ def test_eos_ends_a_sequence_unless_ignore_eos(tmp_path):
     import json
 
     from moe_rl.engine.protocol import GenerateRequest
-    from moe_rl.engine.server import model_eos_ids
+    from moe_rl.engine.text import model_eos_ids
 
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))

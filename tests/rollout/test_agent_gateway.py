@@ -1,0 +1,208 @@
+"""Agents on SGLang engines (``engine.kind: sglang``): each agent player puts an OpenAI gateway
+(moe_rl/engine/gateway.py) before the engine and the engine generates from token ids. The
+engine here is the embedded one behind ``moe-rl serve``'s application, which speaks SGLang's
+``/generate``; the reference for each check is the embedded engine's own OpenAI endpoints and a
+fresh forward of the model. The requests the gateway sends are checked against SGLang's own
+field lists in tests/sglang/test_requests_sglang.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+
+pytest.importorskip("openai")
+pytest.importorskip("transformers")
+
+from moe_rl.config import ConfigError, load_config  # noqa: E402
+from moe_rl.engine import EngineClient  # noqa: E402
+from moe_rl.engine.gateway import Gateway, GatewaySpec  # noqa: E402
+from moe_rl.replay import RoutingSpec, record_from_responses  # noqa: E402
+from tests.engine.helpers import recompute  # noqa: E402
+from tests.engine.openai_server import CONFIG, OVERRIDES, InProcessServer  # noqa: E402
+from tests.rollout import test_agent as A  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = InProcessServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(server):
+    """A gateway before ``server``, in the server's event loop (as a player's is in its own)."""
+    cfg = load_config(CONFIG, [*OVERRIDES, "engine.kind=sglang", f"engine.urls=[{server.url}]"])
+    client = EngineClient(server.url)
+    gw = Gateway(server.url, GatewaySpec.from_config(cfg), client)
+    url = server.call(gw.start())
+    yield url
+    server.call(gw.close())
+    server.call(client.close())
+
+
+def _sglang(server) -> list[str]:
+    return ["engine.kind=sglang", f"engine.urls=[{server.url}]"]
+
+
+@pytest.mark.parametrize("agent,workers", [("agent_chain", 0), ("agent_split", 1)])
+def test_agent_episodes_through_the_gateway_are_the_engines_tokens(server, agent, workers):
+    """Merged calls (one sequence) and a fresh conversation (another sample), played in the
+    trainer's loop and in a worker process: every trained token, log-prob and routing row is
+    what the engine sampled, and the calls went to the gateway, not to the engine."""
+    group, log, _ = A._run_group(server, agent, [*_sglang(server), f"env.agent_workers={workers}"])
+    assert all(s.failed is None for s in group.samples)
+    if agent == "agent_chain":
+        assert len(group.samples) == 2
+        for s in group.samples:
+            calls = A._seen(s.uid)
+            assert s.turns == 3 and len(calls) == 3
+            A._check_against_engine_and_model(server, s, calls, log)
+        assert A.SEEN and not any(k.startswith(server.url) for k in A.SEEN)
+    else:  # the agent ran in another process: its SEEN is not here; the model is the reference
+        assert len(group.samples) == 4
+        for s in group.samples:
+            ref_lp, ref_rows = recompute(server.engine.model, s.prompt_ids, s.response_ids, 1.0)
+            lps = [lp for lp, m in zip(s.behaviour_logprobs, s.loss_mask) if m]
+            np.testing.assert_allclose([lp for lp, m in zip(ref_lp, s.loss_mask) if m], lps, atol=1e-5, rtol=0)
+            np.testing.assert_array_equal(log.records[s.uid], ref_rows[:, list(server.engine.moe_layers)])
+        assert sorted(s.turns for s in group.samples) == [1, 1, 2, 2]
+
+
+def _episode(url: str, eid: str, seed: int) -> None:
+    requests.post(url + "/episodes", json={"id": eid, "seed": seed, "sampling_params": {"temperature": 1.0},
+                                           "return_routed_experts": True}, timeout=10).raise_for_status()
+
+
+def _chat(url: str, eid: str, stream: bool) -> dict:
+    body = {"model": "policy", "messages": [{"role": "user", "content": "guess 1 to 3"}], "tools": A.TOOLS,
+            "max_tokens": 4, "logprobs": True, "stream": stream, "return_token_ids": True}
+    r = requests.post(f"{url}/episodes/{eid}/v1/chat/completions", json=body, timeout=60, stream=stream)
+    r.raise_for_status()
+    if not stream:
+        return r.json()["choices"][0]
+    lps = []  # a streamed chat choice carries no ids: its tokens' log-probs, one per token
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            for c in json.loads(line[6:])["choices"]:
+                lps += [t["logprob"] for t in (c.get("logprobs") or {}).get("content") or []]
+    return {"logprobs": lps}
+
+
+def test_the_gateway_answers_and_records_as_the_engine_does(server, gateway):
+    """The same episode seed on the engine's own endpoints and on the gateway (plain and
+    streamed): the same tokens and log-probs to the agent, and the same record."""
+    seed = 1234
+    records = {}
+    for name, url, stream in [("engine", server.url, False), ("gateway", gateway, False),
+                              ("gateway_stream", gateway, True)]:
+        eid = f"same-{name}-{time.monotonic()}"
+        _episode(url, eid, seed)
+        choice = _chat(url, eid, stream)
+        records[name] = requests.delete(f"{url}/episodes/{eid}", timeout=10).json()["records"]
+        rec = records[name][0]
+        assert len(rec["output_ids"]) > 0
+        if not stream:
+            assert choice["response_token_ids"] == rec["output_ids"]
+        lps = [t["logprob"] for t in choice["logprobs"]["content"]] if not stream else choice["logprobs"]
+        assert lps == rec["output_logprobs"]
+    want = records["engine"][0]
+    for name in ("gateway", "gateway_stream"):
+        got = records[name][0]
+        for key in ("prompt_ids", "output_ids", "output_logprobs", "output_versions", "finish_reason"):
+            assert got[key] == want[key], (name, key)
+        assert [g["meta_info"]["routed_experts"] for g in got["routing"]] == \
+            [g["meta_info"]["routed_experts"] for g in want["routing"]]
+
+
+def test_a_weight_update_inside_a_call_through_the_gateway_continues_it(server, gateway):
+    """The engine pauses (abort mode) while a gateway call generates: the gateway resubmits it
+    with its partial output; the agent gets one answer of all its tokens, the record one call
+    whose tokens carry the versions that made them, and its routing covers it once."""
+    engine = server.engine
+    eid = f"gw-wu-{time.monotonic()}"
+    _episode(gateway, eid, 7)
+    prompt = list(range(5, 15))
+    box = {}
+
+    def call():
+        box["r"] = requests.post(f"{gateway}/episodes/{eid}/v1/completions", json={
+            "prompt": prompt, "max_tokens": 60, "ignore_eos": True, "return_token_ids": True}, timeout=120).json()
+
+    t = threading.Thread(target=call)
+    start = engine.stats["output_tokens"]
+    t.start()
+    deadline = time.monotonic() + 60
+    while engine.stats["output_tokens"] < start + 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    engine.pause("abort")
+    old = engine.weight_version
+    engine.weight_version = "7"
+    engine.resume()
+    t.join(60)
+    records = requests.delete(f"{gateway}/episodes/{eid}", timeout=10).json()["records"]
+    engine.weight_version = old
+    assert len(records) == 1
+    r = records[0]
+    assert box["r"]["choices"][0]["token_ids"] == r["output_ids"] and len(r["output_ids"]) == 60
+    versions = r["output_versions"]
+    assert versions[0] == old and versions[-1] == "7" and versions == sorted(versions, key=lambda v: v == "7")
+    assert len(r["routing"]) == 2 and r["routing"][1]["start"] == len(prompt) + versions.index("7") - 1
+    arch = engine.arch
+    spec = RoutingSpec(arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts)
+    got = record_from_responses([g["meta_info"] for g in r["routing"]], spec, num_tokens=len(prompt) + 60,
+                                starts=[g["start"] for g in r["routing"]])
+    ref_lp, ref_rows = recompute(engine.model, prompt, r["output_ids"], 1.0)
+    np.testing.assert_array_equal(got, ref_rows[:, list(engine.moe_layers)])
+    np.testing.assert_allclose(r["output_logprobs"], ref_lp, atol=1e-5, rtol=0)
+
+
+def test_an_agent_that_goes_away_frees_the_engines_request(server, gateway):
+    """A streamed call whose client disconnects: the engine's request ends there, before the
+    200 tokens it was asked for."""
+    engine = server.engine
+    eid = f"gw-gone-{time.monotonic()}"
+    _episode(gateway, eid, 3)
+    start = engine.stats["output_tokens"]
+    r = requests.post(f"{gateway}/episodes/{eid}/v1/completions", json={
+        "prompt": list(range(5, 15)), "max_tokens": 200, "ignore_eos": True, "stream": True}, stream=True, timeout=60)
+    next(r.iter_lines())  # it is generating
+    r.close()
+    deadline = time.monotonic() + 30
+    while engine.info()["running_requests"] or engine.by_rid:
+        assert time.monotonic() < deadline, "the engine's request was left running"
+        time.sleep(0.01)
+    assert engine.stats["output_tokens"] - start < 200
+
+
+def test_an_engine_refusal_is_an_openai_error(server, gateway):
+    """What the engine refuses (here: a prompt past its context, which the gateway's own check
+    lets through with a larger engine.max_context) comes back in OpenAI's error shape."""
+    cfg = load_config(CONFIG, [*OVERRIDES, *_sglang(server), "engine.max_context=100000"])
+
+    async def ask():
+        client = EngineClient(server.url)
+        gw = Gateway(server.url, GatewaySpec.from_config(cfg), client)
+        url = await gw.start()
+        try:
+            async with client._get_session().post(url + "/v1/completions", json={
+                    "prompt": list(range(5, 15)) * 40, "max_tokens": 2}) as resp:
+                return resp.status, await resp.json()
+        finally:
+            await gw.close()
+            await client.close()
+
+    status, body = server.call(ask())
+    assert status == 400 and "context length" in body["error"]["message"], body
+
+
+def test_config_needs_a_tokenizer_for_agents_on_sglang():
+    with pytest.raises(ConfigError, match="set model.tokenizer_path or model.path"):
+        load_config(CONFIG, ["engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]", "model.tokenizer_path=null"])
+    load_config(CONFIG, [*OVERRIDES, "engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]"])  # accepted
