@@ -671,6 +671,10 @@ class ExperimentConfig(Strict):
                                                                            or self.engine.sglang_model_path):
             raise ValueError("env.openai_agent with engine.kind=sglang: the agent workers render the chat template "
                              "before SGLang (docs/environments.md); set model.tokenizer_path or model.path")
+        if self.env.openai_agent and self.engine.kind == "sglang" and self.lora.enabled and self.lora.sync == "adapter":
+            raise ValueError("env.openai_agent with engine.kind=sglang and lora.sync=adapter: SGLang serves each "
+                             "synced adapter under a new name, which the agent workers' gateways do not follow; "
+                             "use lora.sync=merged")
         if self.reward.fn and self.env.openai_agent:
             raise ValueError("reward.fn and env.openai_agent: the agent returns the episode's reward; score inside "
                              "the agent (or drop env.openai_agent)")

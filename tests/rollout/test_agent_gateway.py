@@ -205,4 +205,7 @@ def test_an_engine_refusal_is_an_openai_error(server, gateway):
 def test_config_needs_a_tokenizer_for_agents_on_sglang():
     with pytest.raises(ConfigError, match="set model.tokenizer_path or model.path"):
         load_config(CONFIG, ["engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]", "model.tokenizer_path=null"])
+    with pytest.raises(ConfigError, match="use lora.sync=merged"):
+        load_config(CONFIG, [*OVERRIDES, "engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]",
+                             "lora.enabled=true", "lora.sync=adapter"])
     load_config(CONFIG, [*OVERRIDES, "engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]"])  # accepted
