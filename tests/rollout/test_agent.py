@@ -224,7 +224,13 @@ def test_a_weight_update_inside_a_call_continues_it(server):
     """Pause (abort mode) while an episode's call is generating: the call goes on after the
     update with the partial output as its prefix; the agent gets one answer, the record one
     call whose tokens carry the version that produced them, and routing covering it once."""
-    url = server.url
+    update_inside_a_call(server, server.url)
+
+
+def update_inside_a_call(server, url: str) -> None:
+    """Pauses ``server``'s engine (abort mode) while a call of an episode registered at ``url``
+    (the engine's own endpoints, or a gateway before it) generates, then checks the answer and
+    the record against the model."""
     eid = f"wu-{time.monotonic()}"
     requests.post(url + "/episodes", json={"id": eid, "sampling_params": {"temperature": 1.0},
                                            "return_routed_experts": True}, timeout=10).raise_for_status()

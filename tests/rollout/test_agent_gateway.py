@@ -6,9 +6,7 @@ fresh forward of the model. The requests the gateway sends are checked against S
 field lists in tests/sglang/test_requests_sglang.py."""
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 
 import numpy as np
@@ -21,7 +19,6 @@ pytest.importorskip("transformers")
 from moe_rl.config import ConfigError, load_config  # noqa: E402
 from moe_rl.engine import EngineClient  # noqa: E402
 from moe_rl.engine.gateway import Gateway, GatewaySpec  # noqa: E402
-from moe_rl.replay import RoutingSpec, record_from_responses  # noqa: E402
 from tests.engine.helpers import recompute  # noqa: E402
 from tests.engine.openai_server import CONFIG, OVERRIDES, InProcessServer  # noqa: E402
 from tests.rollout import test_agent as A  # noqa: E402
@@ -124,43 +121,7 @@ def test_a_weight_update_inside_a_call_through_the_gateway_continues_it(server, 
     """The engine pauses (abort mode) while a gateway call generates: the gateway resubmits it
     with its partial output; the agent gets one answer of all its tokens, the record one call
     whose tokens carry the versions that made them, and its routing covers it once."""
-    engine = server.engine
-    eid = f"gw-wu-{time.monotonic()}"
-    _episode(gateway, eid, 7)
-    prompt = list(range(5, 15))
-    box = {}
-
-    def call():
-        box["r"] = requests.post(f"{gateway}/episodes/{eid}/v1/completions", json={
-            "prompt": prompt, "max_tokens": 60, "ignore_eos": True, "return_token_ids": True}, timeout=120).json()
-
-    t = threading.Thread(target=call)
-    start = engine.stats["output_tokens"]
-    t.start()
-    deadline = time.monotonic() + 60
-    while engine.stats["output_tokens"] < start + 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    engine.pause("abort")
-    old = engine.weight_version
-    engine.weight_version = "7"
-    engine.resume()
-    t.join(60)
-    records = requests.delete(f"{gateway}/episodes/{eid}", timeout=10).json()["records"]
-    engine.weight_version = old
-    assert len(records) == 1
-    r = records[0]
-    assert box["r"]["choices"][0]["token_ids"] == r["output_ids"] and len(r["output_ids"]) == 60
-    versions = r["output_versions"]
-    assert versions[0] == old and versions[-1] == "7" and versions == sorted(versions, key=lambda v: v == "7")
-    assert len(r["routing"]) == 2 and r["routing"][1]["start"] == len(prompt) + versions.index("7") - 1
-    arch = engine.arch
-    spec = RoutingSpec(arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts)
-    got = record_from_responses([g["meta_info"] for g in r["routing"]], spec, num_tokens=len(prompt) + 60,
-                                starts=[g["start"] for g in r["routing"]])
-    ref_lp, ref_rows = recompute(engine.model, prompt, r["output_ids"], 1.0)
-    np.testing.assert_array_equal(got, ref_rows[:, list(engine.moe_layers)])
-    np.testing.assert_allclose(r["output_logprobs"], ref_lp, atol=1e-5, rtol=0)
+    A.update_inside_a_call(server, gateway)
 
 
 def test_an_agent_that_goes_away_frees_the_engines_request(server, gateway):
