@@ -73,6 +73,7 @@ class RemoteEngine:
         self.adapter_name = None
         self.alive, self.error = True, None
         self.running: dict[str, asyncio.Task] = {}
+        self.aborting: set[asyncio.Task] = set()  # /abort_request calls of cancelled requests
 
     def submit(self, req: P.GenerateRequest, deliver, on_update=None) -> str:
         """Starts ``req`` on the server; ``deliver(response)`` gets its final answer (an HTTP
@@ -104,7 +105,9 @@ class RemoteEngine:
                 raise EngineError(self.url, "/generate", "the stream held no answer")
             deliver(last)
         except asyncio.CancelledError:  # the agent went away: free the server's slot
-            asyncio.get_running_loop().create_task(self._abort_quietly(rid))
+            task = asyncio.get_running_loop().create_task(self._abort_quietly(rid))
+            self.aborting.add(task)
+            task.add_done_callback(self.aborting.discard)
             raise
         except EngineHTTPError as e:
             deliver(_refused(e.status, _message(e.body)))
@@ -160,8 +163,12 @@ class Gateway:
         return f"http://127.0.0.1:{port}"
 
     async def close(self) -> None:
-        for task in list(self.engine.running.values()):
+        running = list(self.engine.running.values())
+        for task in running:
             task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        if self.engine.aborting:  # before the caller closes the HTTP client they go through
+            await asyncio.wait(list(self.engine.aborting), timeout=5.0)
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
