@@ -78,7 +78,7 @@ class RemoteEngine:
     def submit(self, req: P.GenerateRequest, deliver, on_update=None) -> str:
         """Starts ``req`` on the server; ``deliver(response)`` gets its final answer (an HTTP
         error as an abort with its status code, as the embedded engine refuses), ``on_update``
-        each streamed one (cumulative, as SGLang streams by default)."""
+        each streamed one (the whole output so far, as SGLang streams by default)."""
         rid = req.rid or openai_api._hex_id(32)
         task = asyncio.get_running_loop().create_task(self._generate(req, rid, deliver, on_update))
         self.running[rid] = task
@@ -98,6 +98,10 @@ class RemoteEngine:
                 return
             last = None
             async for chunk in self.client.stream("/generate", self.url, body):
+                if len(chunk.get("output_ids") or []) < (chunk.get("meta_info") or {}).get("completion_tokens", 0):
+                    raise EngineError(self.url, "/generate", "the server streams increments (SGLang's "
+                                      "--incremental-streaming-output); the gateway reads each event as the whole "
+                                      "output so far: start SGLang without that flag")
                 if last is not None:
                     on_update(last)
                 last = chunk

@@ -163,6 +163,48 @@ def test_an_engine_refusal_is_an_openai_error(server, gateway):
     assert status == 400 and "context length" in body["error"]["message"], body
 
 
+def test_a_server_that_streams_increments_is_refused_by_name(server):
+    """SGLang with --incremental-streaming-output sends each event's new tokens only; the
+    gateway reads events as whole outputs, so a streamed call there is an error naming the flag
+    (never a silently cut answer)."""
+    from aiohttp import web
+
+    async def generate(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, tok in enumerate([5, 6]):  # increments: one new token an event
+            meta = {"completion_tokens": i + 1, "prompt_tokens": 3, "weight_version": "0",
+                    "output_token_logprobs": [[-1.0, tok, None]], "finish_reason": None}
+            await resp.write(b"data: " + json.dumps({"output_ids": [tok], "meta_info": meta}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    cfg = load_config(CONFIG, [*OVERRIDES, *_sglang(server)])
+
+    async def ask():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        fake = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        client = EngineClient(fake)
+        gw = Gateway(fake, GatewaySpec.from_config(cfg), client)
+        url = await gw.start()
+        try:
+            async with client._get_session().post(url + "/v1/completions", json={
+                    "prompt": [3, 4, 5], "max_tokens": 2, "stream": True}) as resp:
+                return resp.status, await resp.text()
+        finally:
+            await gw.close()
+            await client.close()
+            await runner.cleanup()
+
+    status, text = server.call(ask())
+    assert "--incremental-streaming-output" in text, (status, text)
+
+
 def test_config_needs_a_tokenizer_for_agents_on_sglang():
     with pytest.raises(ConfigError, match="set model.tokenizer_path or model.path"):
         load_config(CONFIG, ["engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]", "model.tokenizer_path=null"])
