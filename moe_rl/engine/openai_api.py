@@ -29,7 +29,10 @@ GRPO group in one request); ``/episodes/{id}/v1/...`` then serves the same endpo
 records every call: prompt ids, output ids, log-probs, the weight version of each token and
 the routing rows (``meta_info.routed_experts``, from ``routing_start``). ``GET`` / ``DELETE
 /episodes/{id}`` return the records (DELETE forgets the episode); ``POST /episodes/collect``
-with ``{"ids": [...]}`` returns and forgets several. Inside an episode:
+with ``{"ids": [...]}`` returns and forgets several. With the records comes ``engine_errors``:
+the messages of the episode's calls that failed on the engine's side (a 5xx: the engine not
+running or unreachable, its queue full), so the runner can keep new episodes off it. Inside an
+episode:
 
 * sampling is the run's (temperature, top_p, top_k; no penalties); the agent's ``max_tokens``
   is capped by the episode's per-call and whole-episode budgets; its ``seed`` is replaced by
@@ -194,6 +197,7 @@ class Episode:
     records: list[dict] = field(default_factory=list)
     turns: list[chat.Turn] = field(default_factory=list)
     calls: int = 0
+    engine_errors: list[str] = field(default_factory=list)  # calls that failed with a 5xx
 
     @classmethod
     def parse(cls, body: Any) -> list["Episode"]:
@@ -326,7 +330,7 @@ class OpenAIServer:
         ep = self.episodes.pop(eid, None) if request.method == "DELETE" else self.episodes.get(eid)
         if ep is None:
             return error_response(404, f"no episode {eid!r} (never registered, or already collected)")
-        return web.json_response({"id": ep.id, "records": ep.records})
+        return web.json_response({"id": ep.id, "records": ep.records, "engine_errors": ep.engine_errors})
 
     async def collect_episodes(self, request: web.Request) -> web.Response:
         """``POST /episodes/collect {"ids": [...]}``: the records of several episodes, which are
@@ -341,7 +345,7 @@ class OpenAIServer:
         out = []
         for eid in ids:
             ep = self.episodes.pop(eid, None)
-            out.append({"id": eid, "records": ep.records} if ep is not None else
+            out.append({"id": eid, "records": ep.records, "engine_errors": ep.engine_errors} if ep is not None else
                        {"id": eid, "error": f"no episode {eid!r} (never registered, or already collected)"})
         return web.json_response({"episodes": out})
 
@@ -495,9 +499,18 @@ class OpenAIServer:
         rec = ep.records[parent]
         return len(rec["prompt_ids"]) + len(rec["output_ids"]) - 1
 
-    async def _run(self, req: P.GenerateRequest, resume: bool, on_update=None) -> _Output:
-        """One choice to its end; with ``resume`` a weight update's abort is resubmitted with
-        the partial output (module docstring). ``on_update(output so far)`` while streaming."""
+    async def _run(self, req: P.GenerateRequest, ep: Episode | None, on_update=None) -> _Output:
+        """One choice to its end; in an episode a weight update's abort is resubmitted with the
+        partial output, and a failure on the engine's side is noted in ``ep.engine_errors``
+        (module docstring). ``on_update(output so far)`` while streaming."""
+        try:
+            return await self._run_choice(req, ep is not None, on_update)
+        except OpenAIError as e:
+            if ep is not None and e.status >= 500:
+                ep.engine_errors.append(e.message)
+            raise
+
+    async def _run_choice(self, req: P.GenerateRequest, resume: bool, on_update) -> _Output:
         loop = asyncio.get_running_loop()
         acc = _Output(prompt=list(req.input_ids))
         seg, start, k = req, req.routed_experts_start_len, 0
@@ -549,7 +562,7 @@ class OpenAIServer:
         if req.stream:
             return await self._stream(request, req, gens, ep, parent, shape)
         try:
-            outs = await asyncio.gather(*(self._run(g, ep is not None) for g in gens))
+            outs = await asyncio.gather(*(self._run(g, ep) for g in gens))
         except OpenAIError as e:
             return error_response(e.status, e.message, e.param)
         body = shape.response(gens, outs)
@@ -571,7 +584,7 @@ class OpenAIServer:
 
         async def one(i, g):
             try:
-                out = await self._run(g, ep is not None, on_update=lambda o: events.put_nowait((i, o, False)))
+                out = await self._run(g, ep, on_update=lambda o: events.put_nowait((i, o, False)))
                 events.put_nowait((i, out, True))
             except OpenAIError as e:
                 events.put_nowait((i, e, True))

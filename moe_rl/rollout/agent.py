@@ -130,6 +130,7 @@ class EpisodeResult:
     reward: float = 0.0
     metrics: dict = field(default_factory=dict)
     sequences: list[Sequence] = field(default_factory=list)
+    engine_error: str | None = None  # the engine failed the episode (unreachable, or a call's 5xx)
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,7 @@ class AgentPlayer:
         self.platform = None  # the OS the SDK detected on an episode's first request, for the next ones
         self.gateways: dict[str, asyncio.Future] = {}  # SGLang URL -> its gateway's URL (s.gateway)
         self._gateways: list[Gateway] = []
+        self.engine_of: dict[str, str] = {}  # a gateway's URL -> its SGLang URL (for messages)
         self._register = _Coalesced(self._register_batch)
         self._collect = _Coalesced(self._collect_batch)
 
@@ -250,7 +252,9 @@ class AgentPlayer:
             gw = Gateway(url, self.s.gateway, self.http)  # its /generate calls share the player's pool
             self._gateways.append(gw)
             started = self.gateways[url] = asyncio.ensure_future(gw.start())
-        return await asyncio.shield(started)
+        gw_url = await asyncio.shield(started)
+        self.engine_of[gw_url] = url
+        return gw_url
 
     async def _register_batch(self, url: str, items: list) -> list:
         settings = items[0][2]
@@ -260,23 +264,27 @@ class AgentPlayer:
 
     async def _collect_batch(self, url: str, eids: list[str]) -> list:
         out = (await self.http.request("POST", "/episodes/collect", url, {"ids": eids}))["episodes"]
-        return [e["records"] if "records" in e else EngineError(url, "/episodes/collect", e.get("error", "?"))
-                for e in out]
+        return [e if "records" in e else EngineError(url, "/episodes/collect", e.get("error", "?")) for e in out]
 
     async def _episode(self, job: GroupJob, j: int) -> EpisodeResult:
         url, eid = job.url, job.eids[j]
-        failed, reward, metrics, records = None, 0.0, {}, []
+        failed, reward, metrics, records, engine_error = None, 0.0, {}, [], None
         async with self.slots:
             try:
                 await self._register(url, (eid, job.seeds[j], job.settings))
             except EngineError as e:
-                return EpisodeResult(f"engine {url}: {e}")
+                return EpisodeResult(f"engine {url}: {e}", engine_error=str(e))
             try:
                 failed, reward, metrics = await self._play(url, eid, job.prompt)
             finally:
                 try:
-                    records = await self._collect(url, eid)
+                    got = await self._collect(url, eid)
+                    records, errors = got["records"], got.get("engine_errors") or []
+                    if errors:  # the agent's failure (if any) is the engine's
+                        engine_error = errors[0]
+                        failed = failed and f"engine {self.engine_of.get(url, url)}: {len(errors)} call(s) failed: {errors[0]}"
                 except EngineError as e:
+                    engine_error = str(e)
                     failed = failed or f"engine {url}: the episode's records are lost: {e}"
         if failed is None and not any(r["output_ids"] for r in records):
             failed = f"{self.who} made no call that generated a token"
@@ -286,7 +294,7 @@ class AgentPlayer:
                 seqs = trajectories(records)
             except ValueError as e:
                 failed = f"the engine's records of episode {eid}: {e}"
-        return EpisodeResult(failed, reward, metrics, seqs)
+        return EpisodeResult(failed, reward, metrics, seqs, engine_error)
 
     async def _play(self, url: str, eid: str, prompt) -> tuple[str | None, float, dict]:
         client = self.client.with_options(base_url=f"{url}/episodes/{eid}/v1")  # shares the connection pool

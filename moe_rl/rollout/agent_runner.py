@@ -60,6 +60,12 @@ class AgentRunner:
             results = await self.players.play_group(job)
         finally:
             mgr._mark(-n)
+        errors = [res.engine_error for res in results if res.engine_error is not None]
+        if errors:  # keep new groups off it for a while, as the token-level path does
+            backoff = mgr.client.mark_down(job.url)
+            log.warning("engine %s failed %d of the group's %d episodes (%s); no new group goes to it for %.0f s",
+                        job.url, len(errors), n, errors[0], backoff)
+            mgr.stats["engine_failures"] += 1
         samples = []
         for j, res in enumerate(results):
             if res.failed is not None:

@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 from moe_rl.config import ConfigError, load_config  # noqa: E402
 from moe_rl.engine import EngineClient  # noqa: E402
 from moe_rl.engine.gateway import Gateway, GatewaySpec  # noqa: E402
+from moe_rl.replay import RoutingSpec  # noqa: E402
 from tests.engine.helpers import recompute  # noqa: E402
 from tests.engine.openai_server import CONFIG, OVERRIDES, InProcessServer  # noqa: E402
 from tests.rollout import test_agent as A  # noqa: E402
@@ -203,6 +204,40 @@ def test_a_server_that_streams_increments_is_refused_by_name(server):
 
     status, text = server.call(ask())
     assert "--incremental-streaming-output" in text, (status, text)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "embedded"])
+def test_an_unreachable_engine_fails_its_episodes_and_is_kept_off(kind):
+    """An engine nobody answers at: on SGLang the gateway's calls fail (the agent gets a 503),
+    on the embedded engine the episode cannot even register. Either way each sample fails
+    naming the engine, and the runner keeps new groups off it (mark_down), as the token-level
+    path does with a failed engine."""
+    import socket
+
+    from moe_rl.rollout.buffer import RolloutBuffer
+    from moe_rl.rollout.manager import RolloutManager
+    from moe_rl.tasks import task_from_config
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    cfg = load_config(CONFIG, [*OVERRIDES, "env.openai_agent=tests.rollout.test_agent:agent_chain", "env.args={}",
+                               "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_staleness=0",
+                               "rollout.max_new_tokens=3", "env.agent_workers=0", f"engine.kind={kind}",
+                               f"engine.urls=[{dead}]"])
+    arch = cfg.model.arch()
+    spec = RoutingSpec(arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts)
+    buffer = RolloutBuffer()
+    m = RolloutManager(cfg, task_from_config(cfg), EngineClient([dead], connect_retries=0), buffer, A.RecordingLog(), spec)
+    m.start()
+    try:
+        group = buffer.take(1, 0, timeout=60, alive=m.check)[0]
+    finally:
+        m.stop()
+    assert len(group.samples) == 2
+    for s in group.samples:
+        assert s.failed is not None and "cannot connect" in s.failed and dead in s.failed, s.failed
+    assert m.stats["engine_failures"] >= 1 and m.client.live_urls() == []
 
 
 def test_config_needs_a_tokenizer_for_agents_on_sglang():
