@@ -159,12 +159,8 @@ class Gateway:
     async def start(self) -> str:
         app = web.Application(middlewares=[self.limits.middleware()], **self.limits.app_kwargs())
         openai_api.register_routes(self, app)
-        self.runner = web.AppRunner(app, access_log=None, **self.limits.runner_kwargs())
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+        self.runner, url = await self.limits.serve(app, "127.0.0.1", 0)  # an agent gone aborts its SGLang request
+        return url
 
     async def close(self) -> None:
         running = list(self.engine.running.values())

@@ -89,6 +89,18 @@ class ServerLimits:
     def runner_kwargs(self) -> dict:
         return {"keepalive_timeout": self.read_timeout_s, "lingering_time": min(LINGER_S, self.read_timeout_s)}
 
+    async def serve(self, app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+        """Serves ``app`` (made with ``middleware()`` and ``app_kwargs()``) on host:port (0: a free
+        port) with these connection settings; returns (its runner, its URL). A client that
+        disconnects cancels its handler (handler_cancellation), which aborts its request."""
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, **self.runner_kwargs())
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
+        shown = f"[{host}]" if ":" in host else host
+        return runner, f"http://{shown}:{bound}"
+
     def _too_large(self, size: int | None) -> web.Response:
         got = f"{size} bytes" if size is not None else "a body"
         resp = error_response(413, f"body: {got} is more than engine.max_request_bytes={self.max_request_bytes} "

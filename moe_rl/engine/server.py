@@ -546,14 +546,7 @@ async def start_server(engine: Engine, host: str, port: int, api_key: str | None
     """Starts the engine thread and the HTTP site; returns (runner, url)."""
     engine.start()
     server = EngineServer(engine, api_key, limits)
-    # handler_cancellation: a client that disconnects aborts its request (frees its KV slot)
-    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, **server.limits.runner_kwargs())
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
-    shown = f"[{host}]" if ":" in host else host
-    return runner, f"http://{shown}:{bound}"
+    return await server.limits.serve(server.app(), host, port)  # a client gone aborts its request (frees its KV slot)
 
 
 async def _serve(cfg, host: str, port: int, api_key: str | None) -> None:

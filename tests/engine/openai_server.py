@@ -46,3 +46,10 @@ class InProcessServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.engine.stop()
+
+
+async def serve(app):
+    """Serves an aiohttp app on a free loopback port as the engine's servers do: (runner, URL)."""
+    from moe_rl.engine.limits import MIB, ServerLimits
+
+    return await ServerLimits(MIB).serve(app, "127.0.0.1", 0)

@@ -26,7 +26,7 @@ from moe_rl.rollout.buffer import RolloutBuffer  # noqa: E402
 from moe_rl.rollout.manager import RolloutManager  # noqa: E402
 from moe_rl.tasks import task_from_config  # noqa: E402
 from tests.engine.helpers import recompute  # noqa: E402
-from tests.engine.openai_server import CONFIG, OVERRIDES, InProcessServer  # noqa: E402
+from tests.engine.openai_server import CONFIG, OVERRIDES  # noqa: E402
 
 SEEN: dict[str, list] = defaultdict(list)  # episode base_url -> the choices the agent received
 TOOLS = [{"type": "function", "function": {"name": "compare", "parameters": {"type": "object", "properties": {}}}}]
@@ -76,13 +76,6 @@ async def agent_hangs(client, prompt):
 
 async def agent_silent(client, prompt):
     return 1.0
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = InProcessServer()
-    yield s
-    s.stop()
 
 
 class RecordingLog:

@@ -7,6 +7,7 @@ field lists in tests/sglang/test_requests_sglang.py."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import numpy as np
@@ -21,15 +22,8 @@ from moe_rl.engine import EngineClient  # noqa: E402
 from moe_rl.engine.gateway import Gateway, GatewaySpec  # noqa: E402
 from moe_rl.replay import RoutingSpec  # noqa: E402
 from tests.engine.helpers import recompute  # noqa: E402
-from tests.engine.openai_server import CONFIG, OVERRIDES, InProcessServer  # noqa: E402
+from tests.engine.openai_server import CONFIG, OVERRIDES, serve  # noqa: E402
 from tests.rollout import test_agent as A  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = InProcessServer()
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -125,17 +119,23 @@ def test_a_weight_update_inside_a_call_through_the_gateway_continues_it(server, 
     A.update_inside_a_call(server, gateway)
 
 
-def test_an_agent_that_goes_away_frees_the_engines_request(server, gateway):
-    """A streamed call whose client disconnects: the engine's request ends there, before the
-    200 tokens it was asked for."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_agent_that_goes_away_frees_the_engines_request(server, gateway, stream):
+    """A call (streamed, or answered whole) whose client disconnects while it generates: the
+    engine's request ends there, before the 200 tokens it was asked for."""
     engine = server.engine
     eid = f"gw-gone-{time.monotonic()}"
     _episode(gateway, eid, 3)
     start = engine.stats["output_tokens"]
-    r = requests.post(f"{gateway}/episodes/{eid}/v1/completions", json={
-        "prompt": list(range(5, 15)), "max_tokens": 200, "ignore_eos": True, "stream": True}, stream=True, timeout=60)
-    next(r.iter_lines())  # it is generating
-    r.close()
+    body = json.dumps({"prompt": list(range(5, 15)), "max_tokens": 200, "ignore_eos": True, "stream": stream})
+    host, port = gateway.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:  # a raw socket: closed at will
+        sock.sendall(f"POST /episodes/{eid}/v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 60
+        while engine.stats["output_tokens"] < start + 5:  # it is generating
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
     deadline = time.monotonic() + 30
     while engine.info()["running_requests"] or engine.by_rid:
         assert time.monotonic() < deadline, "the engine's request was left running"
@@ -185,11 +185,7 @@ def test_a_server_that_streams_increments_is_refused_by_name(server):
     async def ask():
         app = web.Application()
         app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        fake = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, fake = await serve(app)
         client = EngineClient(fake)
         gw = Gateway(fake, GatewaySpec.from_config(cfg), client)
         url = await gw.start()
@@ -212,8 +208,6 @@ def test_an_unreachable_engine_fails_its_episodes_and_is_kept_off(kind):
     on the embedded engine the episode cannot even register. Either way each sample fails
     naming the engine, and the runner keeps new groups off it (mark_down), as the token-level
     path does with a failed engine."""
-    import socket
-
     from moe_rl.rollout.buffer import RolloutBuffer
     from moe_rl.rollout.manager import RolloutManager
     from moe_rl.tasks import task_from_config

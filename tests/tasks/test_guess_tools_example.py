@@ -46,6 +46,7 @@ def test_the_bench_raw_agent_sends_what_the_sdk_agent_sends():
     from aiohttp import web
 
     from moe_rl.tasks.base import Prompt
+    from tests.engine.openai_server import serve
 
     agent, raw_agent = pytest.importorskip("agent"), pytest.importorskip("raw_agent")
 
@@ -67,12 +68,8 @@ def test_the_bench_raw_agent_sends_what_the_sdk_agent_sends():
 
         app = web.Application()
         app.router.add_post("/episodes/e1/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/episodes/e1/v1", api_key="k", max_retries=0)
+        runner, url = await serve(app)
+        client = openai.AsyncOpenAI(base_url=f"{url}/episodes/e1/v1", api_key="k", max_retries=0)
         prompt = Prompt(0, [1], None, {"messages": [{"role": "user", "content": "guess"}], "answer": "2"})
         try:
             out = await module.play(client, prompt)
