@@ -30,7 +30,6 @@ rows before a call's ``routing_start`` are those of the call it continued (its `
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -220,7 +219,6 @@ class AgentPlayer:
         self.platform = None  # the OS the SDK detected on an episode's first request, for the next ones
         self.gateways: dict[str, asyncio.Future] = {}  # SGLang URL -> its gateway's URL (s.gateway)
         self._gateways: list[Gateway] = []
-        self.engine_of: dict[str, str] = {}  # a gateway's URL -> its SGLang URL (for messages)
         self._register = _Coalesced(self._register_batch)
         self._collect = _Coalesced(self._collect_batch)
 
@@ -238,13 +236,13 @@ class AgentPlayer:
     async def play_group(self, job: GroupJob) -> list[EpisodeResult]:
         if self.http is None:
             self.http = EngineClient(job.url, api_key=self.s.api_key, timeout_s=self.s.request_timeout_s)
-        if self.s.gateway is not None:  # the episodes go to this player's gateway before the SGLang server
-            job = dataclasses.replace(job, url=await self._gateway(job.url))
+        # the episodes' endpoints: the engine's, or this player's gateway before the SGLang server
+        url = job.url if self.s.gateway is None else await self._gateway(job.url)
         if self.client is None:
             self.client = self.openai.AsyncOpenAI(
-                base_url=f"{job.url}/v1", api_key=self.s.api_key or "EMPTY", max_retries=0,
+                base_url=f"{url}/v1", api_key=self.s.api_key or "EMPTY", max_retries=0,
                 timeout=self.s.request_timeout_s, http_client=self.openai.DefaultAioHttpClient())
-        return list(await asyncio.gather(*(self._episode(job, j) for j in range(len(job.eids)))))
+        return list(await asyncio.gather(*(self._episode(job, j, url) for j in range(len(job.eids)))))
 
     async def _gateway(self, url: str) -> str:
         started = self.gateways.get(url)
@@ -252,9 +250,7 @@ class AgentPlayer:
             gw = Gateway(url, self.s.gateway, self.http)  # its /generate calls share the player's pool
             self._gateways.append(gw)
             started = self.gateways[url] = asyncio.ensure_future(gw.start())
-        gw_url = await asyncio.shield(started)
-        self.engine_of[gw_url] = url
-        return gw_url
+        return await asyncio.shield(started)
 
     async def _register_batch(self, url: str, items: list) -> list:
         settings = items[0][2]
@@ -266,14 +262,15 @@ class AgentPlayer:
         out = (await self.http.request("POST", "/episodes/collect", url, {"ids": eids}))["episodes"]
         return [e if "records" in e else EngineError(url, "/episodes/collect", e.get("error", "?")) for e in out]
 
-    async def _episode(self, job: GroupJob, j: int) -> EpisodeResult:
-        url, eid = job.url, job.eids[j]
+    async def _episode(self, job: GroupJob, j: int, url: str) -> EpisodeResult:
+        """Episode j of ``job`` through the endpoints at ``url``; failures name the engine (job.url)."""
+        eid = job.eids[j]
         failed, reward, metrics, records, engine_error = None, 0.0, {}, [], None
         async with self.slots:
             try:
                 await self._register(url, (eid, job.seeds[j], job.settings))
             except EngineError as e:
-                return EpisodeResult(f"engine {url}: {e}", engine_error=str(e))
+                return EpisodeResult(f"engine {job.url}: {e}", engine_error=str(e))
             try:
                 failed, reward, metrics = await self._play(url, eid, job.prompt)
             finally:
@@ -282,10 +279,10 @@ class AgentPlayer:
                     records, errors = got["records"], got.get("engine_errors") or []
                     if errors:  # the agent's failure (if any) is the engine's
                         engine_error = errors[0]
-                        failed = failed and f"engine {self.engine_of.get(url, url)}: {len(errors)} call(s) failed: {errors[0]}"
+                        failed = failed and f"engine {job.url}: {len(errors)} call(s) failed: {errors[0]}"
                 except EngineError as e:
                     engine_error = str(e)
-                    failed = failed or f"engine {url}: the episode's records are lost: {e}"
+                    failed = failed or f"engine {job.url}: the episode's records are lost: {e}"
         if failed is None and not any(r["output_ids"] for r in records):
             failed = f"{self.who} made no call that generated a token"
         seqs = []
