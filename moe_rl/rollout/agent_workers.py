@@ -19,6 +19,7 @@ import pickle
 import threading
 import traceback
 
+from ..gc_control import freeze_gc
 from .agent import AgentPlayer, EpisodeResult, GroupJob, PlayerSettings
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,9 @@ def _main(conn, settings: PlayerSettings) -> None:
     except Exception as e:
         conn.send(("fatal", None, f"agent worker: {e}"))
         return
+    # the openai SDK's ~90,000 objects stay out of every later collection: -10 ms of the worker's
+    # CPU per step of the example (88 -> 78 ms, 2 cores; see moe_rl.gc_control)
+    freeze_gc()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     stop = asyncio.Event()
