@@ -252,7 +252,8 @@ class SamplingParams:
                    skip_special_tokens=_bool(d, "skip_special_tokens", True, where=w),
                    spaces_between_special_tokens=_bool(d, "spaces_between_special_tokens", True, where=w),
                    no_stop_trim=_bool(d, "no_stop_trim", False, where=w),
-                   ignore_eos=_bool(d, "ignore_eos", False, where=w), min_p=min_p, repetition_penalty=rep, min_new_tokens=min_new, min_new_tokens_ids=stop,
+                   ignore_eos=_bool(d, "ignore_eos", False, where=w),
+                   min_p=min_p, repetition_penalty=rep, min_new_tokens=min_new, min_new_tokens_ids=stop,
                    stop_strs=stop_strs, **pens)
 
 
