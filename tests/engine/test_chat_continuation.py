@@ -122,3 +122,34 @@ def test_a_template_that_does_not_extend_the_earlier_prompt_is_not_continued(tok
     assert chat.continuation(tok, turn, later, ["<|im_end|>"]) is None
     other = chat.Ask([*messages, {"role": "assistant", "content": "2"}, {"role": "user", "content": "x"}])
     assert chat.continuation(tok, turn, other, ["<|im_end|>"]) is None  # not the message returned
+
+
+@pytest.mark.parametrize("which", ["example", "qwen35"])
+def test_encode_gives_transformers_ids(tok, tmp_path, which):
+    """chat.encode (the Rust backend called directly where the wrapper adds nothing) gives
+    transformers' own ``encode(text, add_special_tokens=False)`` for template text with special
+    tokens, tool calls, unicode and blanks; with truncation or padding set on the backend, or
+    special tokens split, it gives the wrapper's ids too (the wrapper's settings, not the backend's)."""
+    from transformers import AutoTokenizer
+
+    from tests.engine.qwen35_tokenizer import write_tokenizer
+
+    if which == "qwen35":
+        tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok"))
+    texts = ["", " ", "\n\n", "<|im_start|>user\nguess 0 to 2<|im_end|>\n<|im_start|>assistant\n", CALL + "<|im_end|>",
+             "<tool_response>\nhigher\n</tool_response><|im_end|>\n<|im_start|>assistant\n", "héllo wörld ✓ 数字",
+             tok.apply_chat_template([{"role": "user", "content": "a b"}], tools=_tools(), add_generation_prompt=True,
+                                     tokenize=False)]
+    for text in texts:
+        assert chat.encode(tok, text) == tok.encode(text, add_special_tokens=False), text
+
+    long = texts[3] * 3
+    tok.backend_tokenizer.enable_truncation(3)  # a tokenizer.json with truncation: the wrapper turns it off
+    assert len(chat.encode(tok, long)) > 3
+    assert chat.encode(tok, long) == tok.encode(long, add_special_tokens=False)
+    tok.backend_tokenizer.enable_padding(length=200)
+    assert chat.encode(tok, long) == tok.encode(long, add_special_tokens=False)
+    tok.split_special_tokens = True  # special tokens as text: the wrapper's setting decides
+    split = chat.encode(tok, texts[3])
+    assert split == tok.encode(texts[3], add_special_tokens=False)
+    assert split != tok.encode(texts[3], add_special_tokens=False, split_special_tokens=False)
