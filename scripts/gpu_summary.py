@@ -412,7 +412,9 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "gpu_1x_compiled_s_per_step": run_c.get("s_per_step"),
         # the OpenAI-API agent path's samples/s over the token-level path's, pair by pair (median), per arm
         "agent_api_ratio_median": {k: v.get("ratio_median") for k, v in (ag.get("arms") or {}).items()} or None,
+        "agent_api_response_len": {k: v.get("response_len_mean") for k, v in (ag.get("arms") or {}).items()} or None,
         "agent_api_cpus": _get(ag, "machine", "cpus"),
+        "agent_api_warmup": ag.get("warmup"),
         "agent_api_pairs_done": ag.get("pairs_done"),
         "pytest_gpu_passed": pt.get("passed"),
         "pytest_gpu_failed": (pt["failed"] + pt["errors"]) if pt else None,

@@ -3,15 +3,19 @@ configs/openai_agent.yaml` with the openai agent, and the same with the game as 
 environment (``guess_tools:GuessToolsEnv``), run in turn (A B A B ...) so that the machine's
 drift hits both alike. Run from the repository root:
 
-    python examples/openai_agent/bench.py --pairs 5 --steps 30 [--arm NAME=OVERRIDES ...]
+    python examples/openai_agent/bench.py --pairs 5 [--warmup 100 --steps 150] [--arm NAME=OVERRIDES ...]
 
 Per run: samples/s = samples per step / the median of the step times (``wall_s`` between
-consecutive metrics.jsonl rows) over steps 6..S (start-up excluded), and the 1-minute load
-average before it. Prints every run, then per arm the median samples/s and the median of the
+consecutive metrics.jsonl rows) over steps W..S, and the 1-minute load average before it. The
+window starts once the policy has learned the game (``--warmup`` W, 100 steps): before it the two
+paths do different work per sample (an untrained agent ends most games at its first call, the
+token-level game plays on), so early steps compare unequal loads. Each run's mean response
+length over the window (its tokens per sample, model turns and tool results) shows the work is
+the same. Prints every run, then per arm the median samples/s and the median of the
 pair-by-pair ratios to the token-level arm. ``--arm`` adds arms (e.g. ``workers0=env.agent_workers=0``,
 or ``raw=env.openai_agent=raw_agent:play``: the same agent without the openai SDK, to tell the SDK's
 CPU from the rest of the agent path); ``--cpu`` prints each process's CPU time per step (Linux /proc;
-steps 6 to S-2) after every run; ``--json FILE`` writes the figures after every pair (the GPU round's ``agent_api``
+steps W to S-2) after every run; ``--json FILE`` writes the figures after every pair (the GPU round's ``agent_api``
 stage: the same pairs on the GPU machine's cores).
 
 The learning check (minutes, so a benchmark and not a test):
@@ -90,18 +94,19 @@ def _start(overrides: list[str], steps: int, out: Path) -> tuple[list[str], subp
         return cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=env, cwd=ROOT), log
 
 
-def run(overrides: list[str], steps: int, out: Path, cpu: bool = False) -> tuple[float, dict]:
-    """(samples/s, CPU seconds per step by process: empty without ``cpu``)."""
+def run(overrides: list[str], steps: int, out: Path, cpu: bool = False, warmup: int = 5) -> tuple[float, dict, float]:
+    """(samples/s over steps ``warmup``..``steps``, CPU seconds per step by process over that
+    window: empty without ``cpu``, the window's mean response length)."""
     cmd, proc, log = _start(overrides, steps, out)
     per: dict[str, float] = {}
-    if cpu:  # each process's CPU time per step over steps 6..S-2 (start-up and the end excluded)
+    if cpu:  # each process's CPU time per step over steps W..S-2 (start-up, warm-up and the end excluded)
         first = last = None
         while proc.poll() is None:
             rows = _metrics(out)
             step = rows[-1]["step"] if rows else 0
             if step >= steps - 2:
                 break
-            if first is None and step >= 5:
+            if first is None and step >= warmup:
                 first = (step, {p: c for p in _tree(proc.pid) if (c := _cpu_s(p))})
             time.sleep(0.05)
         if first is not None and proc.poll() is None:
@@ -116,10 +121,14 @@ def run(overrides: list[str], steps: int, out: Path, cpu: bool = False) -> tuple
         print("  CPU per step: " + ", ".join(f"{k} {1000 * v:.0f} ms" for k, v in per.items() if v > 0.0005)
               + f"; all {1000 * sum(per.values()):.0f} ms", flush=True)
     rows = _metrics(out)
-    gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(rows[4:], rows[5:])]
     if any(row["failed_samples"] for row in rows):
         raise SystemExit(f"{shlex.join(cmd)}: failed samples in {out / 'metrics.jsonl'}")
-    return statistics.median(row["samples"] for row in rows[5:]) / statistics.median(gaps), per
+    window = rows[warmup:]  # rows[i] is step i + 1
+    if len(window) < 5:
+        raise SystemExit(f"{shlex.join(cmd)}: {len(rows)} steps, too few past the warm-up ({warmup})")
+    gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(rows[warmup - 1:], window)]
+    length = statistics.fmean(row["response_len_mean"] for row in window)
+    return statistics.median(row["samples"] for row in window) / statistics.median(gaps), per, length
 
 
 BLIND = 1 / 3  # guess_tools: the best a policy that ignores the tool results earns
@@ -151,7 +160,8 @@ def learn(minutes: float, overrides: list[str], out: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--warmup", type=int, default=100, help="steps before the measured window (the policy learns)")
     ap.add_argument("--arm", action="append", default=[], help="NAME=OVERRIDE[ OVERRIDE...]: another agent arm")
     ap.add_argument("--learn", action="store_true", help="the learning check instead of the throughput pairs")
     ap.add_argument("--minutes", type=float, default=5.0)
@@ -166,35 +176,40 @@ def main() -> None:
             "token-level": TOKEN_LEVEL}
     rates: dict[str, list[float]] = {k: [] for k in arms}
     cpu: dict[str, list[dict]] = {k: [] for k in arms}
+    lengths: dict[str, list[float]] = {k: [] for k in arms}
     loads = []
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as tmp:
         for i in range(a.pairs):
             for name, overrides in arms.items():
                 loads.append(os.getloadavg()[0])
-                rate, per = run(overrides, a.steps, Path(tmp) / name, a.cpu)
+                rate, per, length = run(overrides, a.steps, Path(tmp) / name, a.cpu, a.warmup)
                 rates[name].append(rate)
                 cpu[name].append(per)
-                print(f"pair {i + 1} {name}: {rate:.1f} samples/s (load {loads[-1]:.1f})", flush=True)
+                lengths[name].append(length)
+                print(f"pair {i + 1} {name}: {rate:.1f} samples/s, response length {length:.1f} "
+                      f"(load {loads[-1]:.1f})", flush=True)
             if a.json:  # after every pair: a run stopped by a time cap keeps the pairs it finished
-                a.json.write_text(json.dumps(figures(arms, rates, cpu, loads, a), indent=1) + "\n")
-    for name, arm in figures(arms, rates, cpu, loads, a)["arms"].items():
+                a.json.write_text(json.dumps(figures(arms, rates, cpu, lengths, loads, a), indent=1) + "\n")
+    for name, arm in figures(arms, rates, cpu, lengths, loads, a)["arms"].items():
         print(f"{name}: median {arm['median_samples_per_s']:.1f} samples/s "
               f"({', '.join(f'{x:.1f}' for x in arm['samples_per_s'])}); ratio to token-level median "
               f"{arm['ratio_median']:.2f} ({', '.join(f'{x:.2f}' for x in arm['ratios_to_token_level'])})")
 
 
-def figures(arms: dict, rates: dict, cpu: dict, loads: list, a) -> dict:
-    """Machine, pairs done, and per arm its rates, their median, the ratios to token-level."""
+def figures(arms: dict, rates: dict, cpu: dict, lengths: dict, loads: list, a) -> dict:
+    """Machine, pairs done, and per arm its rates, their median, the ratios to token-level, its
+    runs' response lengths."""
     base = rates["token-level"]
     done = len(base)
     result = {"machine": {"cpus": os.cpu_count(), "load_1min": [min(loads), max(loads)]},
-              "pairs": a.pairs, "pairs_done": done, "steps": a.steps, "arms": {}}
+              "pairs": a.pairs, "pairs_done": done, "warmup": a.warmup, "steps": a.steps, "arms": {}}
     for name, r in rates.items():
         r = r[:done]
         ratios = [x / b for x, b in zip(r, base)]
         result["arms"][name] = {
             "overrides": arms[name], "samples_per_s": r, "median_samples_per_s": statistics.median(r),
             "ratios_to_token_level": ratios, "ratio_median": statistics.median(ratios),
+            "response_len_mean": [round(x, 2) for x in lengths[name][:done]],
             "cpu_ms_per_step": {k: round(1000 * statistics.median(p[k] for p in cpu[name][:done] if k in p), 1)
                                 for k in sorted({k for p in cpu[name][:done] for k in p})}}
     return result
