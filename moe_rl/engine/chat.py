@@ -114,6 +114,9 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+_COMPARABLE = json.JSONEncoder(sort_keys=True, default=str)  # one encoder: json.dumps with options builds one a call
+
+
 def canonical(message: dict) -> str:
     """A message as a comparable string: what a template can render of it (tool-call ids,
     which the model never wrote, left out; arguments parsed)."""
@@ -124,7 +127,7 @@ def canonical(message: dict) -> str:
     keep["content"] = m.get("content") or ""
     if calls:
         keep["tool_calls"] = calls
-    return json.dumps(keep, sort_keys=True, default=str)
+    return _COMPARABLE.encode(keep)
 
 
 # --- tool calls ------------------------------------------------------------------------------
@@ -404,4 +407,4 @@ def continuation(tokenizer, turn: Turn, ask: Ask, stop_texts: list[str]) -> tupl
 
 def fingerprint(v: Any) -> str:
     """A comparable string of tools / template arguments."""
-    return json.dumps(v, sort_keys=True, default=str)
+    return "null" if v is None else _COMPARABLE.encode(v)
