@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -399,12 +400,24 @@ class EnvConfig(Strict):
                                      "agent(client, prompt, **env.args) called once per episode with an "
                                      "openai.AsyncOpenAI client scoped to the episode; returns the reward (a float, "
                                      "or a dict with 'reward' and numeric metrics). docs/environments.md, 'Agents'")
-    agent_workers: int = Field(1, ge=0, description="processes that play env.openai_agent's episodes, each with "
-                               "its own event loop, so the agents' client work takes no CPU from the trainer's "
-                               "process; env.max_concurrent_episodes is split among them. 0 = in the rollout "
-                               "manager's thread (the agent's module state then lives in the trainer's process)")
+    agent_workers: int | None = Field(None, ge=0, description="processes that play env.openai_agent's episodes, "
+                                      "each with its own event loop, so the agents' client work (about 1 ms of CPU "
+                                      "a chat call with the openai SDK) takes no CPU from the trainer's process; "
+                                      "env.max_concurrent_episodes is split among them. null = one per 8 CPU cores "
+                                      "the trainer may run on, 1 to 4. 0 = in the rollout manager's thread (the "
+                                      "agent's module state then lives in the trainer's process)")
 
     _check = field_validator("factory", "openai_agent")(classmethod(lambda cls, v: _check_plugin_path(v)))
+
+    def agent_worker_count(self, cpus: int | None = None) -> int:
+        """env.agent_workers, or where it is null one worker per 8 CPU cores (1 to 4): one worker's
+        event loop keeps up with ~900 chat calls a second, and a machine with cores to spare lets
+        several run beside the trainer and the engines."""
+        if self.agent_workers is not None:
+            return self.agent_workers
+        if cpus is None:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(4, cpus // 8))
 
 
 class LoggingConfig(Strict):

@@ -121,3 +121,23 @@ def test_glm_keys_are_checked_by_name():
         load_config("configs/glm_tiny.yaml", ["lora.enabled=true", "lora.sync=adapter", "engine.kind=sglang",
                                               "engine.urls=[http://x:1]", "pools.rollout=0",
                                               "lora.targets=[q_proj,v_proj,shared_experts.down_proj]"])
+
+
+@pytest.mark.parametrize("cpus, workers", [(1, 1), (2, 1), (15, 1), (16, 2), (24, 3), (32, 4), (128, 4)])
+def test_agent_workers_default_to_one_per_8_cores(cpus, workers):
+    """env.agent_workers null: one agent worker per 8 CPU cores, at least 1 and at most 4; a set
+    value (0 included: the manager's thread) is kept whatever the machine."""
+    assert load_config("configs/tiny.yaml").env.agent_worker_count(cpus) == workers
+    for n in (0, 3):
+        assert load_config("configs/tiny.yaml", [f"env.agent_workers={n}"]).env.agent_worker_count(cpus) == n
+
+
+def test_agent_workers_default_counts_the_cores_the_trainer_may_run_on(monkeypatch):
+    """The cores of the process's CPU affinity (a container's or taskset's share), not the machine's."""
+    import os
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    assert load_config("configs/tiny.yaml").env.agent_worker_count() == 2

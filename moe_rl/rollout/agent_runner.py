@@ -26,7 +26,7 @@ class AgentRunner:
         self.cfg, self.task = cfg, task
         env = cfg.env
         check_agent(env.openai_agent, dict(env.args))  # a bad plug-in fails here, in the trainer, at start
-        self.workers = env.agent_workers
+        self.workers = env.agent_worker_count()
         self.settings = PlayerSettings(
             env.openai_agent, dict(env.args), cfg.engine.api_key, cfg.engine.request_timeout_s, env.episode_timeout_s,
             math.ceil(env.max_concurrent_episodes / max(1, self.workers)),
