@@ -94,7 +94,7 @@ def _start(overrides: list[str], steps: int, out: Path) -> tuple[list[str], subp
         return cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=env, cwd=ROOT), log
 
 
-def run(overrides: list[str], steps: int, out: Path, cpu: bool = False, warmup: int = 5) -> tuple[float, dict, float]:
+def run(overrides: list[str], steps: int, out: Path, cpu: bool, warmup: int) -> tuple[float, dict, float]:
     """(samples/s over steps ``warmup``..``steps``, CPU seconds per step by process over that
     window: empty without ``cpu``, the window's mean response length)."""
     cmd, proc, log = _start(overrides, steps, out)
