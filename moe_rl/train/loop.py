@@ -355,8 +355,13 @@ class Trainer:
             wait_s = time.perf_counter() - t0
             samples = [s for g in sampled for s in g.samples]  # rewards are reported over all sampled
             ok = [s for g in groups for s in g.trainable]
-            adv = compute_advantages(shaped_rewards(ok, self.cfg), torch.tensor([s.group_id for s in ok]),
-                                     self.cfg.algo) if ok else torch.zeros(0)
+            adv, constant = torch.zeros(0), 0
+            if ok:
+                rewards, gids = shaped_rewards(ok, self.cfg), torch.tensor([s.group_id for s in ok])
+                adv = compute_advantages(rewards, gids, self.cfg.algo)
+                # groups trained on whose rewards are all equal: zero advantages, no policy-gradient
+                # signal (all of them once a policy turns deterministic on a one-answer task)
+                constant = len(constant_groups(rewards, gids))
             batch = [dict(uid=s.uid, group_id=s.group_id, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
                           behaviour_logprobs=s.behaviour_logprobs, versions=s.versions, advantage=float(a),
                           has_routing=s.has_routing, loss_mask=s.loss_mask) for s, a in zip(ok, adv.tolist())]
@@ -365,7 +370,7 @@ class Trainer:
                 failed=sum(s.failed is not None for s in samples), lengths=[len(s.response_ids) for s in samples],
                 resumes=sum(s.resumes for s in samples),
                 staleness=[self.version - v for s in ok for v in s.model_versions], **dyn,
-                turns=[s.turns for s in samples],
+                turns=[s.turns for s in samples], constant_reward_groups=constant,
                 reward_metrics=[s.metrics for s in samples if s.failed is None],
             )
             obj = [(batch, info)]
@@ -667,6 +672,7 @@ class Trainer:
             "engine_failures": self.manager.stats["engine_failures"],  # resubmitted requests, cumulative
             "engines_skipped": len(sync.skipped) if sync is not None else 0,  # down at this sync
             "groups": info["groups"],
+            "constant_reward_groups": info["constant_reward_groups"],
             **{k: v for k, v in info.items() if k.startswith("dyn_")},
             "wall_s": wall,
             **evaluation,

@@ -46,6 +46,7 @@ def test_an_openai_agent_world_learns(tmp_path):
         assert row["train_tokens"] == row["samples"]  # one call of one token each: the model's only
         assert row["reward/calls"] == 1.0
         assert row.get("routing_match", 1.0) == 1.0  # R3 from the engine's records
+        assert 0 <= row["constant_reward_groups"] <= 4
     # 8 of the tokenizer's 48 tokens are tool calls: an untrained policy calls a tool ~1/6 of the time;
     # measured: 0.16 -> 0.93 over 24 steps; at train.lr=1e-7 (no learning) 0.16 -> 0.16
     first, last = (sum(row["reward_mean"] for row in part) / len(part) for part in (rows[:4], rows[-4:]))
