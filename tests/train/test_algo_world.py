@@ -21,7 +21,7 @@ def test_gspo_rloo_dynamic_sampling_world_accounts_for_every_prompt(tmp_path):
         assert r["samples"] == 4 * (len(r["groups"]) + r["dyn_dropped_groups"])
         assert r["staleness_max"] <= 1 and torch.isfinite(torch.tensor(r["loss"]))
         # dynamic sampling trains on groups with signal only, unless none had any (then on one)
-        assert r["constant_reward_groups"] == 0 if r["dyn_shortfall"] < 8 else r["constant_reward_groups"] <= 1
+        assert r["constant_reward_groups"] <= (0 if r["dyn_shortfall"] < 8 else 1)
     assert sum(r["dyn_dropped_groups"] for r in rows) > 0
     consumed = [g for r in rows for g in r["groups"]] + [g for r in rows for g in r["dyn_dropped_ids"]]
     assert len(consumed) == len(set(consumed)), "a prompt group was taken twice"
