@@ -407,4 +407,4 @@ def continuation(tokenizer, turn: Turn, ask: Ask, stop_texts: list[str]) -> tupl
 
 def fingerprint(v: Any) -> str:
     """A comparable string of tools / template arguments."""
-    return "null" if v is None else _COMPARABLE.encode(v)
+    return _COMPARABLE.encode(v)
