@@ -278,6 +278,10 @@ class TrainConfig(Strict):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate (constant)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2)")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (Megatron's --adam-eps): the floor under "
+                            "each coordinate's gradient scale. Raised, a coordinate whose gradient has shrunk "
+                            "far below it moves by less than lr, so a saturated policy's vanishing gradients "
+                            "are not blown up to full-size steps")
     grad_clip: float | None = Field(1.0, gt=0, description="clip the gradient's global norm to this; null = "
                                     "no clipping")
     micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch")

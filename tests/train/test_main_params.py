@@ -146,3 +146,34 @@ def test_a_fused_adamw_keeps_the_trainers_parameters_dense_in_the_sync_buckets(m
     fused.model(torch.tensor([[1, 2, 3, 4, 5]])).float().square().mean().backward()
     assert layout_ok(fused.model)
     fused.optimizer_step()
+
+
+def test_the_optimizer_takes_every_adamw_setting_from_the_config():
+    """train.lr, betas, adam_eps and weight_decay reach the step: one step of the backend moves
+    the weights as torch's AdamW with those settings does from the same gradients. A large
+    epsilon makes a visible difference (the first step's update is about lr * g / (|g| + eps))."""
+    from moe_rl.config import load_config
+    from moe_rl.train.backend import NativeBackend
+
+    settings = dict(lr=0.05, betas=(0.5, 0.9), eps=0.3, weight_decay=0.2)
+    cfg = load_config(None, ["model.vocab_size=32", "model.hidden_size=32", "model.moe_intermediate_size=16",
+                             "model.num_hidden_layers=1", "model.num_experts=4", "model.num_experts_per_tok=2",
+                             "train.device=cpu", "train.compile=false", "train.grad_clip=null",
+                             "train.lr=0.05", "train.betas=[0.5,0.9]", "train.adam_eps=0.3",
+                             "train.weight_decay=0.2"])
+    backend = NativeBackend(cfg)
+    params = backend.dense_params + backend.expert_params
+    backend.model(torch.tensor([[1, 2, 3, 4, 5]])).float().square().mean().backward()
+
+    def reference(**kw):
+        copies = [p.detach().clone().requires_grad_() for p in params]
+        for c, p in zip(copies, params):
+            c.grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        torch.optim.AdamW(copies, **kw).step()
+        return [c.detach() for c in copies]
+
+    expected, default_eps = reference(**settings), reference(**{**settings, "eps": 1e-8})
+    backend.optimizer_step()
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach(), e, rtol=0, atol=1e-6)
+    assert max((p.detach() - d).abs().max().item() for p, d in zip(params, default_eps)) > 1e-3
