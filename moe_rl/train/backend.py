@@ -139,8 +139,8 @@ class DataParallelStep:
         params = self.dense_params + self.expert_params
         # on a GPU the fused kernel: one launch for the step, and none of the foreach form's
         # temporaries (a full fp32 copy of the second moments, 11 GB on the large train preset)
-        adamw = dict(lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay,
-                     fused=fused_adamw(params))
+        adamw = dict(lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.adam_eps,
+                     weight_decay=cfg.train.weight_decay, fused=fused_adamw(params))
         if any(p.dtype != torch.float32 for p in params):
             self.optimizer = MainParamsOptimizer(params, **adamw)  # steps dense fp32 copies
         else:

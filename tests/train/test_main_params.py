@@ -70,13 +70,14 @@ def test_a_plain_adamw_state_of_the_same_params_loads():
     assert torch.equal(opt.main_params[0], p.detach().float())
 
 
-def _backend(dtype: str):
+def _backend(dtype: str, *overrides: str):
     from moe_rl.config import load_config
     from moe_rl.train.backend import NativeBackend
 
     cfg = load_config(None, ["model.vocab_size=32", "model.hidden_size=32", "model.moe_intermediate_size=16",
                              "model.num_hidden_layers=2", "model.num_experts=4", "model.num_experts_per_tok=2",
-                             f"model.dtype={dtype}", "train.device=cpu", "train.compile=false", "train.grad_clip=1e-3"])
+                             f"model.dtype={dtype}", "train.device=cpu", "train.compile=false", "train.grad_clip=1e-3",
+                             *overrides])
     return NativeBackend(cfg)
 
 
@@ -152,16 +153,9 @@ def test_the_optimizer_takes_every_adamw_setting_from_the_config():
     """train.lr, betas, adam_eps and weight_decay reach the step: one step of the backend moves
     the weights as torch's AdamW with those settings does from the same gradients. A large
     epsilon makes a visible difference (the first step's update is about lr * g / (|g| + eps))."""
-    from moe_rl.config import load_config
-    from moe_rl.train.backend import NativeBackend
-
     settings = dict(lr=0.05, betas=(0.5, 0.9), eps=0.3, weight_decay=0.2)
-    cfg = load_config(None, ["model.vocab_size=32", "model.hidden_size=32", "model.moe_intermediate_size=16",
-                             "model.num_hidden_layers=1", "model.num_experts=4", "model.num_experts_per_tok=2",
-                             "train.device=cpu", "train.compile=false", "train.grad_clip=null",
-                             "train.lr=0.05", "train.betas=[0.5,0.9]", "train.adam_eps=0.3",
-                             "train.weight_decay=0.2"])
-    backend = NativeBackend(cfg)
+    backend = _backend("float32", "train.grad_clip=null", "train.lr=0.05", "train.betas=[0.5,0.9]",
+                       "train.adam_eps=0.3", "train.weight_decay=0.2")
     params = backend.dense_params + backend.expert_params
     backend.model(torch.tensor([[1, 2, 3, 4, 5]])).float().square().mean().backward()
 
