@@ -415,6 +415,7 @@ def summarize(work: Path, device: str = "cuda") -> dict:
         "agent_api_response_len": {k: v.get("response_len_mean") for k, v in (ag.get("arms") or {}).items()} or None,
         "agent_api_cpus": _get(ag, "machine", "cpus"),
         "agent_api_warmup": ag.get("warmup"),
+        "agent_api_prep_steps": ag.get("prep_steps"),
         "agent_api_pairs_done": ag.get("pairs_done"),
         "pytest_gpu_passed": pt.get("passed"),
         "pytest_gpu_failed": (pt["failed"] + pt["errors"]) if pt else None,

@@ -3,15 +3,19 @@ configs/openai_agent.yaml` with the openai agent, and the same with the game as 
 environment (``guess_tools:GuessToolsEnv``), run in turn (A B A B ...) so that the machine's
 drift hits both alike. Run from the repository root:
 
-    python examples/openai_agent/bench.py --pairs 5 [--warmup 100 --steps 150] [--arm NAME=OVERRIDES ...]
+    python examples/openai_agent/bench.py --pairs 5 [--prep-steps 400 --warmup 20 --steps 100] [--arm NAME=OVERRIDES ...]
 
-Per run: samples/s = samples per step / the median of the step times (``wall_s`` between
-consecutive metrics.jsonl rows) over steps W..S, and the 1-minute load average before it. The
-window starts once the policy has learned the game (``--warmup`` W, 100 steps): before it the two
-paths do different work per sample (an untrained agent ends most games at its first call, the
-token-level game plays on), so early steps compare unequal loads. Each run's mean response
-length over the window (its tokens per sample, model turns and tool results) shows the work is
-the same. Prints every run, then per arm the median samples/s and the median of the
+Both paths play one policy, so that they do the same work: the bench first trains the example
+for ``--prep-steps`` (the agent path; data.seed 0, then 1 and 2 until the last 20 steps score
+above the blind level + 0.15, else it stops), and every run starts from that checkpoint's
+``hf/`` at a learning rate of 1e-9 (``train.lr`` must be positive): each step still trains,
+syncs the weights and plays, but the policy, and so the games and their lengths, stay as they
+were. Per run: samples/s = samples per step / the median of the step times (``wall_s`` between
+consecutive metrics.jsonl rows) over steps W..S (``--warmup`` W, ``--steps`` S), and the
+1-minute load average before it. Each run's mean response length over the window (its tokens
+per sample, model turns and tool results) is printed; a pair whose arm's length differs from
+the token-level run's by more than 5% compared unequal work, and the bench then exits 1 (after
+its figures). Prints every run, then per arm the median samples/s and the median of the
 pair-by-pair ratios to the token-level arm. ``--arm`` adds arms (e.g. ``workers0=env.agent_workers=0``,
 or ``raw=env.openai_agent=raw_agent:play``: the same agent without the openai SDK, to tell the SDK's
 CPU from the rest of the agent path); ``--cpu`` prints each process's CPU time per step (Linux /proc;
@@ -132,6 +136,24 @@ def run(overrides: list[str], steps: int, out: Path, cpu: bool, warmup: int) -> 
 
 
 BLIND = 1 / 3  # guess_tools: the best a policy that ignores the tool results earns
+LEARNED = BLIND + 0.15  # a mean reward above it: the policy reads the tool results
+FROZEN_LR = "1e-9"  # the measured runs' learning rate: AdamW's steps of ~lr leave the policy as it is
+SAME_WORK = 0.05  # the largest relative difference of response lengths within a pair
+
+
+def prepare(steps: int, out: Path) -> Path:
+    """Trains the example (agent path) for ``steps`` at data.seed 0, 1, 2 until its last 20 steps
+    score above LEARNED; the final checkpoint's ``hf/``."""
+    for seed in range(3):
+        cmd, proc, log = _start([f"data.seed={seed}"], steps, out)
+        if proc.wait():
+            raise SystemExit(f"{shlex.join(cmd)} failed:\n{log.read_text()[-3000:]}")
+        last = statistics.fmean(row["reward_mean"] for row in _metrics(out)[-20:])
+        print(f"prepared: {steps} steps at data.seed={seed}, last 20 steps' mean reward {last:.3f}", flush=True)
+        if last > LEARNED:
+            return out / "checkpoints" / f"step_{steps}" / "hf"
+    raise SystemExit(f"the example did not learn in {steps} steps at data.seed 0-2 (mean reward <= {LEARNED:.3f}); "
+                     "try --prep-steps with more")
 
 
 def learn(minutes: float, overrides: list[str], out: Path) -> int:
@@ -160,8 +182,9 @@ def learn(minutes: float, overrides: list[str], out: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--warmup", type=int, default=100, help="steps before the measured window (the policy learns)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=20, help="steps before the measured window")
+    ap.add_argument("--prep-steps", type=int, default=400, help="steps of the training that gives the runs their policy")
     ap.add_argument("--arm", action="append", default=[], help="NAME=OVERRIDE[ OVERRIDE...]: another agent arm")
     ap.add_argument("--learn", action="store_true", help="the learning check instead of the throughput pairs")
     ap.add_argument("--minutes", type=float, default=5.0)
@@ -178,22 +201,30 @@ def main() -> None:
     cpu: dict[str, list[dict]] = {k: [] for k in arms}
     lengths: dict[str, list[float]] = {k: [] for k in arms}
     loads = []
+    unequal = []
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as tmp:
+        policy = prepare(a.prep_steps, Path(tmp) / "prep")
+        frozen = [f"model.path={policy}", f"train.lr={FROZEN_LR}"]
         for i in range(a.pairs):
             for name, overrides in arms.items():
                 loads.append(os.getloadavg()[0])
-                rate, per, length = run(overrides, a.steps, Path(tmp) / name, a.cpu, a.warmup)
+                rate, per, length = run([*frozen, *overrides], a.steps, Path(tmp) / name, a.cpu, a.warmup)
                 rates[name].append(rate)
                 cpu[name].append(per)
                 lengths[name].append(length)
                 print(f"pair {i + 1} {name}: {rate:.1f} samples/s, response length {length:.1f} "
                       f"(load {loads[-1]:.1f})", flush=True)
+            base = lengths["token-level"][-1]
+            unequal += [f"pair {i + 1} {name}: {ls[-1]:.1f} against {base:.1f}" for name, ls in lengths.items()
+                        if abs(ls[-1] - base) > SAME_WORK * base]
             if a.json:  # after every pair: a run stopped by a time cap keeps the pairs it finished
                 a.json.write_text(json.dumps(figures(arms, rates, cpu, lengths, loads, a), indent=1) + "\n")
     for name, arm in figures(arms, rates, cpu, lengths, loads, a)["arms"].items():
         print(f"{name}: median {arm['median_samples_per_s']:.1f} samples/s "
               f"({', '.join(f'{x:.1f}' for x in arm['samples_per_s'])}); ratio to token-level median "
               f"{arm['ratio_median']:.2f} ({', '.join(f'{x:.2f}' for x in arm['ratios_to_token_level'])})")
+    if unequal:
+        raise SystemExit(f"unequal work (response lengths more than {SAME_WORK:.0%} apart): " + "; ".join(unequal))
 
 
 def figures(arms: dict, rates: dict, cpu: dict, lengths: dict, loads: list, a) -> dict:
@@ -202,7 +233,8 @@ def figures(arms: dict, rates: dict, cpu: dict, lengths: dict, loads: list, a) -
     base = rates["token-level"]
     done = len(base)
     result = {"machine": {"cpus": os.cpu_count(), "load_1min": [min(loads), max(loads)]},
-              "pairs": a.pairs, "pairs_done": done, "warmup": a.warmup, "steps": a.steps, "arms": {}}
+              "pairs": a.pairs, "pairs_done": done, "prep_steps": a.prep_steps, "warmup": a.warmup, "steps": a.steps,
+              "arms": {}}
     for name, r in rates.items():
         r = r[:done]
         ratios = [x / b for x, b in zip(r, base)]
