@@ -410,6 +410,13 @@ class EnvConfig(Strict):
                                       "env.max_concurrent_episodes is split among them. null = one per 8 CPU cores "
                                       "the trainer may run on, 1 to 4. 0 = in the rollout manager's thread (the "
                                       "agent's module state then lives in the trainer's process)")
+    agent_gateway: Literal["auto"] | bool = Field(
+        "auto", description="where env.openai_agent's chat calls are served: true = each agent worker's own OpenAI "
+        "gateway renders the chat template, parses tool calls and records the episodes, and the engines only "
+        "generate from token ids (/generate), so that work runs in the workers rather than in the engine's "
+        "process; false = the embedded engine's own endpoints; auto = true for engine.kind=sglang (which has no "
+        "episode endpoints), false for embedded. Needs a tokenizer (model.tokenizer_path or model.path) and "
+        "lora.sync=merged where LoRA is on. docs/environments.md, 'Agents'")
 
     _check = field_validator("factory", "openai_agent")(classmethod(lambda cls, v: _check_plugin_path(v)))
 
@@ -422,6 +429,10 @@ class EnvConfig(Strict):
         if cpus is None:
             cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, min(4, cpus // 8))
+
+    def uses_gateway(self, engine_kind: str) -> bool:
+        """Whether the agent workers serve the chat calls through their own gateway (env.agent_gateway)."""
+        return engine_kind == "sglang" if self.agent_gateway == "auto" else self.agent_gateway
 
 
 class LoggingConfig(Strict):
@@ -684,14 +695,20 @@ class ExperimentConfig(Strict):
         if self.env.openai_agent and self.env.factory:
             raise ValueError("env.openai_agent and env.factory: an episode is played either by an OpenAI-API agent or "
                              "by a token-level environment; set one of them")
-        if self.env.openai_agent and self.engine.kind == "sglang" and not (self.model.tokenizer_path or self.model.path
-                                                                           or self.engine.sglang_model_path):
-            raise ValueError("env.openai_agent with engine.kind=sglang: the agent workers render the chat template "
-                             "before SGLang (docs/environments.md); set model.tokenizer_path or model.path")
-        if self.env.openai_agent and self.engine.kind == "sglang" and self.lora.enabled and self.lora.sync == "adapter":
-            raise ValueError("env.openai_agent with engine.kind=sglang and lora.sync=adapter: SGLang serves each "
-                             "synced adapter under a new name, which the agent workers' gateways do not follow; "
-                             "use lora.sync=merged")
+        gateway = self.env.openai_agent and self.env.uses_gateway(self.engine.kind)
+        why = "engine.kind=sglang" if self.engine.kind == "sglang" else "env.agent_gateway=true"
+        if self.env.openai_agent and self.engine.kind == "sglang" and not gateway:
+            raise ValueError("env.openai_agent with engine.kind=sglang and env.agent_gateway=false: SGLang has no "
+                             "episode endpoints, so the agent workers' gateways serve the calls; set "
+                             "env.agent_gateway to auto or true")
+        if gateway and not (self.model.tokenizer_path or self.model.path or self.engine.sglang_model_path):
+            raise ValueError(f"env.openai_agent with {why}: the agent workers render the chat "
+                             "template before the engine (docs/environments.md); set model.tokenizer_path or "
+                             "model.path")
+        if gateway and self.lora.enabled and self.lora.sync == "adapter":
+            raise ValueError(f"env.openai_agent with {why} and lora.sync=adapter: the engine serves "
+                             "each synced adapter under a new name, which the agent workers' gateways do not "
+                             "follow; use lora.sync=merged")
         if self.reward.fn and self.env.openai_agent:
             raise ValueError("reward.fn and env.openai_agent: the agent returns the episode's reward; score inside "
                              "the agent (or drop env.openai_agent)")

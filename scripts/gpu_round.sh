@@ -226,11 +226,12 @@ stages() {
   st fp32_error       120    "$PY scripts/fp32_logprob_error.py --device $DEVICE > \$J"
   # the OpenAI-API agent path vs the token-level path (examples/openai_agent/bench.py), on the
   # machine's CPU cores (the configs' device, cpu): what the agent's own client costs when it has
-  # cores of its own (env.agent_workers as shipped: one per 8 cores, so 2 on 16; and one), every
+  # cores of its own (env.agent_workers as shipped: one per 8 cores, so 2 on 16), through the
+  # engine's own endpoints and through the workers' gateways (env.agent_gateway=true), every
   # run from one learned policy held still (the bench trains it first), so that both paths do the
   # same work per sample; steps 21-100. Where openai does not import, its wheels (.whl/agent) go to a folder of their own, on
   # this stage's path only, so that no other stage sees their versions of anyio, h11, idna.
-  st agent_api        420    "own_wheels openai agent && $PY examples/openai_agent/bench.py --pairs 3 --cpu --arm workers1=env.agent_workers=1 --json \$J"
+  st agent_api        420    "own_wheels openai agent && $PY examples/openai_agent/bench.py --pairs 3 --cpu --arm gateway=env.agent_gateway=true --json \$J"
 }
 # own_wheels MODULE DIR: where MODULE does not import, .whl/DIR's wheels go to /tmp/site_DIR, on the
 # calling stage's path alone (their versions of shared dependencies must not reach other stages)

@@ -17,6 +17,7 @@ per sample, model turns and tool results) is printed; a pair whose arm's length 
 the token-level run's by more than 5% compared unequal work, and the bench then exits 1 (after
 its figures). Prints every run, then per arm the median samples/s and the median of the
 pair-by-pair ratios to the token-level arm. ``--arm`` adds arms (e.g. ``workers0=env.agent_workers=0``,
+``gateway=env.agent_gateway=true``,
 or ``raw=env.openai_agent=raw_agent:play``: the same agent without the openai SDK, to tell the SDK's
 CPU from the rest of the agent path); ``--cpu`` prints each process's CPU time per step (Linux /proc;
 steps W to S-2) after every run; ``--json FILE`` writes the figures after every pair (the GPU round's ``agent_api``

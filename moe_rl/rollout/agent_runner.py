@@ -30,7 +30,7 @@ class AgentRunner:
         self.settings = PlayerSettings(
             env.openai_agent, dict(env.args), cfg.engine.api_key, cfg.engine.request_timeout_s, env.episode_timeout_s,
             math.ceil(env.max_concurrent_episodes / max(1, self.workers)),
-            GatewaySpec.from_config(cfg) if cfg.engine.kind == "sglang" else None)
+            GatewaySpec.from_config(cfg) if env.uses_gateway(cfg.engine.kind) else None)
         self.turn_tokens = env.max_new_tokens_per_turn or cfg.rollout.max_new_tokens
         self.max_tokens = env.max_episode_tokens or cfg.engine.max_context
         self.players = None  # AgentWorkers, or an AgentPlayer in this loop (env.agent_workers=0)

@@ -42,12 +42,15 @@ def _sglang(server) -> list[str]:
     return ["engine.kind=sglang", f"engine.urls=[{server.url}]"]
 
 
-@pytest.mark.parametrize("agent,workers", [("agent_chain", 0), ("agent_split", 1)])
-def test_agent_episodes_through_the_gateway_are_the_engines_tokens(server, agent, workers):
+@pytest.mark.parametrize("agent,workers,kind", [("agent_chain", 0, "sglang"), ("agent_split", 1, "sglang"),
+                                                ("agent_chain", 0, "embedded")])
+def test_agent_episodes_through_the_gateway_are_the_engines_tokens(server, agent, workers, kind):
     """Merged calls (one sequence) and a fresh conversation (another sample), played in the
-    trainer's loop and in a worker process: every trained token, log-prob and routing row is
-    what the engine sampled, and the calls went to the gateway, not to the engine."""
-    group, log, _ = A._run_group(server, agent, [*_sglang(server), f"env.agent_workers={workers}"])
+    trainer's loop and in a worker process, before SGLang and (env.agent_gateway=true) before
+    the embedded engine: every trained token, log-prob and routing row is what the engine
+    sampled, and the calls went to the gateway, not to the engine."""
+    where = _sglang(server) if kind == "sglang" else ["env.agent_gateway=true"]
+    group, log, _ = A._run_group(server, agent, [*where, f"env.agent_workers={workers}"])
     assert all(s.failed is None for s in group.samples)
     if agent == "agent_chain":
         assert len(group.samples) == 2
@@ -234,10 +237,21 @@ def test_an_unreachable_engine_fails_its_episodes_and_is_kept_off(kind):
     assert m.stats["engine_failures"] >= 1 and m.client.live_urls() == []
 
 
-def test_config_needs_a_tokenizer_for_agents_on_sglang():
+@pytest.mark.parametrize("kind,engine", [("sglang", ["engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]"]),
+                                         ("embedded", ["env.agent_gateway=true"])])
+def test_config_needs_a_tokenizer_for_agents_behind_a_gateway(kind, engine):
     with pytest.raises(ConfigError, match="set model.tokenizer_path or model.path"):
-        load_config(CONFIG, ["engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]", "model.tokenizer_path=null"])
+        load_config(CONFIG, [*engine, "model.tokenizer_path=null"])
     with pytest.raises(ConfigError, match="use lora.sync=merged"):
-        load_config(CONFIG, [*OVERRIDES, "engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]",
-                             "lora.enabled=true", "lora.sync=adapter"])
-    load_config(CONFIG, [*OVERRIDES, "engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]"])  # accepted
+        load_config(CONFIG, [*OVERRIDES, *engine, "lora.enabled=true", "lora.sync=adapter"])
+    assert load_config(CONFIG, [*OVERRIDES, *engine]).env.uses_gateway(kind)  # accepted, and behind a gateway
+
+
+def test_agent_gateway_auto_is_on_for_sglang_only_and_sglang_cannot_go_without():
+    sglang = ["engine.kind=sglang", "engine.urls=[http://127.0.0.1:1]"]
+    assert load_config(CONFIG, [*OVERRIDES, *sglang]).env.uses_gateway("sglang")
+    assert not load_config(CONFIG, OVERRIDES).env.uses_gateway("embedded")  # the engine's own endpoints
+    assert not load_config(CONFIG, [*OVERRIDES, "model.tokenizer_path=null", "env.agent_gateway=false"]).env.uses_gateway(
+        "embedded")  # no tokenizer needed where the engine serves the calls (it then refuses chat without one)
+    with pytest.raises(ConfigError, match="env.agent_gateway to auto or true"):
+        load_config(CONFIG, [*OVERRIDES, *sglang, "env.agent_gateway=false"])
