@@ -229,8 +229,9 @@ stages() {
   # cores of its own (env.agent_workers as shipped: one per 8 cores, so 2 on 16), through the
   # engine's own endpoints and through the workers' gateways (env.agent_gateway=true), every
   # run from one learned policy held still (the bench trains it first), so that both paths do the
-  # same work per sample; steps 21-100. Where openai does not import, its wheels (.whl/agent) go to a folder of their own, on
-  # this stage's path only, so that no other stage sees their versions of anyio, h11, idna.
+  # same work per sample; steps 21-100. Where openai does not import, its wheels (.whl/agent) go
+  # to a folder of their own, on this stage's path only, so that no other stage sees their
+  # versions of anyio, h11, idna.
   st agent_api        420    "own_wheels openai agent && $PY examples/openai_agent/bench.py --pairs 3 --cpu --arm gateway=env.agent_gateway=true --json \$J"
 }
 # own_wheels MODULE DIR: where MODULE does not import, .whl/DIR's wheels go to /tmp/site_DIR, on the

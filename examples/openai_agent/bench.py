@@ -145,6 +145,8 @@ SAME_WORK = 0.05  # the largest relative difference of response lengths within a
 def prepare(steps: int, out: Path) -> Path:
     """Trains the example (agent path) for ``steps`` at data.seed 0, 1, 2 until its last 20 steps
     score above LEARNED; the final checkpoint's ``hf/``."""
+    from moe_rl.rundir import resolve_model_dir
+
     for seed in range(3):
         cmd, proc, log = _start([f"data.seed={seed}"], steps, out)
         if proc.wait():
@@ -152,7 +154,7 @@ def prepare(steps: int, out: Path) -> Path:
         last = statistics.fmean(row["reward_mean"] for row in _metrics(out)[-20:])
         print(f"prepared: {steps} steps at data.seed={seed}, last 20 steps' mean reward {last:.3f}", flush=True)
         if last > LEARNED:
-            return out / "checkpoints" / f"step_{steps}" / "hf"
+            return resolve_model_dir(out)  # its latest checkpoint: the final one
     raise SystemExit(f"the example did not learn in {steps} steps at data.seed 0-2 (mean reward <= {LEARNED:.3f}); "
                      "try --prep-steps with more")
 
