@@ -53,9 +53,17 @@ def _check_groups(rank, world):
             time.sleep(2)
         dist.barrier(group=g.trainer_wait)
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="[Tt]imed out"):
+        with pytest.raises(RuntimeError) as failed:
             dist.barrier()  # the engine rank never comes
         assert time.monotonic() - t0 < 2 * cfg.dist.timeout_s + 1
+        # gloo closes a pair when its wait times out, so a trainer that a loaded machine let in
+        # late hears of its peers' timeouts as a closed connection; at least one times out itself
+        message = str(failed.value)
+        timed_out = "imed out" in message
+        assert timed_out or "Connection closed by peer" in message, message
+        seen = [torch.zeros(1) for _ in range(4)]
+        dist.all_gather(seen, torch.tensor([float(timed_out)]), group=g.trainer_wait)
+        assert any(s.item() for s in seen)
     else:  # stays up (its exit would close the trainers' connections) until they have timed out:
         time.sleep(2 + 2 * cfg.dist.timeout_s + 3)  # rank 3's lateness, their bound, a loaded machine's margin
 
